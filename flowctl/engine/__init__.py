@@ -1,0 +1,1 @@
+"""The dataflow engine: graph IR, ops, autodiff, passes, sessions and executors."""

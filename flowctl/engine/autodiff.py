@@ -1,0 +1,120 @@
+"""Automatic differentiation (whitepaper §4.1): extend the graph with gradient nodes.
+
+Walking backwards from the ys, each op's registered gradient function receives the gradients of its
+outputs and returns those of its inputs. Where an output is used several times the contributions are
+summed with one AddN; an unused output of a multi-output op contributes a zero gradient.
+Gradient nodes are named under `gradients/<forward node>` and remember the forward node they follow,
+which the placer uses to keep them on the same device.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from flowctl.engine.dtypes import is_float
+from flowctl.engine.errors import GraphError
+from flowctl.engine.graph import Graph, Node, Tensor, parse_ref
+
+
+class OpView:
+    """What a gradient function sees of the forward node."""
+
+    def __init__(self, graph: Graph, node: Node) -> None:
+        self.graph = graph
+        self.node = node
+        self.name = node.name
+        self.attrs = node.attrs
+        self.inputs = [Tensor(graph, *parse_ref(r)) for r in node.inputs]
+        self.outputs = [Tensor(graph, node.name, i) for i in range(len(node.outputs))]
+
+
+def _between(graph: Graph, ys: Sequence[Tensor], xs: Sequence[Tensor]) -> set[str]:
+    """Nodes on some path from an x to a y."""
+    users = graph.consumers()
+    fwd: set[str] = set()
+    stack = [x.node for x in xs]
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(users[n])
+    back: set[str] = set()
+    stack = [y.node for y in ys]
+    while stack:
+        n = stack.pop()
+        if n in back or n not in fwd:
+            continue
+        back.add(n)
+        stack.extend(parse_ref(r)[0] for r in graph.nodes[n].inputs)
+    return back
+
+
+def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
+              grad_ys: Sequence[Any] | None = None, name: str = "gradients") -> list[Tensor | None]:
+    """d(sum of ys)/d(each x). A y's gradient defaults to ones; an x no y depends on gets None."""
+    from flowctl.engine.ops import elementwise as ew
+
+    ys = [ys] if isinstance(ys, Tensor) else list(ys)
+    xs = [xs] if isinstance(xs, Tensor) else list(xs)
+    if not ys:
+        raise GraphError("gradients: no ys given")
+    graph = ys[0].graph
+    relevant = _between(graph, ys, xs)
+    contribs: dict[str, list[Tensor]] = {}
+
+    with graph.as_default(), graph.name_scope(name):
+        for i, y in enumerate(ys):
+            gy = grad_ys[i] if grad_ys is not None and grad_ys[i] is not None else None
+            if gy is None:
+                with graph.following(y.node):
+                    gy = ew.ones_like(y, name=f"{y.node}_seed")
+            contribs.setdefault(y.name, []).append(gy)
+
+        for name_ in reversed(graph.topo_order(relevant)):
+            node = graph.nodes[name_]
+            out_refs = [f"{name_}:{p}" for p in range(len(node.outputs))]
+            if not any(r in contribs for r in out_refs):
+                continue
+            opdef = node.opdef
+            if not opdef.differentiable or not node.inputs:
+                continue
+            if opdef.grad is None:
+                raise GraphError(f"no gradient registered for op {node.op} (node '{name_}'), which lies "
+                                 f"between the ys and the xs")
+            view = OpView(graph, node)
+            with graph.name_scope(name_), graph.following(name_), graph.device(node.device):
+                out_grads: list[Tensor | None] = []
+                for p, ref in enumerate(out_refs):
+                    parts = contribs.get(ref)
+                    if not parts:
+                        out_grads.append(None)
+                    elif len(parts) == 1:
+                        out_grads.append(parts[0])
+                    else:
+                        out_grads.append(ew.add_n(parts, name="sum_fanout"))
+                if len(out_grads) > 1 and any(g is None for g in out_grads):
+                    out_grads = [g if g is not None else ew.zeros_like(view.outputs[p], name=f"zero_grad_{p}")
+                                 for p, g in enumerate(out_grads)]
+                in_grads = list(opdef.grad(view, out_grads))
+            if len(in_grads) != len(node.inputs):
+                raise GraphError(f"gradient of {node.op} returned {len(in_grads)} values for "
+                                 f"{len(node.inputs)} inputs (node '{name_}')")
+            for ref, g in zip(node.inputs, in_grads):
+                if g is None:
+                    continue
+                src, port = parse_ref(ref)
+                if src not in relevant or not is_float(graph.nodes[src].outputs[port].dtype):
+                    continue
+                contribs.setdefault(f"{src}:{port}", []).append(g)
+
+        result: list[Tensor | None] = []
+        for x in xs:
+            parts = contribs.get(x.name)
+            if not parts:
+                result.append(None)
+            elif len(parts) == 1:
+                result.append(parts[0])
+            else:
+                with graph.name_scope(x.node), graph.following(x.node):
+                    result.append(ew.add_n(parts, name="sum_fanout"))
+    return result

@@ -1,0 +1,46 @@
+"""Dtype names as they appear in graphs and GraphDef JSON, mapped to numpy dtypes."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from flowctl.engine.errors import GraphError
+
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype("float16"),
+    "float32": np.dtype("float32"),
+    "float64": np.dtype("float64"),
+    "int8": np.dtype("int8"),
+    "int32": np.dtype("int32"),
+    "int64": np.dtype("int64"),
+    "uint8": np.dtype("uint8"),
+    "bool": np.dtype("bool"),
+}
+FLOATS = frozenset({"float16", "float32", "float64"})
+INTS = frozenset({"int8", "int32", "int64", "uint8"})
+
+
+def as_dtype(d: Any) -> str:
+    """Canonical dtype name for a name, numpy dtype or Python type."""
+    if isinstance(d, str) and d in DTYPES:
+        return d
+    try:
+        name = np.dtype(d).name
+    except TypeError as e:
+        raise GraphError(f"unknown dtype {d!r}; known: {', '.join(DTYPES)}") from e
+    if name not in DTYPES:
+        raise GraphError(f"unsupported dtype {name!r}; known: {', '.join(DTYPES)}")
+    return name
+
+
+def np_dtype(name: str) -> np.dtype:
+    return DTYPES[name]
+
+
+def itemsize(name: str) -> int:
+    return DTYPES[name].itemsize
+
+
+def is_float(name: str) -> bool:
+    return name in FLOATS

@@ -1,0 +1,43 @@
+"""The error hierarchy every stage raises; the CLI maps each to one message and an exit code."""
+from __future__ import annotations
+
+
+class FlowctlError(Exception):
+    """Base of every error a user can act on. The CLI prints `str(err)` and exits with `exit_code`."""
+
+    exit_code = 1
+
+
+class SpecError(FlowctlError):
+    exit_code = 2
+
+
+class GraphError(FlowctlError):
+    """A malformed graph: names the node(s) involved, with shapes where they disagree."""
+
+    exit_code = 3
+
+
+class PlacementError(FlowctlError):
+    exit_code = 4
+
+
+class ExecutionError(FlowctlError):
+    """A kernel failed: names the node, its op and its device."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, node: str | None = None, op: str | None = None,
+                 device: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.op = op
+        self.device = device
+
+
+class NonFiniteError(ExecutionError):
+    """CheckNumerics (§6 lesson 5): the first node whose output holds a NaN or Inf."""
+
+
+class CheckpointError(FlowctlError):
+    exit_code = 6

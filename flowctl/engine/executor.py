@@ -1,0 +1,299 @@
+"""Plans and executors (whitepaper §3.1, §4.2).
+
+A `Plan` is compiled once per (fetches, feeds, targets) signature: the graph is pruned to the nodes
+the fetches need, every kernel is bound with its attributes and resources, every tensor gets a value
+slot, and each slot's last use is known so its buffer is dropped the moment no consumer remains
+(the paper's reference counting). A step then does no graph work.
+
+Two ways to run a plan:
+- `run`: the plan's order compiled into straight-line Python (`v3 = k3(v1, v2); del v1`), which
+  costs about one Python call per node. Used for partitions with no asynchronous kernels.
+- `run_dataflow`: the §3.1 executor proper: a pending count per node and a ready queue, values
+  released by reference count. Asynchronous kernels (Recv, queues) need this one.
+Both keep the same accounting: bytes of live tensors and their peak, and which nodes ran.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Callable, Sequence
+
+from flowctl.engine.dtypes import is_float
+from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
+from flowctl.engine.graph import Graph, Node, parse_ref
+from flowctl.engine.ops.registry import SOURCE
+from flowctl.kernels.registry import bind
+
+_plan_ids = itertools.count()
+
+
+@dataclass
+class RunStats:
+    """What one step did, from the executor's own accounting."""
+
+    nodes_run: list[str] = field(default_factory=list)
+    peak_bytes: int = 0  # peak bytes of live tensors produced in the step (views count in full)
+
+
+def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
+    """§4.2 partial execution: the nodes that must run to produce `roots`, given the fed tensors.
+    A node whose every consumed output is fed does not run."""
+    need: set[str] = set()
+    stack = list(roots)
+    while stack:
+        name = stack.pop()
+        if name in need:
+            continue
+        need.add(name)
+        node = graph.nodes[name]
+        skip = node.opdef.ref_inputs
+        for i, ref in enumerate(node.inputs):
+            if ref not in fed and i not in skip:
+                stack.append(parse_ref(ref)[0])
+        stack.extend(node.control_inputs)
+    return need
+
+
+def _nbytes(x: Any) -> int:
+    return int(getattr(x, "nbytes", 0))
+
+
+class Plan:
+    def __init__(self, graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str],
+                 device: str, resources: Callable[[Node], Any]) -> None:
+        self.graph = graph
+        self.device = device
+        self.device_type = device.rsplit("device:", 1)[-1].split(":")[0]
+        self.fetches = list(fetches)
+        self.feeds = list(feeds)
+        for ref in self.fetches + self.feeds:
+            graph.tensor(ref)  # raises with a did-you-mean on an unknown name
+        roots = [parse_ref(r)[0] for r in self.fetches if r not in set(self.feeds)] + list(targets)
+        self.order = graph.topo_order(needed_nodes(graph, roots, set(self.feeds)))
+        self.nodes = [graph.nodes[n] for n in self.order]
+        self.kernels = [self._bind(n, resources) for n in self.nodes]
+
+        # Value slots: feeds first, then every node output.
+        slot: dict[str, int] = {}
+        for ref in self.feeds:
+            slot[ref] = len(slot)
+        self.out_slots: list[list[int]] = []
+        for n in self.nodes:
+            outs = []
+            for p in range(len(n.outputs)):
+                ref = f"{n.name}:{p}"
+                if ref not in slot:
+                    slot[ref] = len(slot)
+                outs.append(slot[ref])
+            self.out_slots.append(outs)
+        self.in_slots = [[slot[r] for i, r in enumerate(n.inputs) if i not in n.opdef.ref_inputs]
+                         for n in self.nodes]
+        self.fetch_slots = [slot[r] for r in self.fetches]
+        self.num_slots = len(slot)
+        self.float_out = [[is_float(s.dtype) for s in n.outputs] for n in self.nodes]
+        # Accounting counts what the step produces; constants belong to the plan, feeds to the caller.
+        self.counted = {s for n, outs in zip(self.nodes, self.out_slots) if n.opdef.group != SOURCE
+                        for s in outs}
+
+        # Last use of each slot (fetched and fed slots are never released by the step).
+        keep = set(self.fetch_slots) | set(range(len(self.feeds)))
+        self.last_use: dict[int, int] = {}
+        for i, ins in enumerate(self.in_slots):
+            for s in ins:
+                self.last_use[s] = i
+        self.release_after: list[list[int]] = [[] for _ in self.nodes]
+        for i, outs in enumerate(self.out_slots):
+            for s in outs:
+                if s not in keep and s not in self.last_use:
+                    self.release_after[i].append(s)  # produced but never read: drop at once
+        for s, i in self.last_use.items():
+            if s not in keep:
+                self.release_after[i].append(s)
+
+        # Dataflow structure: successors and pending counts over data and control edges.
+        index = {n: i for i, n in enumerate(self.order)}
+        self.succ: list[list[int]] = [[] for _ in self.nodes]
+        self.pending0 = [0] * len(self.nodes)
+        fed = set(self.feeds)
+        for i, n in enumerate(self.nodes):
+            preds = {index[parse_ref(r)[0]] for i, r in enumerate(n.inputs)
+                     if r not in fed and i not in n.opdef.ref_inputs}
+            preds |= {index[c] for c in n.control_inputs}
+            self.pending0[i] = len(preds)
+            for p in preds:
+                self.succ[p].append(i)
+        self.slot_uses = [0] * self.num_slots
+        for ins in self.in_slots:
+            for s in ins:
+                self.slot_uses[s] += 1
+
+        self._compiled: dict[tuple[bool, bool], tuple[Callable[..., Any], str, list[int]]] = {}
+
+    def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
+        attrs = dict(node.attrs)
+        attrs["_node"] = node.name
+        if node.opdef.resource:
+            attrs["_resource"] = resources(node)
+        try:
+            return bind(node.op, self.device_type, attrs)
+        except KeyError:
+            raise GraphError(f"node '{node.name}' ({node.op}) has no kernel for device {self.device}") from None
+
+    # ------------------------------------------------------------------ straight-line execution
+    def _compile(self, stats: bool, check: bool) -> tuple[Callable[..., Any], str, list[int]]:
+        key = (stats, check)
+        if key in self._compiled:
+            return self._compiled[key]
+        filename = f"<flowctl plan {next(_plan_ids)}>"
+        lines: list[str] = ["def step(F, K, _nb, _chk, _ran):"]
+        owner: list[int] = [-1]
+
+        def emit(text: str, node: int) -> None:
+            lines.append("    " + text)
+            owner.append(node)
+
+        if self.feeds:
+            emit(", ".join(f"v{i}" for i in range(len(self.feeds))) + ", = F", -1)
+        if self.nodes:
+            emit(", ".join(f"k{i}" for i in range(len(self.nodes))) + ", = K", -1)
+        if stats:
+            emit("_live = 0; _peak = 0", -1)
+        for i, node in enumerate(self.nodes):
+            args = ", ".join(f"v{s}" for s in self.in_slots[i])
+            outs = self.out_slots[i]
+            call = f"k{i}({args})"
+            if not outs:
+                emit(call, i)
+            elif len(outs) == 1:
+                emit(f"v{outs[0]} = {call}", i)
+            else:
+                emit(", ".join(f"v{s}" for s in outs) + f" = {call}", i)
+            if stats:
+                emit(f"_ran({i})", i)
+                if outs and node.opdef.group != SOURCE:
+                    emit("_live += " + " + ".join(f"_nb(v{s})" for s in outs), i)
+                    emit("if _live > _peak: _peak = _live", i)
+            if check:
+                for s, f in zip(outs, self.float_out[i]):
+                    if f:
+                        emit(f"_chk(v{s})", i)
+            rel = self.release_after[i]
+            if rel:
+                if stats:
+                    counted = [s for s in rel if s in self.counted]
+                    if counted:
+                        emit("_live -= " + " + ".join(f"_nb(v{s})" for s in counted), i)
+                emit("del " + ", ".join(f"v{s}" for s in rel), i)
+        ret = "(" + "".join(f"v{s}, " for s in self.fetch_slots) + ")"
+        emit(f"return {ret}, {'_peak' if stats else 0}", -1)
+        src = "\n".join(lines) + "\n"
+        namespace: dict[str, Any] = {}
+        exec(compile(src, filename, "exec"), namespace)
+        result = (namespace["step"], filename, owner)
+        self._compiled[key] = result
+        return result
+
+    def run(self, feeds: Sequence[Any], stats: RunStats | None = None, check_numerics: bool = False) -> list[Any]:
+        fn, filename, owner = self._compile(stats is not None, check_numerics)
+        ran: list[int] = []
+        try:
+            out, peak = fn(feeds, self.kernels, _nbytes, _check_finite, ran.append)
+        except Exception as e:  # noqa: BLE001 -- every kernel failure is reported with its node
+            raise self._error(e, self._failing(e.__traceback__, filename, owner)) from e
+        if stats is not None:
+            stats.nodes_run = [self.order[i] for i in ran]
+            stats.peak_bytes = int(peak)
+        return list(out)
+
+    def _failing(self, tb: TracebackType | None, filename: str, owner: list[int]) -> int:
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == filename:
+                return owner[tb.tb_lineno - 1]
+            tb = tb.tb_next
+        return -1
+
+    def _error(self, e: BaseException, i: int) -> ExecutionError:
+        if isinstance(e, ExecutionError):
+            return e
+        if i < 0:
+            return ExecutionError(f"step failed on {self.device}: {type(e).__name__}: {e}", device=self.device)
+        node = self.nodes[i]
+        where = f" (made by {node.source})" if node.source else ""
+        cls = NonFiniteError if isinstance(e, FloatingPointError) else ExecutionError
+        detail = str(e) if isinstance(e, (FloatingPointError, ValueError)) else f"{type(e).__name__}: {e}"
+        return cls(f"node '{node.name}' ({node.op}) on {self.device}{where}: {detail}",
+                   node=node.name, op=node.op, device=self.device)
+
+    # ------------------------------------------------------------------ §3.1 dataflow execution
+    def run_dataflow(self, feeds: Sequence[Any], stats: RunStats | None = None,
+                     check_numerics: bool = False) -> list[Any]:
+        values: list[Any] = [None] * self.num_slots
+        for i, v in enumerate(feeds):
+            values[i] = v
+        uses = list(self.slot_uses)
+        pending = list(self.pending0)
+        ready = deque(i for i, p in enumerate(pending) if p == 0)
+        keep = set(self.fetch_slots) | set(range(len(self.feeds)))
+        live = peak = 0
+        ran: list[str] = []
+        while ready:
+            i = ready.popleft()
+            node = self.nodes[i]
+            try:
+                out = self.kernels[i](*[values[s] for s in self.in_slots[i]])
+                outs = self.out_slots[i]
+                if len(outs) == 1:
+                    out = (out,)
+                for s, v, f in zip(outs, out or (), self.float_out[i]):
+                    values[s] = v
+                    if check_numerics and f:
+                        _check_finite(v)
+            except Exception as e:  # noqa: BLE001
+                raise self._error(e, i) from e
+            ran.append(node.name)
+            if node.opdef.group != SOURCE:
+                live += sum(_nbytes(values[s]) for s in outs)
+                peak = max(peak, live)
+            for s in outs:
+                if uses[s] == 0 and s not in keep:
+                    live -= _nbytes(values[s]) if s in self.counted else 0
+                    values[s] = None
+            for s in self.in_slots[i]:
+                uses[s] -= 1
+                if uses[s] == 0 and s not in keep:
+                    if s in self.counted:
+                        live -= _nbytes(values[s])
+                    values[s] = None  # §3.1: the buffer goes the moment its last consumer ran
+            for c in self.succ[i]:
+                pending[c] -= 1
+                if pending[c] == 0:
+                    ready.append(c)
+        if len(ran) != len(self.nodes):
+            raise ExecutionError(f"step on {self.device} stopped with {len(self.nodes) - len(ran)} node(s) "
+                                 f"never ready", device=self.device)
+        if stats is not None:
+            stats.nodes_run = ran
+            stats.peak_bytes = peak
+        return [values[s] for s in self.fetch_slots]
+
+
+def _check_finite(x: Any) -> None:
+    xp = _module_of(x)
+    if xp is not None and not bool(xp.isfinite(x).all()):
+        n_nan = int(xp.isnan(x).sum())
+        n_inf = int(xp.isinf(x).sum())
+        raise FloatingPointError(f"non-finite output: {n_nan} NaN and {n_inf} Inf of {x.size} values")
+
+
+def _module_of(x: Any) -> Any:
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        return np if x.dtype.kind == "f" else None
+    if type(x).__module__.startswith("cupy"):
+        import cupy  # type: ignore[import-not-found]
+
+        return cupy if x.dtype.kind == "f" else None
+    return None

@@ -1,0 +1,11 @@
+"""The op library. Importing this package registers every op (OpDef) in the registry."""
+from flowctl.engine.ops import (  # noqa: F401
+    array,
+    control,
+    elementwise,
+    matrix,
+    nn,
+    random,
+    reduction,
+    state,
+)

@@ -1,0 +1,2 @@
+"""array ops."""
+from __future__ import annotations

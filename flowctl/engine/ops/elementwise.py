@@ -1,0 +1,221 @@
+"""Element-wise ops (whitepaper Table 1): arithmetic with numpy broadcasting, comparisons, Select,
+Cast, AddN, the activation functions, and the fused gradient ops they use."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from flowctl.engine.dtypes import as_dtype, is_float
+from flowctl.engine.graph import Tensor
+from flowctl.engine.ops.api import graph_of, make1
+from flowctl.engine.ops.registry import ELEMENTWISE, movement_cost, register_op
+from flowctl.engine.shapes import InferError, TensorSpec, broadcast, dims_equal
+
+UNARY = ("Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Relu", "Sigmoid", "Tanh", "Abs", "Sign")
+BINARY = ("Add", "Sub", "Mul", "Div", "Pow", "Maximum", "Minimum")
+COMPARE = ("Greater", "Less", "Equal", "GreaterEqual", "LessEqual")
+
+
+def _same_dtype(ins: list[TensorSpec]) -> str:
+    dts = {s.dtype for s in ins}
+    if len(dts) != 1:
+        raise InferError(f"dtypes differ: {', '.join(s.dtype for s in ins)} (insert a Cast)")
+    return ins[0].dtype
+
+
+def _unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [ins[0]]
+
+
+def _float_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if not is_float(ins[0].dtype):
+        raise InferError(f"needs a float input, got {ins[0].dtype}")
+    return [ins[0]]
+
+
+def _binary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
+
+
+def _compare_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    _same_dtype(ins)
+    return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), "bool")]
+
+
+def _select_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if ins[0].dtype != "bool":
+        raise InferError(f"Select's condition must be bool, got {ins[0].dtype}")
+    dt = _same_dtype(ins[1:])
+    return [TensorSpec(broadcast(ins[0].shape, ins[1].shape, ins[2].shape), dt)]
+
+
+def _addn_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    dt = _same_dtype(ins)
+    shape = ins[0].shape
+    for s in ins[1:]:
+        if len(s.shape) != len(shape) or not all(dims_equal(a, b) for a, b in zip(s.shape, shape)):
+            raise InferError(f"AddN inputs must share a shape: {', '.join(str(i.shape) for i in ins)}")
+        shape = tuple(a if a is not None else b for a, b in zip(shape, s.shape))
+    return [TensorSpec(shape, dt)]
+
+
+def _cast_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [TensorSpec(ins[0].shape, attrs["dtype"])]
+
+
+def _reduce_to_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [TensorSpec(ins[1].shape, ins[0].dtype)]
+
+
+def _grad_pair_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
+
+
+# ---------------------------------------------------------------------------- gradient functions
+def _reduce(g: Tensor, like: Tensor) -> Tensor:
+    """Sum a broadcast gradient back to the shape of the operand it flows to."""
+    if g.shape == like.shape and None not in g.shape:
+        return g
+    return make1("ReduceTo", [g, like], name="reduce_to")
+
+
+def _g_add(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    return [_reduce(dy[0], x), _reduce(dy[0], y)]
+
+
+def _g_sub(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    return [_reduce(dy[0], x), _reduce(neg(dy[0]), y)]
+
+
+def _g_mul(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    return [_reduce(dy[0] * y, x), _reduce(dy[0] * x, y)]
+
+
+def _g_div(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    z = op.outputs[0]
+    gx = dy[0] / y
+    return [_reduce(gx, x), _reduce(neg(gx * z), y)]
+
+
+def _g_pow(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    z = op.outputs[0]
+    gx = dy[0] * y * pow_(x, y - 1.0)
+    # d/dy x^y = x^y log x, defined as 0 where x <= 0 (as TensorFlow does)
+    safe_log = select(greater(x, zeros_like(x)), log(x), zeros_like(x))
+    return [_reduce(gx, x), _reduce(dy[0] * z * safe_log, y)]
+
+
+def _g_maximum(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    zero = zeros_like(dy[0])
+    x_wins = make1("GreaterEqual", [x, y])
+    return [_reduce(select(x_wins, dy[0], zero), x), _reduce(select(x_wins, zero, dy[0]), y)]
+
+
+def _g_minimum(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, y = op.inputs
+    zero = zeros_like(dy[0])
+    x_wins = make1("LessEqual", [x, y])
+    return [_reduce(select(x_wins, dy[0], zero), x), _reduce(select(x_wins, zero, dy[0]), y)]
+
+
+def _g_select(op: Any, dy: list[Tensor]) -> list[Tensor | None]:
+    c, a, b = op.inputs
+    zero = zeros_like(dy[0])
+    return [None, _reduce(select(c, dy[0], zero), a), _reduce(select(c, zero, dy[0]), b)]
+
+
+def _g_cast(op: Any, dy: list[Tensor]) -> list[Tensor | None]:
+    x = op.inputs[0]
+    if is_float(x.dtype) and is_float(op.outputs[0].dtype):
+        return [cast(dy[0], x.dtype)]
+    return [None]
+
+
+_UNARY_GRADS = {
+    "Neg": lambda op, dy: [neg(dy[0])],
+    "Exp": lambda op, dy: [dy[0] * op.outputs[0]],
+    "Log": lambda op, dy: [dy[0] / op.inputs[0]],
+    "Sqrt": lambda op, dy: [dy[0] * 0.5 / op.outputs[0]],
+    "Rsqrt": lambda op, dy: [dy[0] * -0.5 * op.outputs[0] * op.outputs[0] * op.outputs[0]],
+    "Square": lambda op, dy: [dy[0] * 2.0 * op.inputs[0]],
+    "Relu": lambda op, dy: [make1("ReluGrad", [dy[0], op.outputs[0]])],
+    "Sigmoid": lambda op, dy: [make1("SigmoidGrad", [dy[0], op.outputs[0]])],
+    "Tanh": lambda op, dy: [make1("TanhGrad", [dy[0], op.outputs[0]])],
+    "Abs": lambda op, dy: [dy[0] * sign(op.inputs[0])],
+    "Sign": lambda op, dy: [zeros_like(op.inputs[0])],
+}
+
+for _name in UNARY:
+    register_op(_name, _float_unary_infer if _name not in ("Neg", "Abs", "Sign", "Square") else _unary_infer,
+                num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name])
+
+for _name, _g in zip(BINARY, (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum)):
+    register_op(_name, _binary_infer, num_inputs=2, group=ELEMENTWISE, grad=_g)
+
+for _name in COMPARE:
+    register_op(_name, _compare_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
+
+for _name in ("ReluGrad", "SigmoidGrad", "TanhGrad"):
+    register_op(_name, _grad_pair_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
+
+register_op("Select", _select_infer, num_inputs=3, group=ELEMENTWISE, grad=_g_select)
+register_op("Cast", _cast_infer, num_inputs=1, attrs={"dtype": ("dtype", "float32")}, group=ELEMENTWISE,
+            grad=_g_cast)
+register_op("AddN", _addn_infer, min_inputs=1, group=ELEMENTWISE,
+            grad=lambda op, dy: [dy[0]] * len(op.inputs))
+register_op("ZerosLike", _unary_infer, num_inputs=1, group=ELEMENTWISE, cost=movement_cost,
+            differentiable=False)
+register_op("OnesLike", _unary_infer, num_inputs=1, group=ELEMENTWISE, cost=movement_cost,
+            differentiable=False)
+# ReduceTo(x, like): x summed over the axes along which it was broadcast to reach like's shape.
+register_op("ReduceTo", _reduce_to_infer, num_inputs=2, group=ELEMENTWISE,
+            grad=lambda op, dy: [make1("BroadcastLike", [dy[0], op.inputs[0]]), None])
+register_op("BroadcastLike", lambda ins, a: [TensorSpec(ins[1].shape, ins[0].dtype)], num_inputs=2,
+            group=ELEMENTWISE, grad=lambda op, dy: [_reduce(dy[0], op.inputs[0]), None])
+
+
+# ---------------------------------------------------------------------------- Python API
+def add(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Add", [x, y], name=name)
+def sub(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Sub", [x, y], name=name)
+def mul(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Mul", [x, y], name=name)
+def div(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Div", [x, y], name=name)
+def pow_(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Pow", [x, y], name=name)
+def maximum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Maximum", [x, y], name=name)
+def minimum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Minimum", [x, y], name=name)
+def greater(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Greater", [x, y], name=name)
+def less(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Less", [x, y], name=name)
+def equal(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Equal", [x, y], name=name)
+def neg(x: Any, name: str | None = None) -> Tensor: return make1("Neg", [x], name=name)
+def exp(x: Any, name: str | None = None) -> Tensor: return make1("Exp", [x], name=name)
+def log(x: Any, name: str | None = None) -> Tensor: return make1("Log", [x], name=name)
+def sqrt(x: Any, name: str | None = None) -> Tensor: return make1("Sqrt", [x], name=name)
+def rsqrt(x: Any, name: str | None = None) -> Tensor: return make1("Rsqrt", [x], name=name)
+def square(x: Any, name: str | None = None) -> Tensor: return make1("Square", [x], name=name)
+def relu(x: Any, name: str | None = None) -> Tensor: return make1("Relu", [x], name=name)
+def sigmoid(x: Any, name: str | None = None) -> Tensor: return make1("Sigmoid", [x], name=name)
+def tanh(x: Any, name: str | None = None) -> Tensor: return make1("Tanh", [x], name=name)
+def abs_(x: Any, name: str | None = None) -> Tensor: return make1("Abs", [x], name=name)
+def sign(x: Any, name: str | None = None) -> Tensor: return make1("Sign", [x], name=name)
+def zeros_like(x: Any, name: str | None = None) -> Tensor: return make1("ZerosLike", [x], name=name)
+def ones_like(x: Any, name: str | None = None) -> Tensor: return make1("OnesLike", [x], name=name)
+
+
+def select(cond: Any, a: Any, b: Any, name: str | None = None) -> Tensor:
+    dtype = next((t.dtype for t in (a, b) if isinstance(t, Tensor)), None)
+    from flowctl.engine.ops.api import convert
+
+    g = graph_of(cond, a, b)
+    return make1("Select", [cond, convert(a, g, dtype), convert(b, g, dtype)], name=name)
+
+
+def cast(x: Any, dtype: Any, name: str | None = None) -> Tensor:
+    return make1("Cast", [x], {"dtype": as_dtype(dtype)}, name=name)
+
+
+def add_n(xs: Sequence[Any], name: str | None = None) -> Tensor:
+    return make1("AddN", list(xs), name=name)

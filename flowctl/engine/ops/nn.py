@@ -1,0 +1,2 @@
+"""nn ops."""
+from __future__ import annotations

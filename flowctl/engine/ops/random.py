@@ -1,0 +1,2 @@
+"""random ops."""
+from __future__ import annotations

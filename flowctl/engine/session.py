@@ -1,0 +1,205 @@
+"""Sessions (whitepaper §2 "Sessions", §4.2): Extend the graph, then Run with fetches and feeds.
+
+Any `node:port` can be fed or fetched. A run prunes to what its fetches need, and the compiled plan
+is cached per (fetches, feeds, targets) signature, so repeated steps do no graph work.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from flowctl.engine.container import ContainerStore, RngState, derive_seed, process_store
+from flowctl.engine.devices import CPU0, canonical, device_matches
+from flowctl.engine.dtypes import np_dtype
+from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
+from flowctl.engine.executor import Plan, RunStats
+from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
+from flowctl.kernels.backend import array_module, to_host
+
+
+class Session:
+    def __init__(self, graph: Graph, device: str = CPU0, store: ContainerStore | None = None,
+                 check_numerics: bool = False, optimize: bool = False, executor: str = "auto") -> None:
+        """`store`: where Variables live; the process-wide store by default (§4.7), so sessions on
+        the same store share state. `check_numerics`: stop at the first node producing NaN/Inf.
+        `optimize`: run CSE and constant folding on each plan's graph. `executor`: "compiled"
+        (straight-line), "dataflow" (§3.1 ready queue) or "auto"."""
+        if executor not in ("auto", "compiled", "dataflow"):
+            raise ValueError(f"executor must be auto, compiled or dataflow, not {executor!r}")
+        self.graph = graph
+        self.device = canonical(device)
+        self.device_type = self.device.rsplit("device:", 1)[1].split(":")[0]
+        self.xp = array_module(self.device_type)
+        self.store = store if store is not None else process_store()
+        self.check_numerics = check_numerics
+        self.optimize = optimize
+        self.executor = executor
+        self.rng: dict[str, RngState] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+
+    # ------------------------------------------------------------------ Extend
+    def extend(self, other: Graph | str | Mapping[str, Any]) -> None:
+        """Add the nodes of another graph (or GraphDef JSON) that this session's graph lacks."""
+        if isinstance(other, str):
+            other = Graph.from_json(other)
+        elif not isinstance(other, Graph):
+            other = Graph.from_dict(dict(other))
+        for name, node in other.nodes.items():
+            mine = self.graph.nodes.get(name)
+            if mine is None:
+                self.graph.nodes[name] = node
+                self.graph._counts.setdefault(name, 0)
+            elif mine.to_dict() != node.to_dict():
+                raise GraphError(f"extend: node '{name}' already exists with a different definition")
+        self.graph.check()
+
+    # ------------------------------------------------------------------ Run
+    def run(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, stats: RunStats | None = None) -> Any:
+        """Fetch tensors (Tensor, "node:port", or a node name for a target), nested in lists,
+        tuples or dicts; `feeds` maps tensors or refs to values."""
+        refs: list[str] = []
+        targets: list[str] = []
+        template = self._flatten(fetches, refs, targets)
+        feed_refs: list[str] = []
+        feed_vals: list[Any] = []
+        for key, value in sorted((feeds or {}).items(), key=lambda kv: self._ref(kv[0])):
+            ref = self._ref(key)
+            feed_refs.append(ref)
+            feed_vals.append(self._convert_feed(ref, value))
+        key = (tuple(refs), tuple(feed_refs), tuple(targets))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(refs, feed_refs, targets)
+        use_dataflow = self.executor == "dataflow"
+        runner = plan.run_dataflow if use_dataflow else plan.run
+        values = runner(feed_vals, stats=stats, check_numerics=self.check_numerics)
+        out = iter([to_host(v) for v in values])
+        return self._rebuild(template, out)
+
+    def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> Plan:
+        refs: list[str] = []
+        targets: list[str] = []
+        self._flatten(fetches, refs, targets)
+        feed_refs = sorted(self._ref(k) for k in (feeds or {}))
+        key = (tuple(refs), tuple(feed_refs), tuple(targets))
+        if key not in self._plans:
+            self._plans[key] = self._plan(refs, feed_refs, targets)
+        return self._plans[key]
+
+    def _plan(self, refs: list[str], feed_refs: list[str], targets: list[str]) -> Plan:
+        graph = self.graph
+        if self.optimize:
+            from flowctl.engine.passes import optimize
+
+            keep = {parse_ref(r)[0] for r in refs + feed_refs} | set(targets)
+            graph = optimize(graph.copy(), keep=keep)
+        plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource)
+        for node in plan.nodes:
+            if node.device and not device_matches(node.device, self.device):
+                raise PlacementError(f"node '{node.name}' ({node.op}) asks for device '{node.device}' but "
+                                     f"this session runs on {self.device} only; place the graph across "
+                                     f"devices or drop the constraint")
+        return plan
+
+    def _ref(self, key: Any) -> str:
+        if isinstance(key, Tensor):
+            return key.name
+        if isinstance(key, str):
+            node, port = parse_ref(key)
+            return make_ref(node, port)
+        raise TypeError(f"feed keys are Tensors or 'node:port' strings, not {type(key).__name__}")
+
+    def _flatten(self, f: Any, refs: list[str], targets: list[str]) -> Any:
+        if isinstance(f, (list, tuple)):
+            return type(f)(self._flatten(x, refs, targets) for x in f)
+        if isinstance(f, dict):
+            return {k: self._flatten(v, refs, targets) for k, v in f.items()}
+        if isinstance(f, Tensor):
+            node = f.op
+            if not node.outputs:  # a target such as NoOp or Group
+                targets.append(node.name)
+                return None
+            refs.append(f.name)
+            return len(refs) - 1
+        if isinstance(f, str):
+            name, port = parse_ref(f)
+            node_obj = self.graph.nodes.get(name)
+            if node_obj is None:
+                self.graph.tensor(f)  # raises with a did-you-mean
+            assert node_obj is not None
+            if ":" not in f and not node_obj.outputs:
+                targets.append(name)
+                return None
+            refs.append(make_ref(name, port))
+            return len(refs) - 1
+        raise TypeError(f"cannot fetch {type(f).__name__}: fetch Tensors, 'node:port' strings or node names")
+
+    def _rebuild(self, template: Any, values: Any) -> Any:
+        if template is None:
+            return None
+        if isinstance(template, int):
+            return next(values)
+        if isinstance(template, (list, tuple)):
+            return type(template)(self._rebuild(x, values) for x in template)
+        return {k: self._rebuild(v, values) for k, v in template.items()}
+
+    def _convert_feed(self, ref: str, value: Any) -> Any:
+        spec = self.graph.tensor(ref).spec
+        arr = self.xp.asarray(value, dtype=np_dtype(spec.dtype))
+        if len(arr.shape) != len(spec.shape) or any(
+                d is not None and d != a for d, a in zip(spec.shape, arr.shape)):
+            raise ExecutionError(f"feed for '{ref}' has shape {tuple(arr.shape)}, but the tensor's shape "
+                                 f"is {spec.shape}", node=parse_ref(ref)[0], device=self.device)
+        return arr
+
+    # ------------------------------------------------------------------ resources (§4.7)
+    def _resource(self, node: Node) -> Any:
+        kind = node.opdef.resource
+        if kind == "variable":
+            return self.store.get(node.attrs["container"]).slot(node.attrs["shared_name"] or node.name)
+        if kind == "variable_input":
+            src = self.graph.nodes[parse_ref(node.inputs[0])[0]]
+            if src.op != "Variable":
+                raise GraphError(f"node '{node.name}' ({node.op}) must take a Variable as its first input, "
+                                 f"not '{src.name}' ({src.op})")
+            return self._resource(src)
+        if kind == "rng":
+            st = self.rng.get(node.name)
+            if st is None:
+                seed = derive_seed(self.graph.seed, node.name, int(node.attrs.get("seed", 0) or 0))
+                st = self.rng[node.name] = RngState(node.name, seed)
+            return st
+        raise GraphError(f"node '{node.name}': unknown resource kind {kind!r}")
+
+    def variable_values(self) -> dict[str, np.ndarray]:
+        """Current value of every initialized Variable in the graph, by node name (host arrays)."""
+        out = {}
+        for n in self.graph.nodes.values():
+            if n.op == "Variable":
+                v = self._resource(n).value
+                if v is not None:
+                    out[n.name] = to_host(v)
+        return out
+
+    def load_variables(self, values: Mapping[str, Any]) -> None:
+        for name, v in values.items():
+            node = self.graph.nodes.get(name)
+            if node is None or node.op != "Variable":
+                raise GraphError(f"no Variable named '{name}' in the graph")
+            self._resource(node).value = self.xp.asarray(v, dtype=np_dtype(node.attrs["dtype"]))
+
+    def rng_states(self) -> dict[str, dict[str, Any]]:
+        """Every random op's generator state, for checkpoints (a resumed run continues exactly)."""
+        for n in self.graph.nodes.values():
+            if n.opdef.resource == "rng":
+                self._resource(n)
+        return {k: v.get_state() for k, v in self.rng.items()}
+
+    def set_rng_states(self, states: Mapping[str, dict[str, Any]]) -> None:
+        for name, st in states.items():
+            node = self.graph.nodes.get(name)
+            if node is None:
+                raise GraphError(f"random state for unknown node '{name}'")
+            self._resource(node).set_state(st)
+

@@ -1,0 +1,2 @@
+"""Imports every kernel module so their registrations run (loaded on first kernel lookup)."""
+from flowctl.kernels import array, elementwise, matrix, nn, random, reduction, state  # noqa: F401

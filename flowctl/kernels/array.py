@@ -1,0 +1,2 @@
+"""array kernels."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""matrix kernels."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""nn kernels."""
+from __future__ import annotations

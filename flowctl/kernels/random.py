@@ -1,0 +1,2 @@
+"""random kernels."""
+from __future__ import annotations

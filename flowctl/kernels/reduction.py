@@ -1,0 +1,2 @@
+"""reduction kernels."""
+from __future__ import annotations

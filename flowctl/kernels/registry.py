@@ -1,0 +1,72 @@
+"""The kernel registry: one table keyed by (op name, device type) (whitepaper §2, §5.4).
+
+A kernel is registered as a *factory* `factory(xp, attrs) -> fn`: it is called once when a plan is
+compiled, with the device's array module and the node's resolved attributes (plus any resources the
+engine binds, under keys starting with `_`), and returns the callable the step executes. Binding
+attributes at plan time is what keeps a step free of per-node dictionary work.
+
+Most kernels are written once against `xp` and registered for both `cpu` and `gpu`; a registration
+for one device type alone overrides the generic one there (a stride-trick numpy path, say).
+This module never imports the engine's graph classes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from flowctl.kernels.backend import array_module
+
+KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]
+
+DEVICE_TYPES = ("cpu", "gpu")
+KERNELS: dict[tuple[str, str], KernelFactory] = {}
+_SPECIFIC: set[tuple[str, str]] = set()
+
+
+def kernel(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[KernelFactory], KernelFactory]:
+    """Register `factory` for `op` on each device type. A registration naming one device type alone
+    takes precedence over a generic one, whichever is imported first."""
+    types = tuple(device_types)
+    specific = len(types) == 1
+
+    def deco(factory: KernelFactory) -> KernelFactory:
+        for t in types:
+            key = (op, t)
+            if key in _SPECIFIC and not specific:
+                continue
+            if key in KERNELS and specific == (key in _SPECIFIC):
+                raise ValueError(f"kernel for {key} registered twice")
+            KERNELS[key] = factory
+            if specific:
+                _SPECIFIC.add(key)
+        return factory
+
+    return deco
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    _load()
+    return (op, device_type) in KERNELS
+
+
+def device_types_for(op: str) -> tuple[str, ...]:
+    _load()
+    return tuple(t for t in DEVICE_TYPES if (op, t) in KERNELS)
+
+
+def bind(op: str, device_type: str, attrs: dict[str, Any]) -> Callable[..., Any]:
+    """The step-time callable for one node: the factory applied to the device's array module."""
+    _load()
+    factory = KERNELS.get((op, device_type))
+    if factory is None:
+        raise KeyError(f"no {device_type} kernel for op {op}")
+    return factory(array_module(device_type), attrs)
+
+
+_loaded = False
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import flowctl.kernels.all  # noqa: F401  (registers every kernel module)

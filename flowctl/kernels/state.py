@@ -1,0 +1,112 @@
+"""Kernels for sources, state and utility ops. Resources (Container slots, random state) arrive
+bound in `attrs["_resource"]`; they are duck-typed objects with a `.value` attribute."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flowctl.kernels.registry import kernel
+
+
+@kernel("Const")
+def const(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
+    value = xp.asarray(attrs["value"])
+
+    def run() -> Any:
+        return value
+
+    return run
+
+
+@kernel("Placeholder")
+def placeholder(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
+    name = attrs.get("_node", "?")
+
+    def run() -> Any:
+        raise ValueError(f"placeholder '{name}' must be fed: pass a value for it in feeds")
+
+    return run
+
+
+@kernel("Variable")
+def variable(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
+    slot = attrs["_resource"]
+
+    def run() -> Any:
+        v = slot.value
+        if v is None:
+            raise ValueError(f"variable '{slot.name}' is uninitialized: run its initializer "
+                             f"(global_variables_initializer) or restore a checkpoint first")
+        return v
+
+    return run
+
+
+# Assignments replace the slot's array rather than writing into it, so a value fetched earlier
+# never changes under the caller, and a read in the same step sees a consistent array.
+@kernel("Assign")
+def assign(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    slot = attrs["_resource"]
+
+    def run(value: Any) -> Any:
+        slot.value = value
+        return value
+
+    return run
+
+
+@kernel("AssignAdd")
+def assign_add(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    slot = attrs["_resource"]
+
+    def run(value: Any) -> Any:
+        new = slot.value + value
+        slot.value = new
+        return new
+
+    return run
+
+
+@kernel("AssignSub")
+def assign_sub(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    slot = attrs["_resource"]
+
+    def run(value: Any) -> Any:
+        new = slot.value - value
+        slot.value = new
+        return new
+
+    return run
+
+
+@kernel("NoOp")
+def no_op(xp: Any, attrs: dict[str, Any]) -> Callable[[], None]:
+    return lambda: None
+
+
+@kernel("Group")
+def group(xp: Any, attrs: dict[str, Any]) -> Callable[..., None]:
+    return lambda *xs: None
+
+
+@kernel("Identity")
+def identity(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    return lambda x: x
+
+
+@kernel("StopGradient")
+def stop_gradient(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    return lambda x: x
+
+
+@kernel("CheckNumerics")
+def check_numerics(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    message = attrs.get("message") or "non-finite value"
+
+    def run(x: Any) -> Any:
+        if not bool(xp.isfinite(x).all()):
+            n_nan = int(xp.isnan(x).sum())
+            raise FloatingPointError(f"{message}: {n_nan} NaN and {int(x.size) - n_nan - int(xp.isfinite(x).sum())} "
+                                     f"Inf of {x.size} values")
+        return x
+
+    return run
