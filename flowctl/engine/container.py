@@ -60,8 +60,10 @@ class Container:
             return s
 
     def reset(self) -> None:
+        # Values are dropped but slot objects stay: compiled plans hold them, and must see the reset.
         with self._lock:
-            self.slots.clear()
+            for s in self.slots.values():
+                s.value = None
 
 
 class ContainerStore:

@@ -204,6 +204,11 @@ class Graph:
         finally:
             self._follows.pop()
 
+    def relative_name(self, full: str) -> str:
+        """`full` (a node name made under the current name scope) relative to that scope."""
+        prefix = "/".join(self._scope)
+        return full[len(prefix) + 1:] if prefix and full.startswith(prefix + "/") else full
+
     def unique_name(self, base: str) -> str:
         full = "/".join(self._scope + [base]) if base else "/".join(self._scope)
         if full not in self.nodes and full not in self._counts:

@@ -47,7 +47,7 @@ def _decode_tensor(v: Any) -> np.ndarray:
 
 
 def _encode_tensor(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # (ascontiguousarray would turn a 0-d array into 1-d)
     return {"dtype": a.dtype.name, "shape": list(a.shape),
             "data": base64.b64encode(a.tobytes()).decode("ascii")}
 

@@ -70,7 +70,7 @@ def variable(initial_value: Any, name: str | None = None, dtype: Any = None, tra
                                "container": container, "shared_name": shared_name},
               name=name or "Variable", graph=g)
     with g.colocate_with(v):
-        make1("Assign", [v, init], name=v.node + "/init", graph=g)
+        make1("Assign", [v, init], name=g.relative_name(v.node) + "/init", graph=g)
     return v
 
 

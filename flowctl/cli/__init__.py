@@ -1,0 +1,1 @@
+"""The command line: click commands and rich rendering, nothing else."""
