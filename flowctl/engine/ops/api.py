@@ -25,7 +25,7 @@ def constant(value: Any, dtype: Any = None, name: str | None = None, graph: Grap
     arr = np.asarray(value)
     if dtype is not None:
         arr = arr.astype(as_dtype(dtype))
-    elif not isinstance(value, np.ndarray):
+    elif not isinstance(value, (np.ndarray, np.generic)):
         if arr.dtype == np.float64:
             arr = arr.astype(np.float32)
         elif arr.dtype == np.int64:

@@ -54,9 +54,9 @@ def _encode_tensor(a: np.ndarray) -> dict:
 
 def _norm_tensor(v: Any) -> np.ndarray:
     a = np.array(v)
-    if a.dtype == np.float64 and not isinstance(v, np.ndarray):
+    if a.dtype == np.float64 and not isinstance(v, (np.ndarray, np.generic)):
         a = a.astype(np.float32)  # Python floats become float32 constants, as in TensorFlow
-    if a.dtype == np.int64 and not isinstance(v, np.ndarray):
+    if a.dtype == np.int64 and not isinstance(v, (np.ndarray, np.generic)):
         a = a.astype(np.int32)
     as_dtype(a.dtype)
     a.setflags(write=False)
