@@ -34,7 +34,7 @@ class RngState:
         self.generator = np.random.Generator(np.random.Philox(key=seed))
 
     def get_state(self) -> dict[str, Any]:
-        return self.generator.bit_generator.state
+        return dict(self.generator.bit_generator.state)
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.generator.bit_generator.state = state
