@@ -1,0 +1,222 @@
+"""Reductions: kernels against float64 references built from explicit Python loops (math.fsum, max
+over lists), every differentiable op through the finite-difference checker, run-time (None) dims,
+the tie rule of Max's gradient, and second derivatives through the fused gradient ops."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine.gradcheck import check_gradients
+from flowctl.engine.ops.registry import get_op
+from flowctl.engine.shapes import TensorSpec
+
+
+def run(build, **inputs):
+    g = fc.Graph()
+    with g.as_default():
+        phs = {k: fc.placeholder(v.dtype.name, v.shape, name=k) for k, v in inputs.items()}
+        out = build(**phs)
+    return fc.Session(g, store=fc.ContainerStore()).run(out, {phs[k]: v for k, v in inputs.items()})
+
+
+def loop_reduce(x: np.ndarray, axis, keepdims: bool, combine) -> np.ndarray:
+    """Reduce by visiting every index with Python loops; `combine` takes a list of Python floats."""
+    rank = x.ndim
+    if axis is None:
+        axes = set(range(rank))
+    else:
+        axes = {a % rank for a in ([axis] if isinstance(axis, int) else axis)}
+    kept = [i for i in range(rank) if i not in axes]
+    out_shape = [x.shape[i] for i in kept]
+    out = np.zeros(out_shape, dtype=np.float64)
+    for out_idx in itertools.product(*[range(x.shape[i]) for i in kept]):
+        vals = []
+        for red_idx in itertools.product(*[range(x.shape[i]) for i in sorted(axes)]):
+            full = [0] * rank
+            for i, v in zip(kept, out_idx):
+                full[i] = v
+            for i, v in zip(sorted(axes), red_idx):
+                full[i] = v
+            vals.append(float(x[tuple(full)]))
+        out[out_idx] = combine(vals)
+    if keepdims:
+        out = out.reshape([1 if i in axes else x.shape[i] for i in range(rank)])
+    return out
+
+
+COMBINE = {"reduce_sum": math.fsum, "reduce_mean": lambda v: math.fsum(v) / len(v), "reduce_max": max}
+AXES = [None, 0, -1, [0, 2], [-1, -3], (1,), [1, -2]]
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("axis", AXES, ids=str)
+@pytest.mark.parametrize("name", sorted(COMBINE))
+def test_reduction_kernel_and_gradient(name, axis, keepdims, rng):
+    x = rng.standard_normal((2, 3, 4))  # continuous values: no ties, so Max is differentiable
+    got = run(lambda x: getattr(fc, name)(x, axis=axis, keepdims=keepdims), x=x)
+    ref = loop_reduce(x, axis, keepdims, COMBINE[name])
+    assert isinstance(got, np.ndarray) and got.shape == ref.shape and got.dtype == np.float64
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
+    check_gradients(lambda x: getattr(fc, name)(x, axis=axis, keepdims=keepdims), {"x": x})
+
+
+@pytest.mark.parametrize("name", sorted(COMBINE))
+def test_static_shapes_and_float32(name, rng):
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    g = fc.Graph()
+    with g.as_default():
+        p = fc.placeholder("float32", (None, 3, 4))
+        assert getattr(fc, name)(p, axis=-1).shape == (None, 3)
+        assert getattr(fc, name)(p, axis=[0, 2], keepdims=True).shape == (1, 3, 1)
+        assert getattr(fc, name)(p).shape == ()
+        y = getattr(fc, name)(p, axis=1)
+    out = fc.Session(g, store=fc.ContainerStore()).run(y, {p: x})
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, loop_reduce(x, 1, False, COMBINE[name]), rtol=1e-5, atol=1e-6)
+
+
+def test_mean_over_unknown_batch_dim_uses_run_time_count(rng):
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (None, 4), name="x")
+        m_all, m_rows = fc.reduce_mean(x), fc.reduce_mean(x, axis=0)
+        assert m_all.shape == () and m_rows.shape == (4,)
+        gx, = fc.gradients(m_all, [x])
+        gr, = fc.gradients(fc.reduce_sum(m_rows * m_rows), [x])
+    sess = fc.Session(g, store=fc.ContainerStore())
+    for batch in (3, 5):
+        v = rng.standard_normal((batch, 4))
+        a, r, dx, dr = sess.run([m_all, m_rows, gx, gr], {x: v})
+        assert a == pytest.approx(math.fsum(v.ravel()) / (batch * 4), rel=1e-12)
+        col_means = [math.fsum(v[:, j]) / batch for j in range(4)]
+        np.testing.assert_allclose(r, col_means, rtol=1e-12)
+        np.testing.assert_allclose(dx, np.full((batch, 4), 1.0 / (batch * 4)), rtol=1e-12)
+        # d/dx sum_j mean_j^2 = 2 mean_j / batch for every row
+        np.testing.assert_allclose(dr, np.tile(2 * np.array(col_means) / batch, (batch, 1)), rtol=1e-12)
+
+
+def test_max_gradient_splits_ties_equally():
+    x = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [5.0, 1.0, 0.0, -1.0]])
+    g = fc.Graph()
+    with g.as_default():
+        p = fc.placeholder("float64", (3, 4))
+        row, = fc.gradients(fc.reduce_sum(fc.reduce_max(p, axis=1) * np.array([1.0, 2.0, 3.0])), [p])
+        whole, = fc.gradients(fc.reduce_max(p), [p])
+    r, w = fc.Session(g, store=fc.ContainerStore()).run([row, whole], {p: x})
+    np.testing.assert_allclose(r, [[0, 0.5, 0.5, 0], [0.5, 0.5, 0.5, 0.5], [3, 0, 0, 0]])
+    expect = np.zeros((3, 4))
+    expect[2, 0] = 1.0
+    np.testing.assert_allclose(w, expect)
+
+
+def test_second_derivatives_through_the_fused_gradient_ops(rng):
+    x = rng.standard_normal((3, 4))
+
+    def mean_sq(x):  # d/dx sum_i mean_i(x)^2 = 2 mean_i / 4, whose own gradient runs through ReduceGrad
+        return fc.gradients(fc.reduce_sum(fc.square(fc.reduce_mean(x, axis=1))), [x])[0]
+
+    def max_sq(x):  # 2 max_i onehot_i: its gradient runs through ReduceMaxGrad's dy input
+        return fc.gradients(fc.reduce_sum(fc.square(fc.reduce_max(x, axis=-1, keepdims=True))), [x])[0]
+
+    check_gradients(mean_sq, {"x": x})
+    check_gradients(max_sq, {"x": x})
+
+
+def test_integer_and_half_precision_sums_keep_their_dtype(rng):
+    xi = rng.integers(-1000, 1000, size=(4, 5)).astype(np.int32)
+    out = run(lambda x: [fc.reduce_sum(x, axis=0), fc.reduce_sum(x), fc.reduce_max(x, 1)], x=xi)
+    assert [o.dtype for o in out] == [np.int32] * 3
+    assert out[0].tolist() == [sum(int(xi[i, j]) for i in range(4)) for j in range(5)]
+    assert int(out[1]) == sum(int(v) for v in xi.ravel())
+    assert out[2].tolist() == [max(int(v) for v in r) for r in xi]
+    xh = rng.uniform(0, 1, size=(3000,)).astype(np.float16)
+    s = run(lambda x: fc.reduce_sum(x), x=xh)
+    assert s.dtype == np.float16 and float(s) == pytest.approx(math.fsum(map(float, xh)), rel=1e-3)
+    with pytest.raises(fc.GraphError, match="Mean needs a float input"):
+        run(lambda x: fc.reduce_mean(x), x=xi)
+
+
+def test_argmax_against_loops(rng):
+    x = rng.standard_normal((3, 4, 5))
+    a0, a_neg, a32 = run(lambda x: [fc.argmax(x, 0), fc.argmax(x, -1), fc.argmax(x, 1, output_type="int32")], x=x)
+    assert a0.dtype == np.int64 and a32.dtype == np.int32
+    assert a0.shape == (4, 5) and a_neg.shape == (3, 4) and a32.shape == (3, 5)
+    for j, k in itertools.product(range(4), range(5)):
+        col = [x[i, j, k] for i in range(3)]
+        assert a0[j, k] == col.index(max(col))
+    for i, j in itertools.product(range(3), range(4)):
+        row = list(x[i, j])
+        assert a_neg[i, j] == row.index(max(row))
+    for i, k in itertools.product(range(3), range(5)):
+        col = [x[i, j, k] for j in range(4)]
+        assert a32[i, k] == col.index(max(col))
+    ties = run(lambda x: fc.argmax(x, 1), x=np.array([[1.0, 4.0, 4.0], [7.0, 7.0, 7.0]]))
+    assert ties.tolist() == [1, 0]  # the first maximum, as numpy and TensorFlow pick
+    vec = run(lambda x: fc.argmax(x, 0), x=np.array([0.5, 2.0, 1.0]))
+    assert isinstance(vec, np.ndarray) and vec.shape == () and int(vec) == 1
+
+
+def test_argmax_is_not_differentiable(rng):
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (3, 4))
+        y = fc.reduce_sum(fc.cast(fc.argmax(x, 1), "float64"))
+        assert fc.gradients(y, [x]) == [None]
+
+
+def test_axis_errors_and_raw_graphdef_axes(rng):
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (3, 4), name="x")
+        with pytest.raises(fc.GraphError, match=r"axis 2 out of range for rank 2.*'x:0'"):
+            fc.reduce_sum(x, axis=2, name="bad")
+        with pytest.raises(fc.GraphError, match="out of range"):
+            fc.argmax(x, -3)
+        # A hand-written GraphDef may say (1, -1) for one axis; numpy would call that a duplicate.
+        node = g.add_node("Sum", [x], {"axis": (1, -1), "keepdims": False}, name="raw")
+        y = fc.Tensor(g, node.name, 0)
+        assert y.shape == (3,)
+        gx, = fc.gradients(y, [x])
+    v = rng.standard_normal((3, 4))
+    out, d = fc.Session(g, store=fc.ContainerStore()).run([y, gx], {x: v})
+    np.testing.assert_allclose(out, [math.fsum(r) for r in v], rtol=1e-12)
+    np.testing.assert_array_equal(d, np.ones((3, 4)))
+    g2 = fc.Graph.from_json(g.to_json())  # the raw axes survive the GraphDef round trip
+    assert g2.nodes["raw"].attrs["axis"] == (1, -1)
+
+
+def test_builder_canonicalises_axes():
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (2, 3, 4))
+        assert fc.reduce_sum(x, axis=[-1, 0, 2]).op.attrs["axis"] == (0, 2)
+        assert fc.reduce_max(x, axis=np.int64(-2)).op.attrs["axis"] == (1,)
+        assert fc.reduce_mean(x).op.attrs["axis"] is None
+
+
+def test_costs():
+    spec = TensorSpec((None, 3, 4), "float32")
+    flops, nbytes = get_op("Sum").estimate([spec], [TensorSpec((None, 3), "float32")],
+                                           {"axis": (2,), "keepdims": False}, batch=8)
+    assert flops == 8 * 3 * 4 and nbytes == (8 * 3 * 4 + 8 * 3) * 4
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_numpy(rng):
+    x = rng.standard_normal((4, 5, 6)).astype(np.float32)
+    x[0, 0, :2] = 9.0  # a tie, so the gradient's split is compared too
+    g = fc.Graph()
+    with g.as_default():
+        p = fc.placeholder("float32", (None, 5, 6))
+        outs = [fc.reduce_sum(p, axis=[0, -1]), fc.reduce_mean(p, keepdims=True), fc.reduce_max(p, axis=2),
+                fc.reduce_sum(fc.reduce_max(p, axis=-1) * fc.reduce_mean(p, axis=2))]
+        outs += fc.gradients(outs, [p]) + [fc.argmax(p, -1)]
+    cpu = fc.Session(g, store=fc.ContainerStore()).run(outs, {p: x})
+    gpu = fc.Session(g, device="gpu:0", store=fc.ContainerStore()).run(outs, {p: x})
+    for c, d in zip(cpu, gpu):
+        assert c.dtype == d.dtype and c.shape == d.shape
+        np.testing.assert_allclose(d, c, rtol=1e-5, atol=1e-5)
