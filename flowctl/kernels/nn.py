@@ -1,2 +1,157 @@
-"""nn kernels."""
+"""Neural-network kernels (softmax family, cross-entropies, BiasAdd, batch norm, Dropout), written
+once against the array module `xp`. Every softmax subtracts the row maximum first, so exp never
+overflows whatever the logits."""
 from __future__ import annotations
+
+from typing import Any, Callable
+
+from flowctl.kernels.registry import kernel
+
+Fn = Callable[..., Any]
+
+
+def _log_softmax(xp: Any, x: Any, axis: int) -> tuple[Any, Any, Any]:
+    """(log p, exp(x - max), sum of the latter): the pieces the softmax kernels share."""
+    s = x - x.max(axis=axis, keepdims=True)
+    e = xp.exp(s)
+    z = e.sum(axis=axis, keepdims=True)
+    s -= xp.log(z)  # s is a fresh buffer, so updating it in place is safe
+    return s, e, z
+
+
+@kernel("Softmax")
+def softmax(xp: Any, attrs: dict[str, Any]) -> Fn:
+    axis = attrs["axis"]
+
+    def run(x: Any) -> Any:
+        e = xp.exp(x - x.max(axis=axis, keepdims=True))
+        e /= e.sum(axis=axis, keepdims=True)
+        return e
+
+    return run
+
+
+@kernel("SoftmaxGrad")
+def softmax_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
+    axis = attrs["axis"]
+    return lambda dy, y: y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+
+
+@kernel("LogSoftmax")
+def log_softmax(xp: Any, attrs: dict[str, Any]) -> Fn:
+    axis = attrs["axis"]
+    return lambda x: _log_softmax(xp, x, axis)[0]
+
+
+@kernel("LogSoftmaxGrad")
+def log_softmax_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
+    axis = attrs["axis"]
+    return lambda dy, y: dy - xp.exp(y) * dy.sum(axis=axis, keepdims=True)
+
+
+@kernel("SoftmaxCrossEntropyWithLogits")
+def softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(logits: Any, labels: Any) -> tuple[Any, Any]:
+        log_p, e, z = _log_softmax(xp, logits, 1)
+        loss = -(labels * log_p).sum(axis=1)
+        e /= z
+        # d/dlogits of -sum(l * log p) is p * sum(l) - l; TensorFlow's p - l assumes rows sum to 1.
+        backprop = e * labels.sum(axis=1, keepdims=True) - labels
+        return loss, backprop
+
+    return run
+
+
+@kernel("SparseSoftmaxCrossEntropyWithLogits")
+def sparse_softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(logits: Any, labels: Any) -> tuple[Any, Any]:
+        c = logits.shape[1]
+        bad = (labels < 0) | (labels >= c)
+        # A bad label would index out of bounds (or wrap, for -1): say which one. On a GPU this
+        # check costs one device-to-host sync per step, a price worth a clear error.
+        if bool(bad.any()):
+            i = int(xp.argmax(bad))
+            raise ValueError(f"label {int(labels[i])} (example {i}) is out of range for {c} classes: "
+                             f"labels must be in [0, {c})")
+        log_p, e, z = _log_softmax(xp, logits, 1)
+        idx = labels.astype("int64")[:, None]
+        loss = -xp.take_along_axis(log_p, idx, axis=1)[:, 0]
+        e /= z
+        e -= (idx == xp.arange(c)).astype(e.dtype)
+        return loss, e
+
+    return run
+
+
+@kernel("XentGrad")
+def xent_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return lambda dy, m: dy[:, None] * m
+
+
+@kernel("BiasAdd")
+def bias_add(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return xp.add  # bias broadcasts over the last axis by numpy's rules
+
+
+@kernel("BiasAddGrad")
+def bias_add_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return lambda dy: dy.sum(axis=tuple(range(dy.ndim - 1)))
+
+
+@kernel("FusedBatchNorm")
+def fused_batch_norm(xp: Any, attrs: dict[str, Any]) -> Fn:
+    eps = attrs["epsilon"]
+
+    def run(x: Any, scale: Any, offset: Any) -> tuple[Any, Any, Any]:
+        axes = tuple(range(x.ndim - 1))
+        mean = x.mean(axis=axes)
+        d = x - mean
+        var = (d * d).mean(axis=axes)
+        d *= scale / xp.sqrt(var + eps)
+        d += offset
+        return d, mean, var
+
+    return run
+
+
+@kernel("FusedBatchNormGrad")
+def fused_batch_norm_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
+    eps = attrs["epsilon"]
+
+    def run(dy: Any, x: Any, scale: Any, mean: Any, var: Any, *stat_grads: Any) -> tuple[Any, Any, Any]:
+        axes = tuple(range(x.ndim - 1))
+        m = x.size // x.shape[-1]  # elements per channel
+        rstd = 1.0 / xp.sqrt(var + eps)
+        xc = x - mean
+        xhat = xc * rstd
+        doffset = dy.sum(axis=axes)
+        dscale = (dy * xhat).sum(axis=axes)
+        # dx = scale*rstd * (dy - mean(dy) - xhat * mean(dy*xhat)): the normalisation's Jacobian,
+        # including the paths through the batch mean and variance.
+        xhat *= dscale / m
+        dx = dy - doffset / m
+        dx -= xhat
+        dx *= scale * rstd
+        if stat_grads:  # the batch statistics were themselves used downstream
+            dmean, dvar = stat_grads
+            dx += dmean / m + xc * (2.0 / m * dvar)
+        return dx, dscale, doffset
+
+    return run
+
+
+@kernel("Dropout")
+def dropout(xp: Any, attrs: dict[str, Any]) -> Fn:
+    gen = attrs["_resource"].generator
+    rate = attrs["rate"]
+    scale = 1.0 / (1.0 - rate)
+
+    def run(x: Any) -> tuple[Any, Any]:
+        # Drawn on the host from the node's own stream (cpu and gpu get the same mask); float32
+        # uniforms halve the cost of float64 and resolve `rate` to 2**-24, far finer than needed.
+        keep = gen.random(tuple(x.shape), dtype="float32") >= rate
+        mask = xp.asarray(keep).astype(x.dtype)
+        mask *= scale
+        return x * mask, mask
+
+    return run
