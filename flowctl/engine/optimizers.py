@@ -1,0 +1,257 @@
+"""Optimizers as graph builders (whitepaper §4.1, §7): an update is just more graph.
+
+`minimize` differentiates the loss (§4.1), optionally clips the gradients by their global norm, and
+emits one update subgraph per variable, grouped into a single target the trainer runs each step.
+Slots (momentum accumulators, Adam's moments) and Adam's beta powers are ordinary Variables with
+`<slot>/init` initializers, so `global_variables_initializer` sets them up and checkpoints hold
+them like any other variable (§4.7). Slots are named `<var>/<Optimizer>/<slot>` and colocated with
+their variable (§4.3), as in TensorFlow.
+
+Each update reads every variable's value once, from the Variable node the forward pass also reads:
+a slot's new value is the output of its Assign, never a second read. A parameter's update is an
+AssignSub (so concurrent replicas' updates add up, §7 asynchronous training) with a control edge
+from the Variable node, so the read the gradients used always happens before the write.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from flowctl.engine.autodiff import gradients
+from flowctl.engine.dtypes import is_float, np_dtype
+from flowctl.engine.errors import GraphError
+from flowctl.engine.graph import Graph, Tensor
+from flowctl.engine.ops.api import constant
+from flowctl.engine.ops.control import group
+from flowctl.engine.ops.elementwise import add_n, cast, maximum, sqrt, square
+from flowctl.engine.ops.reduction import reduce_sum
+from flowctl.engine.ops.state import assign, assign_add, assign_sub, trainable_variables, variable
+
+__all__ = ["Optimizer", "SGD", "Momentum", "Adam", "clip_by_global_norm"]
+
+GradsAndVars = list[tuple[Tensor | None, Tensor]]
+
+
+@contextlib.contextmanager
+def _absolute_scope(graph: Graph) -> Iterator[None]:
+    """Name optimizer state after the variable it belongs to, whatever name scope the caller is in
+    (TensorFlow's slot naming); the graph has no public way to leave every scope."""
+    saved, graph._scope = graph._scope, []
+    try:
+        yield
+    finally:
+        graph._scope = saved
+
+
+def _scalar(value: Any, dtype: str, name: str) -> Tensor:
+    """A hyperparameter as a scalar of `dtype`: a float becomes a Const, a Tensor (a placeholder, or
+    a Variable holding a schedule's value) is used as is, cast where its dtype differs."""
+    if isinstance(value, Tensor):
+        if value.shape != ():
+            raise GraphError(f"{name} must be a scalar tensor, got '{value.name}' of shape {value.shape}")
+        return value if value.dtype == dtype else cast(value, dtype, name=f"{name}_cast")
+    return constant(float(value), dtype=dtype, name=name)
+
+
+class Optimizer:
+    """Base class: subclasses define `_apply_dense(grad, var)` (and optionally `_prepare` and
+    `_finish` for state shared by all variables)."""
+
+    def __init__(self, learning_rate: float | Tensor, name: str) -> None:
+        self.learning_rate = learning_rate
+        self.name = name
+        self._slots: dict[tuple[int, str, str], Tensor] = {}  # (graph id, var, slot) -> Variable
+        self._state: dict[tuple[int, str], Tensor] = {}  # (graph id, key) -> non-slot Variable
+
+    # ------------------------------------------------------------------ public API
+    def compute_gradients(self, loss: Tensor, var_list: Sequence[Tensor] | None = None) -> GradsAndVars:
+        """(gradient, variable) pairs; a variable the loss does not depend on gets None."""
+        var_list = list(var_list) if var_list is not None else trainable_variables(loss.graph)
+        if not var_list:
+            raise GraphError(f"{self.name}: no trainable variables to optimize '{loss.name}' over")
+        for v in var_list:
+            if v.op.op != "Variable":
+                raise GraphError(f"{self.name}: '{v.name}' ({v.op.op}) is not a Variable")
+        return list(zip(gradients(loss, var_list), var_list))
+
+    def apply_gradients(self, grads_and_vars: Sequence[tuple[Tensor | None, Tensor]],
+                        name: str | None = None) -> Tensor:
+        """One Group target that applies every (gradient, variable) pair, in the given order.
+        Pairs whose gradient is None are skipped; all of them None is an error."""
+        pairs = [(g, v) for g, v in grads_and_vars]
+        live = [(g, v) for g, v in pairs if g is not None]
+        if not live:
+            raise GraphError(f"{self.name}: no gradients for any of the variables "
+                             f"{[v.node for _, v in pairs]}; does the loss depend on them?")
+        graph = live[0][1].graph
+        with graph.as_default(), _absolute_scope(graph):
+            self._prepare(graph, [v for _, v in live])
+            updates: list[Tensor] = []
+            for grad, var in live:
+                if not is_float(var.dtype):
+                    raise GraphError(f"{self.name}: cannot update non-float variable '{var.node}' ({var.dtype})")
+                with graph.name_scope(f"{var.node}/{self.name}"), graph.colocate_with(var):
+                    updates.append(self._apply_dense(grad, var))
+            with graph.name_scope(self.name):
+                updates += self._finish(graph, updates)
+            return group(updates, name=name or self.name, graph=graph)
+
+    def minimize(self, loss: Tensor, var_list: Sequence[Tensor] | None = None,
+                 clip_norm: float | Tensor | None = None, name: str | None = None) -> Tensor:
+        """compute_gradients, clip_by_global_norm when `clip_norm` is given, apply_gradients."""
+        gv = self.compute_gradients(loss, var_list)
+        if clip_norm is not None:
+            with loss.graph.as_default():
+                clipped, _ = clip_by_global_norm([g for g, _ in gv], clip_norm)
+            gv = list(zip(clipped, [v for _, v in gv]))
+        return self.apply_gradients(gv, name=name)
+
+    def slots(self) -> list[Tensor]:
+        """The per-variable slot Variables, in creation order."""
+        return list(self._slots.values())
+
+    def variables(self) -> list[Tensor]:
+        """Every Variable this optimizer created: slots, then shared state (Adam's beta powers)."""
+        return self.slots() + list(self._state.values())
+
+    # ------------------------------------------------------------------ for subclasses
+    def _slot(self, var: Tensor, slot: str) -> Tensor:
+        key = (id(var.graph), var.node, slot)
+        if key not in self._slots:
+            zeros = np.zeros(var.shape, dtype=np_dtype(var.dtype))
+            with _absolute_scope(var.graph), var.graph.colocate_with(var):
+                self._slots[key] = variable(zeros, name=f"{var.node}/{self.name}/{slot}", trainable=False)
+        return self._slots[key]
+
+    def _state_variable(self, graph: Graph, key: str, value: Any) -> Tensor:
+        k = (id(graph), key)
+        if k not in self._state:
+            with _absolute_scope(graph):
+                self._state[k] = variable(value, name=f"{self.name}/{key}", trainable=False)
+        return self._state[k]
+
+    def _lr(self, dtype: str) -> Tensor:
+        return _scalar(self.learning_rate, dtype, "learning_rate")
+
+    def _update_var(self, var: Tensor, delta: Tensor) -> Tensor:
+        # The control edge orders this write after the Variable node's read (an AssignSub reads the
+        # slot itself, and its ref input is not waited for).
+        with var.graph.control_dependencies([var]):
+            return assign_sub(var, delta, name="update")
+
+    def _prepare(self, graph: Graph, var_list: list[Tensor]) -> None:
+        pass
+
+    def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _finish(self, graph: Graph, updates: list[Tensor]) -> list[Tensor]:
+        return []
+
+
+class SGD(Optimizer):
+    """var -= lr * g."""
+
+    def __init__(self, learning_rate: float | Tensor, name: str = "SGD") -> None:
+        super().__init__(learning_rate, name)
+
+    def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
+        return self._update_var(var, self._lr(var.dtype) * grad)
+
+
+class Momentum(Optimizer):
+    """TensorFlow's momentum: accum = momentum * accum + g; var -= lr * accum, or with Nesterov
+    var -= lr * (g + momentum * accum)."""
+
+    def __init__(self, learning_rate: float | Tensor, momentum: float = 0.9, nesterov: bool = False,
+                 name: str = "Momentum") -> None:
+        super().__init__(learning_rate, name)
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+
+    def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
+        accum = self._slot(var, "momentum")
+        new_accum = assign(accum, accum * self.momentum + grad, name="update_momentum")
+        step = grad + new_accum * self.momentum if self.nesterov else new_accum
+        return self._update_var(var, self._lr(var.dtype) * step)
+
+
+class Adam(Optimizer):
+    """TensorFlow's Adam (Kingma & Ba, §2 with the efficient step size): with t the step count,
+    lr_t = lr * sqrt(1 - beta2^t) / (1 - beta1^t); m = beta1*m + (1-beta1)*g;
+    v = beta2*v + (1-beta2)*g^2; var -= lr_t * m / (sqrt(v) + epsilon).
+    beta1^t and beta2^t are Variables (`<name>/beta1_power`, `<name>/beta2_power`) multiplied by
+    beta after each step, as TensorFlow keeps them; `<name>/t` counts the steps applied."""
+
+    def __init__(self, learning_rate: float | Tensor = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, name: str = "Adam") -> None:
+        super().__init__(learning_rate, name)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.epsilon = float(epsilon)
+        self._lr_t: dict[str, Tensor] = {}
+
+    def _prepare(self, graph: Graph, var_list: list[Tensor]) -> None:
+        dtype = var_list[0].dtype
+        self._b1p = self._state_variable(graph, "beta1_power", np.asarray(self.beta1, np_dtype(dtype)))
+        self._b2p = self._state_variable(graph, "beta2_power", np.asarray(self.beta2, np_dtype(dtype)))
+        self._t = self._state_variable(graph, "t", np.asarray(0, np.int64))
+        self._lr_t = {}
+
+    def _step_size(self, dtype: str) -> Tensor:
+        """lr_t for one dtype, built once per apply and shared by every variable of that dtype."""
+        if dtype not in self._lr_t:
+            graph = self._b1p.graph
+            with _absolute_scope(graph), graph.name_scope(self.name):
+                b1p = self._b1p if self._b1p.dtype == dtype else cast(self._b1p, dtype)
+                b2p = self._b2p if self._b2p.dtype == dtype else cast(self._b2p, dtype)
+                lr = self._lr(dtype)
+                self._lr_t[dtype] = lr * sqrt(1.0 - b2p) / (1.0 - b1p)
+        return self._lr_t[dtype]
+
+    def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
+        lr_t = self._step_size(var.dtype)
+        m, v = self._slot(var, "m"), self._slot(var, "v")
+        new_m = assign(m, m * self.beta1 + grad * (1.0 - self.beta1), name="update_m")
+        new_v = assign(v, v * self.beta2 + square(grad) * (1.0 - self.beta2), name="update_v")
+        return self._update_var(var, lr_t * new_m / (sqrt(new_v) + self.epsilon))
+
+    def _finish(self, graph: Graph, updates: list[Tensor]) -> list[Tensor]:
+        # The powers advance only after every variable's step has been taken (TF orders it the same
+        # way); the step sizes above read the powers' values from before.
+        with graph.control_dependencies(updates):
+            return [assign(self._b1p, self._b1p * self.beta1, name="update_beta1_power"),
+                    assign(self._b2p, self._b2p * self.beta2, name="update_beta2_power"),
+                    assign_add(self._t, np.asarray(1, np.int64), name="update_t")]
+
+
+def clip_by_global_norm(grads: Sequence[Tensor | None], clip_norm: float | Tensor,
+                        name: str = "clip_by_global_norm") -> tuple[list[Tensor | None], Tensor]:
+    """TensorFlow's clip_by_global_norm: global_norm = sqrt(sum of every |t|^2), and each t becomes
+    t * clip_norm / max(global_norm, clip_norm), so nothing changes unless the norm exceeds
+    clip_norm. None entries pass through. Returns (clipped, global_norm)."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        raise GraphError("clip_by_global_norm: every gradient is None")
+    graph = present[0].graph
+    dtype = present[0].dtype
+    with graph.as_default(), graph.name_scope(name):
+        sums = []
+        for t in present:
+            s = reduce_sum(square(t))
+            sums.append(s if s.dtype == dtype else cast(s, dtype))
+        global_norm = sqrt(sums[0] if len(sums) == 1 else add_n(sums), name="global_norm")
+        limit = _scalar(clip_norm, dtype, "clip_norm")
+        scale = limit / maximum(global_norm, limit)
+        scales = {dtype: scale}
+        clipped: list[Tensor | None] = []
+        for g in grads:
+            if g is None:
+                clipped.append(None)
+                continue
+            if g.dtype not in scales:
+                scales[g.dtype] = cast(scale, g.dtype)
+            clipped.append(g * scales[g.dtype])
+    return clipped, global_norm

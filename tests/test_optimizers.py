@@ -1,0 +1,232 @@
+"""Optimizers as graph builders: three steps of each on a least-squares problem against a float64
+numpy implementation of the same update rule, written out by hand; learning rates as placeholders
+and Variables; global-norm clipping; slots as ordinary Variables."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine.optimizers import SGD, Adam, Momentum, clip_by_global_norm
+
+RTOL = 1e-10
+
+
+def problem(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return dict(x=rng.normal(size=(5, 3)), y=rng.normal(size=(5, 2)), w=rng.normal(size=(3, 2)),
+                b=rng.normal(size=(2,)))
+
+
+def build(p: dict[str, np.ndarray], make_opt, lr_kind: str = "float", clip_norm=None):
+    """loss = sum((x @ w + b - y)^2) with w, b under the scope `dense`."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (None, 3), name="x")
+        y = fc.placeholder("float64", (None, 2), name="y")
+        with g.name_scope("dense"):
+            w = fc.variable(p["w"], name="w")
+            b = fc.variable(p["b"], name="b")
+        loss = fc.reduce_sum(fc.square(fc.matmul(x, w) + b - y), name="loss")
+        lr = None
+        if lr_kind == "placeholder":
+            lr = fc.placeholder("float64", (), name="lr")
+        elif lr_kind == "placeholder32":
+            lr = fc.placeholder("float32", (), name="lr")
+        elif lr_kind == "variable":
+            lr = fc.variable(np.float64(0.0), name="lr", trainable=False)
+        opt = make_opt(lr)
+        train = opt.minimize(loss, clip_norm=clip_norm)
+        init = fc.global_variables_initializer()
+    sess = fc.Session(g, store=fc.ContainerStore())
+    sess.run(init)
+    return g, sess, dict(x=x, y=y, w=w, b=b, loss=loss, lr=lr, train=train, opt=opt)
+
+
+def grads_np(p: dict[str, np.ndarray], w: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """d/dw and d/db of sum((x w + b - y)^2), by explicit loops over the examples."""
+    gw, gb = np.zeros_like(w), np.zeros_like(b)
+    for xi, yi in zip(p["x"], p["y"]):
+        r = 2.0 * (xi @ w + b - yi)
+        gw += np.outer(xi, r)
+        gb += r
+    return gw, gb
+
+
+def sgd_np(params, grads, state, lr):
+    return [v - lr * g for v, g in zip(params, grads)]
+
+
+def momentum_np(params, grads, state, lr, momentum=0.9, nesterov=False):
+    accums = state.setdefault("momentum", [np.zeros_like(v) for v in params])
+    out = []
+    for i, (v, g) in enumerate(zip(params, grads)):
+        accums[i] = momentum * accums[i] + g
+        step = g + momentum * accums[i] if nesterov else accums[i]
+        out.append(v - lr * step)
+    return out
+
+
+def adam_np(params, grads, state, lr, beta1=0.9, beta2=0.999, eps=1e-8):
+    t = state["t"] = state.get("t", 0) + 1
+    m = state.setdefault("m", [np.zeros_like(v) for v in params])
+    s = state.setdefault("v", [np.zeros_like(v) for v in params])
+    lr_t = lr * math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
+    out = []
+    for i, (v, g) in enumerate(zip(params, grads)):
+        m[i] = beta1 * m[i] + (1.0 - beta1) * g
+        s[i] = beta2 * s[i] + (1.0 - beta2) * g * g
+        out.append(v - lr_t * m[i] / (np.sqrt(s[i]) + eps))
+    return out
+
+
+CASES = {
+    "sgd": (lambda lr, r: SGD(r if lr is None else lr), sgd_np, {}),
+    "momentum": (lambda lr, r: Momentum(r if lr is None else lr, momentum=0.8), momentum_np, {"momentum": 0.8}),
+    "nesterov": (lambda lr, r: Momentum(r if lr is None else lr, momentum=0.7, nesterov=True), momentum_np,
+                 {"momentum": 0.7, "nesterov": True}),
+    "adam": (lambda lr, r: Adam(r if lr is None else lr, beta1=0.85, beta2=0.99, epsilon=1e-6), adam_np,
+             {"beta1": 0.85, "beta2": 0.99, "eps": 1e-6}),
+}
+
+
+def run_case(case: str, lr_kind: str, lrs: list[float], clip=None):
+    make, ref_step, kw = CASES[case]
+    p = problem()
+    g, sess, t = build(p, lambda lr: make(lr, lrs[0]), lr_kind, clip)
+    params, state = [p["w"].copy(), p["b"].copy()], {}
+    for lr in lrs:
+        feeds = {t["x"]: p["x"], t["y"]: p["y"]}
+        if lr_kind.startswith("placeholder"):
+            feeds[t["lr"]] = lr
+        elif lr_kind == "variable":
+            sess.run(fc.assign(t["lr"], np.float64(lr)))
+        sess.run(t["train"], feeds)
+        grads = list(grads_np(p, *params))
+        if clip is not None:
+            norm = math.sqrt(sum(float((gr * gr).sum()) for gr in grads))
+            grads = [gr * clip / max(norm, clip) for gr in grads]
+        params = ref_step(params, grads, state, lr, **kw)
+    return sess.variable_values(), params, state, t
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_three_steps_match_numpy(case):
+    values, params, state, t = run_case(case, "float", [0.05, 0.05, 0.05])
+    np.testing.assert_allclose(values["dense/w"], params[0], rtol=RTOL)
+    np.testing.assert_allclose(values["dense/b"], params[1], rtol=RTOL)
+    assert not np.allclose(values["dense/w"], problem()["w"])  # it moved
+    for slot in ("momentum", "m", "v"):
+        if slot in state:
+            name = t["opt"].name
+            np.testing.assert_allclose(values[f"dense/w/{name}/{slot}"], state[slot][0], rtol=RTOL)
+            np.testing.assert_allclose(values[f"dense/b/{name}/{slot}"], state[slot][1], rtol=RTOL)
+    if case == "adam":
+        assert values["Adam/t"] == 3
+        np.testing.assert_allclose(values["Adam/beta1_power"], 0.85 ** 4, rtol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("lr_kind", ["placeholder", "variable"])
+def test_learning_rate_tensor_changes_per_step(case, lr_kind):
+    lrs = [0.1, 0.03, 0.007]
+    values, params, _, _ = run_case(case, lr_kind, lrs)
+    np.testing.assert_allclose(values["dense/w"], params[0], rtol=RTOL)
+    np.testing.assert_allclose(values["dense/b"], params[1], rtol=RTOL)
+    # A fixed rate gives a different answer, so the per-step rates really were used.
+    fixed, _, _, _ = run_case(case, "float", [lrs[0]] * 3)
+    assert not np.allclose(fixed["dense/w"], values["dense/w"])
+
+
+def test_float32_learning_rate_is_cast_for_float64_variables():
+    lrs = [0.25, 0.125, 0.0625]  # exact in float32, so the float64 reference applies as is
+    values, params, _, _ = run_case("sgd", "placeholder32", lrs)
+    np.testing.assert_allclose(values["dense/w"], params[0], rtol=RTOL)
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam"])
+def test_minimize_with_clipping_matches_numpy(case):
+    values, params, _, _ = run_case(case, "float", [0.05, 0.05, 0.05], clip=0.5)
+    np.testing.assert_allclose(values["dense/w"], params[0], rtol=RTOL)
+    np.testing.assert_allclose(values["dense/b"], params[1], rtol=RTOL)
+
+
+@pytest.mark.parametrize("factor", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("tensor_norm", [False, True])
+def test_clip_by_global_norm_against_numpy(factor, tensor_norm, rng):
+    a, c = rng.normal(size=(3,)), rng.normal(size=(2, 2))
+    norm = math.sqrt(sum(v * v for v in a.ravel()) + sum(v * v for v in c.ravel()))
+    clip = factor * norm
+    g = fc.Graph()
+    with g.as_default():
+        ta = fc.placeholder("float64", (3,), name="a")
+        tc = fc.placeholder("float64", (2, 2), name="c")
+        cn = fc.placeholder("float64", (), name="cn") if tensor_norm else clip
+        clipped, gn = clip_by_global_norm([ta, None, tc], cn)
+    assert clipped[1] is None
+    feeds = {ta: a, tc: c}
+    if tensor_norm:
+        feeds[cn] = clip
+    got_a, got_c, got_norm = fc.Session(g, store=fc.ContainerStore()).run([clipped[0], clipped[2], gn], feeds)
+    np.testing.assert_allclose(got_norm, norm, rtol=1e-12)
+    scale = clip / norm if factor < 1 else 1.0
+    np.testing.assert_allclose(got_a, a * scale, rtol=1e-12)
+    np.testing.assert_allclose(got_c, c * scale, rtol=1e-12)
+    if factor > 1:
+        np.testing.assert_array_equal(got_a, a)  # below the limit: untouched, bit for bit
+    else:
+        np.testing.assert_allclose(math.sqrt((got_a ** 2).sum() + (got_c ** 2).sum()), clip, rtol=1e-12)
+
+
+def test_slots_are_variables_named_after_their_variable():
+    g, sess, t = build(problem(), lambda lr: Adam(0.01))
+    opt = t["opt"]
+    names = [s.node for s in opt.slots()]
+    assert names == ["dense/w/Adam/m", "dense/w/Adam/v", "dense/b/Adam/m", "dense/b/Adam/v"]
+    all_vars = {v.node for v in fc.variables(g)}
+    assert set(names) <= all_vars
+    assert {"Adam/beta1_power", "Adam/beta2_power", "Adam/t"} <= {v.node for v in opt.variables()} <= all_vars
+    assert {v.node for v in fc.trainable_variables(g)} == {"dense/w", "dense/b"}
+    init_inputs = {r.split(":")[0] for r in g.nodes["init"].inputs}
+    for s in opt.variables():
+        node = g.nodes[s.node]
+        assert node.op == "Variable" and not node.attrs["trainable"]
+        assert f"{s.node}/init" in init_inputs
+    assert g.nodes["dense/w/Adam/m"].colocate_with == ["dense/w"]
+    values = sess.variable_values()  # initialised to zeros by the global initializer
+    np.testing.assert_array_equal(values["dense/w/Adam/v"], np.zeros((3, 2)))
+
+
+def test_slot_names_ignore_the_callers_name_scope():
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(np.ones(2), name="w")
+        loss = fc.reduce_sum(fc.square(w))
+        with g.name_scope("train"):
+            opt = Momentum(0.1)
+            opt.minimize(loss)
+    assert [s.node for s in opt.slots()] == ["w/Momentum/momentum"]
+    assert "w/Momentum/momentum/init" in g.nodes
+
+
+def test_variables_without_gradient_are_skipped_and_none_at_all_is_an_error():
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(np.ones(2), name="w")
+        unused = fc.variable(np.ones(2), name="unused")
+        loss = fc.reduce_sum(fc.square(w))
+        opt = SGD(0.5)
+        gv = opt.compute_gradients(loss)
+        assert [v.node for _, v in gv] == ["w", "unused"] and gv[1][0] is None
+        train = opt.apply_gradients(gv)
+        init = fc.global_variables_initializer()
+        with pytest.raises(fc.GraphError, match="no gradients for any of the variables"):
+            opt.apply_gradients([(None, unused)])
+    sess = fc.Session(g, store=fc.ContainerStore())
+    sess.run(init)
+    sess.run(train)
+    vals = sess.variable_values()
+    np.testing.assert_array_equal(vals["w"], [0.0, 0.0])  # 1 - 0.5 * 2
+    np.testing.assert_array_equal(vals["unused"], [1.0, 1.0])
