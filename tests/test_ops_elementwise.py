@@ -94,3 +94,23 @@ def test_dtype_mismatch_names_both_inputs():
         b = fc.placeholder("float64", (2,), name="b")
         with pytest.raises(fc.GraphError, match="'a:0'.*'b:0'"):
             fc.add(a, b, name="bad")
+
+
+@pytest.mark.parametrize("name", ["relu", "sigmoid", "tanh"])
+def test_second_derivatives_of_activations(name, rng):
+    x = rng.uniform(0.2, 1.5, size=(2, 3)) * rng.choice([-1, 1], (2, 3))
+
+    def first_grad(x):
+        y = getattr(fc, name)(x)
+        return fc.gradients(y * y, [x])[0]
+
+    check_gradients(first_grad, {"x": x})
+
+
+def test_second_derivative_without_a_rule_is_an_error_not_zero(rng):
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (2, 3), name="x")
+        dx = fc.gradients(fc.reduce_sum(fc.softmax(x) * x), [x])[0]
+        with pytest.raises(fc.GraphError, match="no gradient registered for op SoftmaxGrad"):
+            fc.gradients(fc.reduce_sum(dx), [x])

@@ -164,6 +164,16 @@ class Graph:
             self._scope.pop()
 
     @contextlib.contextmanager
+    def absolute_scope(self, name: str = "") -> Iterator[str]:
+        """Leave every enclosing name scope (then enter `name`, if given): for state named after
+        another node wherever the caller stands, such as optimizer slots."""
+        saved, self._scope = self._scope, [name.strip("/")] if name else []
+        try:
+            yield "/".join(self._scope)
+        finally:
+            self._scope = saved
+
+    @contextlib.contextmanager
     def device(self, device: str) -> Iterator[None]:
         self._device.append(device)
         try:

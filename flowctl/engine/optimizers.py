@@ -14,8 +14,7 @@ from the Variable node, so the read the gradients used always happens before the
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,17 +31,6 @@ from flowctl.engine.ops.state import assign, assign_add, assign_sub, trainable_v
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "clip_by_global_norm"]
 
 GradsAndVars = list[tuple[Tensor | None, Tensor]]
-
-
-@contextlib.contextmanager
-def _absolute_scope(graph: Graph) -> Iterator[None]:
-    """Name optimizer state after the variable it belongs to, whatever name scope the caller is in
-    (TensorFlow's slot naming); the graph has no public way to leave every scope."""
-    saved, graph._scope = graph._scope, []
-    try:
-        yield
-    finally:
-        graph._scope = saved
 
 
 def _scalar(value: Any, dtype: str, name: str) -> Tensor:
@@ -86,7 +74,7 @@ class Optimizer:
             raise GraphError(f"{self.name}: no gradients for any of the variables "
                              f"{[v.node for _, v in pairs]}; does the loss depend on them?")
         graph = live[0][1].graph
-        with graph.as_default(), _absolute_scope(graph):
+        with graph.as_default(), graph.absolute_scope():
             self._prepare(graph, [v for _, v in live])
             updates: list[Tensor] = []
             for grad, var in live:
@@ -121,14 +109,14 @@ class Optimizer:
         key = (id(var.graph), var.node, slot)
         if key not in self._slots:
             zeros = np.zeros(var.shape, dtype=np_dtype(var.dtype))
-            with _absolute_scope(var.graph), var.graph.colocate_with(var):
+            with var.graph.absolute_scope(), var.graph.colocate_with(var):
                 self._slots[key] = variable(zeros, name=f"{var.node}/{self.name}/{slot}", trainable=False)
         return self._slots[key]
 
     def _state_variable(self, graph: Graph, key: str, value: Any) -> Tensor:
         k = (id(graph), key)
         if k not in self._state:
-            with _absolute_scope(graph):
+            with graph.absolute_scope():
                 self._state[k] = variable(value, name=f"{self.name}/{key}", trainable=False)
         return self._state[k]
 
@@ -204,7 +192,7 @@ class Adam(Optimizer):
         """lr_t for one dtype, built once per apply and shared by every variable of that dtype."""
         if dtype not in self._lr_t:
             graph = self._b1p.graph
-            with _absolute_scope(graph), graph.name_scope(self.name):
+            with graph.absolute_scope(), graph.name_scope(self.name):
                 b1p = self._b1p if self._b1p.dtype == dtype else cast(self._b1p, dtype)
                 b2p = self._b2p if self._b2p.dtype == dtype else cast(self._b2p, dtype)
                 lr = self._lr(dtype)

@@ -160,8 +160,16 @@ for _name, _g in zip(BINARY, (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum
 for _name in COMPARE:
     register_op(_name, _compare_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
 
-for _name in ("ReluGrad", "SigmoidGrad", "TanhGrad"):
-    register_op(_name, _grad_pair_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
+# Second derivatives: each fused gradient op is linear in dy, and its derivative in y is elementwise.
+_SECOND_ORDER = {
+    "ReluGrad": lambda op, g: [make1("ReluGrad", [g[0], op.inputs[1]]), zeros_like(op.inputs[1])],
+    "SigmoidGrad": lambda op, g: [make1("SigmoidGrad", [g[0], op.inputs[1]]),
+                                  g[0] * op.inputs[0] * (1.0 - 2.0 * op.inputs[1])],
+    "TanhGrad": lambda op, g: [make1("TanhGrad", [g[0], op.inputs[1]]),
+                               g[0] * op.inputs[0] * op.inputs[1] * -2.0],
+}
+for _name, _g2 in _SECOND_ORDER.items():
+    register_op(_name, _grad_pair_infer, num_inputs=2, group=ELEMENTWISE, grad=_g2)
 
 register_op("Select", _select_infer, num_inputs=3, group=ELEMENTWISE, grad=_g_select)
 register_op("Cast", _cast_infer, num_inputs=1, attrs={"dtype": ("dtype", "float32")}, group=ELEMENTWISE,

@@ -218,7 +218,7 @@ register_op("LogSoftmax", _softmax_infer, num_inputs=1, attrs={"axis": ("int", -
 # Like ReluGrad, the fused gradient ops are not themselves differentiated (no second derivatives).
 for _op in ("SoftmaxGrad", "LogSoftmaxGrad"):
     register_op(_op, _softmax_grad_infer, num_inputs=2, attrs={"axis": ("int", -1)}, group=NN,
-                differentiable=False, cost=_SOFTMAX_GRAD_COST)
+                cost=_SOFTMAX_GRAD_COST)
 
 # Outputs: (per-example loss (batch,), backprop (batch, classes) = d loss / d logits).
 register_op("SoftmaxCrossEntropyWithLogits", _xent_infer, num_inputs=2, group=NN, grad=_g_xent,
@@ -226,7 +226,7 @@ register_op("SoftmaxCrossEntropyWithLogits", _xent_infer, num_inputs=2, group=NN
 register_op("SparseSoftmaxCrossEntropyWithLogits", _sparse_xent_infer, num_inputs=2, group=NN,
             grad=_g_sparse_xent, cost=_XENT_COST)
 # XentGrad(dy, m) = dy[:, None] * m: scales each row of m by that example's loss gradient.
-register_op("XentGrad", _xent_grad_infer, num_inputs=2, group=NN, differentiable=False,
+register_op("XentGrad", _xent_grad_infer, num_inputs=2, group=NN,
             cost=_one_per_output)
 
 register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add, cost=_one_per_output)
@@ -239,7 +239,7 @@ register_op("FusedBatchNorm", _bn_infer, num_inputs=3, attrs={"epsilon": ("float
             grad=_g_fused_bn, cost=_BN_COST)
 # FusedBatchNormGrad(dy, x, scale, mean, var[, dmean, dvar]) -> (dx, dscale, doffset).
 register_op("FusedBatchNormGrad", _bn_grad_infer, min_inputs=5, attrs={"epsilon": ("float", 1e-3)},
-            group=NN, differentiable=False, cost=_BN_GRAD_COST)
+            group=NN, cost=_BN_GRAD_COST)
 
 # Dropout(x) -> (x * mask, mask), mask = keep / (1 - rate) drawn afresh each step at x's runtime
 # shape from the node's own random stream (so it is stateful, with an "rng" resource).
