@@ -17,15 +17,17 @@ from flowctl.engine.session import Session
 def check_gradients(build: Callable[..., Tensor | Sequence[Tensor]], inputs: Mapping[str, np.ndarray],
                     wrt: Sequence[str] | None = None, eps: float = 1e-6, rtol: float = 1e-5,
                     atol: float = 1e-7, max_elements: int = 60, seed: int = 0,
-                    graph_seed: int = 0) -> float:
+                    graph_seed: int = 0, shapes: Mapping[str, tuple] | None = None) -> float:
     """Build `build(**placeholders)` for float64 (or integer) `inputs`, then check d(sum r*y)/dx for
     random weights r against central differences on up to `max_elements` entries of each x in
     `wrt` (default: every float input). Raises AssertionError naming the input and element;
-    returns the largest absolute error seen."""
+    returns the largest absolute error seen. `shapes` overrides placeholder shapes (e.g. an unknown
+    batch dimension, None) so run-time-shape code paths are checked too."""
     rng = np.random.default_rng(seed)
     g = Graph(seed=graph_seed)
     with g.as_default():
-        phs = {k: placeholder(v.dtype.name, v.shape, name=k) for k, v in inputs.items()}
+        shapes = shapes or {}
+        phs = {k: placeholder(v.dtype.name, shapes.get(k, v.shape), name=k) for k, v in inputs.items()}
         outs = build(**phs)
         ys = [outs] if isinstance(outs, Tensor) else list(outs)
         ys = [y for y in ys if y.dtype in ("float32", "float64")]

@@ -1,0 +1,155 @@
+"""Devices, device profiles and clusters (whitepaper §3 "Devices", §3.2).
+
+A `Cluster` is the list of devices plus the links between them. The same object serves the runtime
+(which devices exist and how many threads each may use) and the simulator (how fast each device
+computes and each link moves bytes). A `DeviceProfile` can describe hardware that is not present,
+so `4xgpu:k40` is a cluster one can plan for on a laptop.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from flowctl.engine.devices import canonical, parse_device
+from flowctl.engine.errors import PlacementError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Roofline figures for one device: an op takes max(flops / peak_flops, bytes / mem_bandwidth)
+    plus a fixed dispatch overhead."""
+
+    name: str
+    type: str  # "cpu" | "gpu"
+    peak_flops: float  # FLOP/s (float32)
+    mem_bandwidth: float  # bytes/s
+    memory: int  # bytes
+    op_overhead: float = 5e-6  # s per op: kernel launch or Python dispatch
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+
+# Published peak figures (float32, boost clock) and memory sizes; link figures are typical
+# effective rates (PCIe 3.0 x16 about 12 GB/s, NVLink 2.0 about 25 GB/s per direction per link).
+PROFILES: dict[str, DeviceProfile] = {
+    "k40": DeviceProfile("k40", "gpu", 4.29e12, 288e9, 12 * GiB, 8e-6),
+    "k80": DeviceProfile("k80", "gpu", 4.37e12, 240e9, 12 * GiB, 8e-6),
+    "p100": DeviceProfile("p100", "gpu", 9.3e12, 732e9, 16 * GiB, 6e-6),
+    "v100": DeviceProfile("v100", "gpu", 15.7e12, 900e9, 16 * GiB, 5e-6),
+    "a100": DeviceProfile("a100", "gpu", 19.5e12, 1555e9, 40 * GiB, 5e-6),
+    "h100": DeviceProfile("h100", "gpu", 67e12, 3350e9, 80 * GiB, 4e-6),
+    # One modern server core with AVX2 FMA: 2 FMA units x 8 float32 lanes x 2 FLOP x ~3 GHz.
+    "cpu_core": DeviceProfile("cpu_core", "cpu", 96e9, 10e9, 8 * GiB, 3e-6),
+}
+LINKS: dict[str, Link] = {
+    "pcie3": Link(12e9, 10e-6),
+    "nvlink": Link(25e9, 5e-6),
+    "local": Link(20e9, 2e-6),  # between virtual CPU devices of one process: a memory copy
+    "ethernet10g": Link(1.1e9, 50e-6),
+}
+
+
+@dataclass
+class Device:
+    name: str  # canonical
+    profile: DeviceProfile
+    threads: int = 1  # execution threads (and BLAS threads) this device may use
+
+    @property
+    def type(self) -> str:
+        return self.profile.type
+
+
+@dataclass
+class Cluster:
+    devices: list[Device]
+    default_link: Link = field(default_factory=lambda: LINKS["local"])
+    links: dict[tuple[str, str], Link] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise PlacementError(f"cluster names a device twice: {names}")
+        self._by_name = {d.name: d for d in self.devices}
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def device(self, name: str) -> Device:
+        try:
+            return self._by_name[canonical(name)]
+        except KeyError:
+            raise PlacementError(f"no device {name} in this cluster; devices: {', '.join(self.names)}") from None
+
+    def link(self, src: str, dst: str) -> Link:
+        if src == dst:
+            return Link(float("inf"), 0.0)
+        return self.links.get((src, dst)) or self.links.get((dst, src)) or self.default_link
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def local(cls, virtual_cpus: int = 1, threads: int | None = None) -> "Cluster":
+        """This machine's CPU split into `virtual_cpus` devices of equal thread counts (at least one
+        each), so model parallelism is real without a GPU."""
+        cores = threads or os.cpu_count() or 1
+        per = max(1, cores // virtual_cpus)
+        core = PROFILES["cpu_core"]
+        devices = [Device(canonical(f"cpu:{i}"),
+                          DeviceProfile(f"cpu_x{per}", "cpu", core.peak_flops * per, core.mem_bandwidth,
+                                        core.memory, core.op_overhead), threads=per)
+                   for i in range(virtual_cpus)]
+        return cls(devices, default_link=LINKS["local"])
+
+    @classmethod
+    def from_spec(cls, text: str) -> "Cluster":
+        """What-if clusters from profiles: `4xgpu:k40`, `2xgpu:v100+cpu`, `gpu:p100,gpu:p100`.
+        Devices are numbered per type in order; GPUs are linked by PCIe unless `@nvlink` follows."""
+        devices: list[Device] = []
+        counters: dict[str, int] = {}
+        link = LINKS["pcie3"]
+        for part in re.split(r"[,+]", text.replace(" ", "")):
+            if not part:
+                continue
+            if "@" in part:
+                part, link_name = part.split("@", 1)
+                if link_name not in LINKS:
+                    raise PlacementError(f"unknown link '{link_name}'; known: {', '.join(LINKS)}")
+                link = LINKS[link_name]
+            m = re.fullmatch(r"(?:(\d+)x)?(cpu|gpu)(?::(\w+))?", part)
+            if m is None:
+                raise PlacementError(f"cannot read device group '{part}': write e.g. '4xgpu:k40' or 'cpu'")
+            count, dtype, prof = int(m[1] or 1), m[2], m[3]
+            if prof is None:
+                prof = "k40" if dtype == "gpu" else "cpu_core"
+            if prof not in PROFILES:
+                import difflib
+
+                close = difflib.get_close_matches(prof, PROFILES, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise PlacementError(f"unknown device profile '{prof}'{hint} (known: {', '.join(PROFILES)})")
+            if PROFILES[prof].type != dtype:
+                raise PlacementError(f"profile '{prof}' describes a {PROFILES[prof].type}, not a {dtype}")
+            for _ in range(count):
+                idx = counters.get(dtype, 0)
+                counters[dtype] = idx + 1
+                devices.append(Device(canonical(f"{dtype}:{idx}"), PROFILES[prof]))
+        if not devices:
+            raise PlacementError(f"no devices in '{text}'")
+        return cls(devices, default_link=link)
+
+    def describe(self) -> list[dict[str, object]]:
+        return [{"name": d.name, "profile": d.profile.name, "type": d.type, "threads": d.threads,
+                 "peak_gflops": d.profile.peak_flops / 1e9, "memory_gib": d.profile.memory / GiB}
+                for d in self.devices]
+
+
+def device_index(name: str) -> int:
+    return parse_device(name).index
