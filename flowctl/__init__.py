@@ -22,6 +22,7 @@ from flowctl.engine.executor import RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, default_graph, reset_default_graph
 from flowctl.engine.ops.api import constant
 from flowctl.engine.ops.array import *  # noqa: F401,F403
+from flowctl.engine.ops.conv import *  # noqa: F401,F403
 from flowctl.engine.ops.control import check_numerics, group, identity, no_op, stop_gradient
 from flowctl.engine.ops.elementwise import (
     abs_, add, add_n, cast, div, equal, exp, greater, less, log, maximum, minimum, mul, neg,

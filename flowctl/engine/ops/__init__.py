@@ -2,6 +2,7 @@
 from flowctl.engine.ops import (  # noqa: F401
     array,
     control,
+    conv,
     elementwise,
     matrix,
     nn,
