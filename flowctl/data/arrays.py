@@ -1,0 +1,77 @@
+"""Examples from .npy/.npz files: the first axis indexes examples; each epoch visits them in a
+fresh order (when shuffling) and drops the last partial batch, so every batch has one shape."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from flowctl.data.base import DataSource, InputSpec
+from flowctl.engine.errors import SpecError
+
+
+def _load(path: Path, inputs: list[InputSpec], features: dict[str, str]) -> dict[str, np.ndarray]:
+    if not path.exists():
+        raise SpecError(f"data file {path} does not exist")
+    try:
+        if path.suffix == ".npy":
+            if len(inputs) != 1:
+                raise SpecError(f"{path}: a .npy file holds one array but the model has {len(inputs)} inputs "
+                                f"({', '.join(i.name for i in inputs)}); use an .npz with one array per input")
+            return {inputs[0].name: np.load(path, allow_pickle=False)}
+        with np.load(path, allow_pickle=False) as z:
+            out = {}
+            for spec in inputs:
+                key = features.get(spec.name, spec.name)
+                if key not in z.files:
+                    raise SpecError(f"{path}: no array '{key}' for input '{spec.name}' (arrays: "
+                                    f"{', '.join(z.files)})")
+                out[spec.name] = z[key]
+            return out
+    except (ValueError, OSError) as e:
+        raise SpecError(f"{path}: cannot read arrays: {e}") from None
+
+
+class ArraySource(DataSource):
+    kind = "arrays"
+
+    def __init__(self, inputs: list[InputSpec], batch_size: int, path: str | Path,
+                 features: dict[str, str] | None = None, shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(inputs, batch_size, seed)
+        self.path = Path(path)
+        self.shuffle = shuffle
+        self.arrays = _load(self.path, inputs, features or {})
+        sizes = {name: len(a) for name, a in self.arrays.items()}
+        if len(set(sizes.values())) != 1:
+            raise SpecError(f"{self.path}: arrays differ in length: "
+                            + ", ".join(f"{k} {v}" for k, v in sizes.items()))
+        self.n = next(iter(sizes.values()))
+        for spec in inputs:
+            a = self.arrays[spec.name]
+            if tuple(a.shape[1:]) != tuple(spec.shape):
+                raise SpecError(f"{self.path}: array for input '{spec.name}' has examples of shape "
+                                f"{list(a.shape[1:])}, the model expects {list(spec.shape)}")
+            if spec.is_int != np.issubdtype(a.dtype, np.integer):
+                raise SpecError(f"{self.path}: array for input '{spec.name}' is {a.dtype}, the model expects "
+                                f"{spec.dtype}")
+        if self.n < batch_size:
+            raise SpecError(f"{self.path}: {self.n} examples are fewer than one batch of {batch_size}")
+        self.batches_per_epoch = self.n // batch_size
+        self._order_epoch = -1
+        self._order = np.arange(self.n)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The example order of an epoch, a function of (seed, epoch) only, so a restored cursor
+        sees exactly the batches an uninterrupted run would."""
+        if epoch != self._order_epoch:
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle
+                           else np.arange(self.n))
+            self._order_epoch = epoch
+        return self._order
+
+    def _next(self) -> dict[str, np.ndarray]:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        idx = self.order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
+        return {spec.name: self.arrays[spec.name][idx].astype(spec.dtype, copy=False) for spec in self.inputs}
