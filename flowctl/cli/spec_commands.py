@@ -1,0 +1,108 @@
+"""`flowctl validate` and `flowctl inspect`: click commands and rich rendering, nothing else.
+
+People's output (the summary line, tables) goes to stderr; data (`--json`, `--schema`) to stdout.
+Spec problems raise SpecError, which the group in main.py prints and maps to exit code 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from flowctl.spec import json_schema, load_spec
+from flowctl.spec.model import build_model
+from flowctl.spec.summary import summarize
+
+
+def _err() -> Console:
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _shape(shape: list[Any]) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+@click.command()
+@click.argument("spec", required=False, type=click.Path(dir_okay=False))
+@click.option("--schema", is_flag=True, help="Print the spec's JSON schema to stdout and exit.")
+@click.option("--no-build", is_flag=True, help="Check the spec without building its graph.")
+def validate(spec: str | None, schema: bool, no_build: bool) -> None:
+    """Check SPEC: schema, blocks, layer shapes, devices, batch numbers; then build its graph.
+
+    Exit 0 with a one-line summary, or 2 with every problem as file:line:col: key: message.
+    """
+    if schema:
+        click.echo(json.dumps(json_schema(), indent=2))
+        return
+    if spec is None:
+        raise click.UsageError("give a SPEC file (or --schema)")
+    loaded = load_spec(spec)
+    trainable, frozen = loaded.params()
+    nodes = ""
+    if not no_build:
+        model = build_model(loaded, training=True)
+        nodes = f", {len(model.graph):,} graph nodes"
+    s = loaded.spec
+    _err().print(f"ok: {spec}: model '{s.model.name}', {len(loaded.layers)} layers, "
+                 f"{trainable + frozen:,} parameters ({trainable:,} trainable){nodes}; "
+                 f"{s.parallelism.strategy} × {s.parallelism.replicas}, batch {loaded.global_batch}, "
+                 f"{len(s.devices)} device(s)")
+
+
+@click.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON to stdout.")
+def inspect(spec: str, as_json: bool) -> None:
+    """Per-layer output shapes and parameters, totals, node count, FLOPs per training step and
+    activation memory of SPEC (read off the graph it builds)."""
+    loaded = load_spec(spec)
+    report = summarize(loaded)
+    report["spec"] = spec
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    con = _err()
+    table = Table(title=f"{report['name']} ({spec})", title_justify="left")
+    for col, just in (("layer", "left"), ("type", "left"), ("output", "left"), ("params", "right"),
+                      ("nodes", "right"), ("fwd FLOPs", "right")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for row in report["layers"]:
+        table.add_row(row["name"], row["type"], _shape(row["output_shape"]), f"{row['params']:,}",
+                      str(row["nodes"]), _si(row["forward_flops"]))
+    con.print(table)
+    if report["blocks"]:
+        blocks = Table(title="block instances", title_justify="left")
+        for col in ("instance", "block", "output", "params"):
+            blocks.add_column(col)
+        for row in report["blocks"]:
+            blocks.add_row(row["name"], row["block"], _shape(row["output_shape"] or []), f"{row['params']:,}")
+        con.print(blocks)
+    p, n, f, m = report["params"], report["nodes"], report["flops"], report["memory"]
+    con.print(f"parameters: {p['total']:,} ({p['trainable']:,} trainable, {p['non_trainable']:,} not)")
+    con.print(f"nodes: {n['model']:,} in the model graph, {n['forward']:,} in the forward pass, "
+              f"{n['training_step']:,} in a training step")
+    con.print(f"FLOPs at batch {report['batch_size']}: forward {_si(f['forward'])}, training step "
+              f"{_si(f['training_step'])}")
+    con.print(f"memory at batch {report['batch_size']}: activations {_bytes(m['activation_bytes'])}, "
+              f"parameters {_bytes(m['parameter_bytes'])}")
+
+
+COMMANDS = [validate, inspect]

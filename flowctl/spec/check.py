@@ -1,0 +1,282 @@
+"""Checks that need more than one key: the layer graph (names, inputs, shapes through the layer
+library), the loss, devices referenced by placement and parallelism, batch arithmetic, and the data
+source against the model's inputs. Every message carries the numbers involved."""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from flowctl.engine.devices import device_matches, parse_constraint
+from flowctl.engine.errors import PlacementError
+from flowctl.engine.shapes import TensorSpec
+from flowctl.spec.blocks import Expansion, Instance
+from flowctl.spec.layers import Layer, LayerError, Weight, count
+from flowctl.spec.layers.base import fmt
+from flowctl.spec.schema import ArrayData, Spec, TextData
+from flowctl.spec.source import LocDict, Mark, Problems, did_you_mean, locate
+
+DEFAULT_BATCH = 32
+
+
+@dataclass
+class LayerInfo:
+    """A layer after static inference: resolved inputs, output, weights, where it was written."""
+
+    layer: Layer
+    index: int  # position in model.layers after block expansion
+    inputs: list[str]
+    output: TensorSpec
+    weights: list[Weight]
+    mark: Mark | None
+    via: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.layer.name
+
+    @property
+    def params(self) -> tuple[int, int]:
+        return count(self.weights)
+
+
+@dataclass
+class LoadedSpec:
+    """A validated spec: the pydantic model plus everything derived from it."""
+
+    spec: Spec
+    root: LocDict  # the YAML tree with marks (after block expansion)
+    layers: dict[str, LayerInfo]
+    instances: list[Instance]
+    aliases: dict[str, str]
+    loss: str | None
+    global_batch: int
+    per_replica_batch: int
+    base_dir: Path = field(default_factory=lambda: Path("."))
+
+    def resolve(self, name: str) -> str:
+        return self.aliases.get(name, name)
+
+    def layer_names(self) -> list[str]:
+        return list(self.layers)
+
+    def params(self) -> tuple[int, int]:
+        t = sum(i.params[0] for i in self.layers.values())
+        return t, sum(i.params[1] for i in self.layers.values())
+
+    def inputs(self) -> list[LayerInfo]:
+        return [i for i in self.layers.values() if i.layer.type == "input"]
+
+    def where(self, loc: Sequence[Any]) -> str:
+        mark, _ = locate(self.root, loc)
+        return str(mark) if mark else ""
+
+
+def check(spec: Spec, root: LocDict, expansion: Expansion, problems: Problems, base_dir: Path) -> LoadedSpec:
+    layers = _check_layers(spec, root, expansion, problems)
+    loss = _check_loss(spec, root, layers, problems)
+    gb, rb = _check_batch(spec, root, problems)
+    loaded = LoadedSpec(spec, root, layers, expansion.instances, expansion.aliases, loss, gb, rb, base_dir)
+    _check_devices(spec, root, loaded, problems)
+    _check_data(spec, root, loaded, problems, base_dir)
+    return loaded
+
+
+def _check_layers(spec: Spec, root: LocDict, expansion: Expansion, problems: Problems) -> dict[str, LayerInfo]:
+    out: dict[str, LayerInfo] = {}
+    failed: set[str] = set()
+    marks: dict[str, Mark | None] = {}
+    for i, entry in enumerate(spec.model.layers):
+        loc = ("model", "layers", i)
+        assert isinstance(entry, Layer), "block uses are expanded before validation"
+        layer = entry
+        mark, via = locate(root, loc)
+        name = layer.name
+        if name in marks or name in expansion.aliases:
+            first = marks.get(name) or "a block instance"
+            problems.at(root, loc + ("name",), f"duplicate layer name '{name}' (first defined at {first})")
+            continue
+        marks[name] = mark
+        layer._dtype = spec.model.dtype
+        refs = [expansion.aliases.get(r, r) for r in (layer.inputs or [])]
+        lo, hi = layer.arity
+        if not lo <= len(refs) <= (hi if hi is not None else len(refs)):
+            want = f"{lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo} to {hi}"
+            problems.at(root, loc + ("inputs",) if layer.inputs else loc,
+                        f"{layer.type} layer '{name}' takes {want} input(s), got {len(refs)}"
+                        + (f": {', '.join(refs)}" if refs else ""))
+            failed.add(name)
+            continue
+        ins: list[TensorSpec] = []
+        ok = True
+        for n, ref in enumerate(refs):
+            if ref in out:
+                ins.append(out[ref].output)
+            elif ref in failed:
+                ok = False
+            else:
+                later = any(x.name == ref for x in spec.model.layers[i + 1:])
+                why = " (layers may only read earlier layers)" if later else ""
+                problems.at(root, loc + ("inputs", n), f"unknown layer '{ref}'{why}"
+                            + ("" if later else did_you_mean(ref, list(out) + list(expansion.aliases))))
+                ok = False
+        if not ok:
+            failed.add(name)
+            continue
+        try:
+            spec_out = layer.infer(ins)
+            ws = layer.weights(ins)
+        except LayerError as e:
+            where = loc + (e.field,) if e.field and e.field in root_layer(root, i) else loc
+            shapes = "; ".join(f"{r} {fmt(s.shape)}" for r, s in zip(refs, ins))
+            shown = all(fmt(x.shape) in str(e) for x in ins)
+            problems.at(root, where, f"{layer.type} layer '{name}': {e}"
+                        + (f" [inputs: {shapes}]" if shapes and not shown else ""))
+            failed.add(name)
+            continue
+        out[name] = LayerInfo(layer, i, refs, spec_out, ws, mark, via)
+    return out
+
+
+def root_layer(root: LocDict, i: int) -> dict:
+    try:
+        return root["model"]["layers"][i]
+    except (KeyError, IndexError, TypeError):
+        return {}
+
+
+def _check_loss(spec: Spec, root: LocDict, layers: dict[str, LayerInfo], problems: Problems) -> str | None:
+    for info in layers.values():
+        if info.layer.type == "softmax_cross_entropy":
+            _check_classes(root, info, layers, problems)
+    losses = [n for n, i in layers.items() if i.layer.is_loss]
+    want = spec.model.loss
+    if want is None:
+        return losses[-1] if losses else None
+    if want not in layers or not layers[want].layer.is_loss:
+        problems.at(root, ("model", "loss"), f"'{want}' is not a loss layer" + did_you_mean(want, losses)
+                    + (f" (loss layers: {', '.join(losses)})" if losses else " (the model has no loss layer)"))
+        return None
+    return want
+
+
+def _check_classes(root: LocDict, info: LayerInfo, layers: dict[str, LayerInfo], problems: Problems) -> None:
+    logits, labels = (layers[r] for r in info.inputs)
+    n = logits.output.shape[-1]
+    classes = getattr(labels.layer, "classes", None)
+    if labels.layer.type == "input" and classes is not None and n is not None and classes != n:
+        problems.at(root, ("model", "layers", info.index, "inputs"),
+                    f"labels '{labels.name}' take {classes} classes but logits '{logits.name}' have {n}")
+
+
+def _check_batch(spec: Spec, root: LocDict, problems: Problems) -> tuple[int, int]:
+    """Global batch = per-replica batch × replicas (§7: sync data parallelism is one step on the
+    whole batch); whichever is missing is computed."""
+    t, r = spec.training, spec.parallelism.replicas
+    if t.batch_size is not None and t.per_replica_batch_size is not None:
+        if t.batch_size != t.per_replica_batch_size * r:
+            problems.at(root, ("training", "batch_size"),
+                        f"batch_size {t.batch_size} is not per_replica_batch_size {t.per_replica_batch_size} "
+                        f"× replicas {r} = {t.per_replica_batch_size * r}")
+        return t.batch_size, t.per_replica_batch_size
+    if t.per_replica_batch_size is not None:
+        return t.per_replica_batch_size * r, t.per_replica_batch_size
+    gb = t.batch_size if t.batch_size is not None else DEFAULT_BATCH * r
+    if gb % r:
+        problems.at(root, ("training", "batch_size"),
+                    f"batch_size {gb} does not split evenly over {r} replicas ({gb} / {r} = {gb / r:.2f})")
+    return gb, max(gb // r, 1)
+
+
+def _device_ok(root: LocDict, loc: tuple, dev: str, listed: list[str], problems: Problems) -> bool:
+    try:
+        parse_constraint(dev)
+    except PlacementError as e:
+        problems.at(root, loc, str(e))
+        return False
+    if not any(device_matches(dev, d) for d in listed):
+        short = [d.replace("/job:localhost/task:0/device:", "") for d in listed]
+        problems.at(root, loc, f"unknown device '{dev}': no listed device matches"
+                    + did_you_mean(dev, short) + f" (devices: {', '.join(short)})")
+        return False
+    return True
+
+
+def matches(pattern: str, names: Sequence[str]) -> list[str]:
+    """Names a constraint glob selects: a layer name, or any node under it (`mixed_5b` also
+    selects `mixed_5b/branch1x1/conv`)."""
+    # Node names are known only once the graph is built, so a pattern that reaches inside a layer
+    # ('hidden/*', 'hidden/matmul') is accepted when its layer part names a layer.
+    return [n for n in names if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, pattern + "/*")
+            or fnmatch.fnmatchcase(n + "/\0", pattern) or pattern.startswith(n + "/")]
+
+
+def _check_devices(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problems) -> None:
+    listed = [d.name for d in spec.devices]
+    seen: dict[str, int] = {}
+    for i, d in enumerate(spec.devices):
+        if d.name in seen:
+            problems.at(root, ("devices", i), f"device {d.name} listed twice (also entry {seen[d.name]})")
+        seen[d.name] = i
+        for peer in d.links:
+            if peer not in listed:
+                problems.at(root, ("devices", i, "links"), f"link to unknown device {peer}")
+        job = d.name.split("/")[1][len("job:"):]
+        if job != "localhost" and spec.cluster.type == "local":
+            problems.at(root, ("devices", i), f"device {d.name} is on job '{job}', which needs "
+                        f"`cluster: {{type: ray}}` (the cluster is local)")
+    names = loaded.layer_names()
+    for i, c in enumerate(spec.placement.constraints):
+        _device_ok(root, ("placement", "constraints", i, "device"), c.device, listed, problems)
+        if not matches(c.match, names):
+            problems.at(root, ("placement", "constraints", i, "match"),
+                        f"constraint '{c.match}' matches no layer" + did_you_mean(c.match, names))
+    for i, group in enumerate(spec.placement.colocate):
+        if len(group) < 2:
+            problems.at(root, ("placement", "colocate", i), f"a colocation group needs 2 or more patterns, "
+                        f"got {len(group)}")
+        for j, pat in enumerate(group):
+            if not matches(pat, names):
+                problems.at(root, ("placement", "colocate", i, j), f"colocation pattern '{pat}' matches no layer"
+                            + did_you_mean(pat, names))
+    par = spec.parallelism
+    for i, dev in enumerate(par.devices or []):
+        _device_ok(root, ("parallelism", "devices", i), dev, listed, problems)
+    for i, grp in enumerate(par.groups):
+        _device_ok(root, ("parallelism", "groups", i, "device"), grp.device, listed, problems)
+        for j, pat in enumerate(grp.layers):
+            if not matches(pat, names):
+                problems.at(root, ("parallelism", "groups", i, "layers", j),
+                            f"pattern '{pat}' matches no layer" + did_you_mean(pat, names))
+
+
+def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problems, base_dir: Path) -> None:
+    data = spec.data
+    inputs = {i.name: i for i in loaded.inputs()}
+    if isinstance(data, (ArrayData, TextData)) and not (base_dir / data.path).exists():
+        problems.at(root, ("data", "path"), f"no such file: {base_dir / data.path}")
+    if isinstance(data, ArrayData):
+        for key in data.features:
+            if key not in inputs:
+                problems.at(root, ("data", "features", key), f"'{key}' is not a model input"
+                            + did_you_mean(key, inputs) + f" (inputs: {', '.join(inputs)})", key=True)
+    if isinstance(data, TextData):
+        ints = [n for n, i in inputs.items() if i.output.dtype.startswith("int")]
+        for key, default in (("input", 0), ("target", 1)):
+            name = getattr(data, key) or (ints[default] if len(ints) > default else None)
+            if name is None:
+                problems.at(root, ("data",), f"a text source needs two integer model inputs (tokens and "
+                            f"next tokens); the model has {len(ints)}: {', '.join(ints) or 'none'}")
+                return
+            if name not in inputs:
+                problems.at(root, ("data", key), f"'{name}' is not a model input" + did_you_mean(name, inputs))
+                continue
+            shape = inputs[name].output.shape
+            if len(shape) != 2 or shape[1] is None:
+                problems.at(root, ("data", key), f"text input '{name}' must have shape [unroll], got "
+                            f"{list(shape[1:])}")
+            classes = getattr(inputs[name].layer, "classes", None)
+            if data.vocab_size and classes and data.vocab_size > classes:
+                problems.at(root, ("data", "vocab_size"), f"vocab_size {data.vocab_size} exceeds input "
+                            f"'{name}' classes {classes}")

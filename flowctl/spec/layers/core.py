@@ -1,0 +1,224 @@
+"""Core layers: input, dense, flatten, dropout, concat, embedding, activation and the loss."""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+import flowctl as fc
+from flowctl.engine.graph import Tensor
+from flowctl.engine.shapes import TensorSpec
+from flowctl.spec.layers.base import (
+    Activation, Builder, Layer, LayerError, Weight, elements, fmt, known, register,
+)
+
+
+def activate(x: Tensor, activation: str) -> Tensor:
+    if activation == "none":
+        return x
+    return {"relu": fc.relu, "tanh": fc.tanh, "sigmoid": fc.sigmoid}[activation](x, name=activation)
+
+
+def linear(b: Builder, x: Tensor, kernel: Tensor, bias: Tensor | None) -> Tensor:
+    """x @ kernel (+ bias) over the last axis of x, whatever its rank: a rank > 2 input is folded
+    to a matrix first so the product is one MatMul, not a batched one."""
+    shape = x.shape
+    if len(shape) > 2:
+        x = fc.reshape(x, (-1, shape[-1]), name="fold")
+    y = fc.matmul(x, kernel, name="matmul")
+    if bias is not None:
+        y = fc.bias_add(y, bias, name="bias_add")
+    if len(shape) > 2:
+        y = fc.reshape(y, tuple(-1 if d is None else d for d in shape[:-1]) + (kernel.shape[-1],),
+                       name="unfold")
+    return y
+
+
+@register
+class Input(Layer):
+    """A model input, fed from the data source: `shape` is per example (the batch is added)."""
+
+    type: Literal["input"]
+    shape: list[int] = Field(description="per-example shape, without the batch")
+    dtype: Literal["float32", "float64", "float16", "int32", "int64"] = "float32"
+    classes: int | None = Field(None, ge=1, description="integer inputs take values in [0, classes)")
+
+    arity: ClassVar[tuple[int, int | None]] = (0, 0)
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        return TensorSpec((None, *self.shape), self.dtype)
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        return fc.placeholder(self.dtype, (None, *self.shape), name=self.name)
+
+
+@register
+class Dense(Layer):
+    """A fully connected layer over the last axis."""
+
+    type: Literal["dense"]
+    units: int = Field(ge=1)
+    activation: Activation = "none"
+    use_bias: bool = True
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        x = ins[0]
+        if len(x.shape) < 2:
+            raise LayerError(f"dense needs an input of rank >= 2 (batch, features), got shape {fmt(x.shape)}")
+        known(x.shape[-1], f"dense '{self.name}' input features")
+        return TensorSpec((*x.shape[:-1], self.units), x.dtype)
+
+    def weights(self, ins: list[TensorSpec]) -> list[Weight]:
+        n = int(ins[0].shape[-1])
+        ws = [Weight("kernel", (n, self.units))]
+        if self.use_bias:
+            ws.append(Weight("bias", (self.units,), init="zeros"))
+        return ws
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        ws = [b.variable(w) for w in self.weights([ins[0].spec])]
+        y = linear(b, ins[0], ws[0], ws[1] if self.use_bias else None)
+        return activate(y, self.activation)
+
+
+@register
+class Flatten(Layer):
+    type: Literal["flatten"]
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        n = elements(ins[0])
+        if n is None:
+            raise LayerError(f"flatten needs every non-batch dimension known, got {fmt(ins[0].shape)}")
+        return TensorSpec((ins[0].shape[0], n), ins[0].dtype)
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        return fc.reshape(ins[0], (-1, int(math.prod(ins[0].shape[1:]))), name="reshape")
+
+
+@register
+class ActivationLayer(Layer):
+    type: Literal["activation"]
+    activation: Activation = "relu"
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        return ins[0]
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        return activate(ins[0], self.activation) if self.activation != "none" else fc.identity(ins[0])
+
+
+@register
+class Dropout(Layer):
+    """Drops units with probability `rate` while training; the identity otherwise."""
+
+    type: Literal["dropout"]
+    rate: float = Field(ge=0.0, lt=1.0)
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        return ins[0]
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        if not b.training or self.rate == 0.0:
+            return fc.identity(ins[0], name="identity")
+        return fc.dropout(ins[0], rate=self.rate, name="dropout")
+
+
+@register
+class Concat(Layer):
+    """Joins its inputs along `axis` (Inception's branches along channels)."""
+
+    type: Literal["concat"]
+    axis: int = -1
+
+    arity: ClassVar[tuple[int, int | None]] = (2, None)
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        r = len(ins[0].shape)
+        if not -r <= self.axis < r or self.axis in (0, -r):
+            raise LayerError(f"concat axis {self.axis} is out of range for rank {r} (axis 0 is the batch)",
+                             "axis")
+        ax = self.axis % r
+        total: int | None = 0
+        out = list(ins[0].shape)
+        names = self.inputs or []
+        for i, s in enumerate(ins):
+            if len(s.shape) != r or any(a is not None and b is not None and a != b
+                                        for j, (a, b) in enumerate(zip(s.shape, out)) if j != ax):
+                shapes = ", ".join(f"{n} {fmt(x.shape)}" for n, x in zip(names, ins))
+                raise LayerError(f"concat along axis {self.axis} needs all other dimensions equal: {shapes}",
+                                 "inputs")
+            if s.dtype != ins[0].dtype:
+                raise LayerError(f"concat inputs differ in dtype: {', '.join(x.dtype for x in ins)}", "inputs")
+            total = None if total is None or s.shape[ax] is None else total + s.shape[ax]
+        out[ax] = total
+        return TensorSpec(tuple(out), ins[0].dtype)
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        return fc.concat(ins, axis=self.axis % len(ins[0].shape), name="concat")
+
+
+@register
+class Embedding(Layer):
+    """Token ids -> vectors: a Gather from a [vocab, dim] table."""
+
+    type: Literal["embedding"]
+    vocab: int = Field(ge=1)
+    dim: int = Field(ge=1)
+    init_scale: float = Field(0.05, gt=0, description="uniform ±init_scale (Zaremba et al.)")
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        if not ins[0].dtype.startswith("int"):
+            raise LayerError(f"embedding needs integer token ids, got {ins[0].dtype}")
+        return TensorSpec((*ins[0].shape, self.dim), self._dtype)
+
+    def weights(self, ins: list[TensorSpec]) -> list[Weight]:
+        return [Weight("table", (self.vocab, self.dim), init="uniform", scale=self.init_scale)]
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        table = b.variable(self.weights([ins[0].spec])[0])
+        return fc.gather(table, ins[0], name="gather")
+
+
+@register
+class SoftmaxCrossEntropy(Layer):
+    """Mean softmax cross-entropy of `inputs: [logits, labels]`. Integer labels are class ids
+    (sparse); float labels are distributions with the logits' shape."""
+
+    type: Literal["softmax_cross_entropy"]
+
+    arity: ClassVar[tuple[int, int | None]] = (2, 2)
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        logits, labels = ins
+        names = self.inputs or ["logits", "labels"]
+        if len(logits.shape) < 2:
+            raise LayerError(f"logits must have rank >= 2, got {fmt(logits.shape)}", "inputs")
+        if labels.dtype.startswith("int"):
+            want = logits.shape[:-1]
+        else:
+            want = logits.shape
+        if len(labels.shape) != len(want) or any(a is not None and b is not None and a != b
+                                                 for a, b in zip(labels.shape, want)):
+            kind = "integer class ids" if labels.dtype.startswith("int") else "float distributions"
+            raise LayerError(f"labels '{names[1]}' {fmt(labels.shape)} ({kind}) do not fit logits "
+                             f"'{names[0]}' {fmt(logits.shape)}: expected labels of shape {fmt(want)}",
+                             "inputs")
+        return TensorSpec((), logits.dtype)
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        logits, labels = ins
+        if len(logits.shape) > 2:
+            logits = fc.reshape(logits, (-1, logits.shape[-1]), name="fold_logits")
+            labels = fc.reshape(labels, (-1,) if labels.dtype.startswith("int") else (-1, logits.shape[-1]),
+                                name="fold_labels")
+        if labels.dtype.startswith("int"):
+            per_example = fc.sparse_softmax_cross_entropy(logits, labels, name="xent")
+        else:
+            per_example = fc.softmax_cross_entropy(logits, labels, name="xent")
+        return fc.reduce_mean(per_example, name="mean")
+
+    @property
+    def is_loss(self) -> bool:
+        return True
+

@@ -1,0 +1,118 @@
+"""Recurrent layers: an LSTM unrolled over time, and content-based attention for encoder-decoders.
+
+The graph is static (whitepaper §4.4's control flow is not needed for a fixed unroll length), so
+an LSTM over T steps is T copies of the cell, each with one fused-gate MatMul of [x_t, h] against
+a [(in + units), 4 * units] kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+import flowctl as fc
+from flowctl.engine.graph import Tensor
+from flowctl.engine.shapes import TensorSpec
+from flowctl.spec.layers.base import Builder, Layer, LayerError, Weight, fmt, known, rank, register
+from flowctl.spec.layers.core import linear
+
+
+@register
+class LSTM(Layer):
+    """A [batch, time, features] sequence -> [batch, time, units] (or [batch, units] for the last
+    step when `return_sequences` is false). Gates in the order i, f, g, o."""
+
+    type: Literal["lstm"]
+    units: int = Field(ge=1)
+    return_sequences: bool = True
+    forget_bias: float = Field(0.0, description="added to the forget gate (BasicLSTMCell's forget_bias)")
+    init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        x = ins[0]
+        rank(x, 3, "lstm", "[batch, time, features] input")
+        known(x.shape[1], f"lstm '{self.name}' time steps (the unroll length)")
+        known(x.shape[2], f"lstm '{self.name}' input features")
+        if self.return_sequences:
+            return TensorSpec((x.shape[0], x.shape[1], self.units), x.dtype)
+        return TensorSpec((x.shape[0], self.units), x.dtype)
+
+    def weights(self, ins: list[TensorSpec]) -> list[Weight]:
+        d, u = int(ins[0].shape[2]), self.units
+        init = ("uniform", self.init_scale) if self.init_scale else ("glorot_uniform", 0.05)
+        return [Weight("kernel", (d + u, 4 * u), init=init[0], scale=init[1]),
+                Weight("bias", (4 * u,), init="zeros")]
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        x = ins[0]
+        d, u = int(x.shape[2]), self.units
+        kernel, bias = (b.variable(w) for w in self.weights([x.spec]))
+        steps = fc.unstack(x, axis=1, name="unstack")
+        # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing them
+        # avoids materialising a zero state whose batch size is unknown until run time.
+        w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
+        h: Tensor | None = None
+        c: Tensor | None = None
+        outs: list[Tensor] = []
+        for t, xt in enumerate(steps):
+            with b.graph.name_scope(f"t{t}"):
+                if h is None:
+                    z = fc.bias_add(fc.matmul(xt, w_in, name="matmul"), bias, name="bias_add")
+                else:
+                    z = fc.bias_add(fc.matmul(fc.concat([xt, h], axis=1, name="concat"), kernel, name="matmul"),
+                                    bias, name="bias_add")
+                i, f, g, o = fc.split(z, 4, axis=1, name="gates")
+                if self.forget_bias:
+                    f = f + self.forget_bias
+                ig = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
+                c = ig if c is None else fc.sigmoid(f, name="forget_gate") * c + ig
+                h = fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c")
+                outs.append(h)
+        if not self.return_sequences:
+            return fc.identity(outs[-1], name="last")
+        return fc.stack(outs, axis=1, name="stack")
+
+
+@register
+class Attention(Layer):
+    """Content-based attention (Luong et al. 2015, "general" score) for an encoder-decoder:
+    `inputs: [queries, memory]`, queries [batch, Tq, d] (decoder states) attend over memory
+    [batch, Tm, m] (encoder states): a = softmax(q W_a mᵀ), context = a m, and the output is
+    tanh([context, q] W_c) of `units` features (default d)."""
+
+    type: Literal["attention"]
+    units: int | None = Field(None, ge=1)
+
+    arity: ClassVar[tuple[int, int | None]] = (2, 2)
+
+    def _dims(self, ins: list[TensorSpec]) -> tuple[int, int, int]:
+        q, m = ins
+        rank(q, 3, "attention", "[batch, time, features] query")
+        rank(m, 3, "attention", "[batch, time, features] memory")
+        if q.shape[0] is not None and m.shape[0] is not None and q.shape[0] != m.shape[0]:
+            raise LayerError(f"attention queries {fmt(q.shape)} and memory {fmt(m.shape)} differ in batch",
+                             "inputs")
+        d = known(q.shape[2], "attention query features")
+        md = known(m.shape[2], "attention memory features")
+        return d, md, self.units or d
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        d, md, units = self._dims(ins)
+        return TensorSpec((ins[0].shape[0], ins[0].shape[1], units), ins[0].dtype)
+
+    def weights(self, ins: list[TensorSpec]) -> list[Weight]:
+        d, md, units = self._dims(ins)
+        return [Weight("score_kernel", (d, md)), Weight("output_kernel", (md + d, units))]
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        q, m = ins
+        w_a, w_c = (b.variable(w) for w in self.weights([q.spec, m.spec]))
+        with b.graph.name_scope("score"):
+            qw = linear(b, q, w_a, None)  # [batch, Tq, m]
+        scores = fc.batch_matmul(qw, m, adj_y=True, name="scores")  # [batch, Tq, Tm]
+        align = fc.softmax(scores, name="align")
+        context = fc.batch_matmul(align, m, name="context")  # [batch, Tq, m]
+        joined = fc.concat([context, q], axis=2, name="concat")
+        with b.graph.name_scope("output"):
+            out = linear(b, joined, w_c, None)
+        return fc.tanh(out, name="tanh")

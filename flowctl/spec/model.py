@@ -1,0 +1,144 @@
+"""Building a validated spec into an engine Graph.
+
+Each layer emits its nodes under its own name scope (`mixed_5b/branch3x3/conv`), with
+`Node.source` set to the spec line that wrote it, so a kernel error or a placement explanation can
+speak in layer names and spec lines. The builder records which nodes each layer made: placement
+constraints written over layer names select exactly those nodes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import flowctl as fc
+from flowctl.engine.errors import GraphError, SpecError
+from flowctl.engine.graph import Graph, Tensor
+from flowctl.spec.check import LoadedSpec
+from flowctl.spec.layers import Weight
+from flowctl.spec.layers.base import fmt
+
+
+@dataclass
+class BuiltModel:
+    """The graph a spec describes, and where each layer's pieces are in it."""
+
+    graph: Graph
+    loaded: LoadedSpec
+    training: bool
+    inputs: dict[str, Tensor] = field(default_factory=dict)  # input layer -> Placeholder
+    outputs: dict[str, Tensor] = field(default_factory=dict)  # layer -> its output
+    loss: Tensor | None = None
+    updates: list[Tensor] = field(default_factory=list)  # batch-norm moving averages: run with each step
+    layer_nodes: dict[str, list[str]] = field(default_factory=dict)
+    variables: dict[str, list[Tensor]] = field(default_factory=dict)  # layer -> its Variables
+
+    def trainable_variables(self) -> list[Tensor]:
+        return [v for vs in self.variables.values() for v in vs if self.graph.nodes[v.node].attrs["trainable"]]
+
+    def all_variables(self) -> list[Tensor]:
+        return [v for vs in self.variables.values() for v in vs]
+
+    def params(self) -> tuple[int, int]:
+        """(trainable, non-trainable) counted from the Variable nodes of the graph itself."""
+        t = n = 0
+        for v in self.all_variables():
+            size = math.prod(v.shape)
+            if self.graph.nodes[v.node].attrs["trainable"]:
+                t += size
+            else:
+                n += size
+        return t, n
+
+    def layer_of(self) -> dict[str, str]:
+        """node name -> the layer that made it."""
+        return {node: layer for layer, nodes in self.layer_nodes.items() for node in nodes}
+
+    def initializer(self) -> Tensor:
+        return fc.global_variables_initializer(self.graph)
+
+
+class _Builder:
+    """What layers see while building (flowctl.spec.layers.base.Builder)."""
+
+    def __init__(self, graph: Graph, training: bool, dtype: str) -> None:
+        self.graph = graph
+        self.training = training
+        self.dtype = dtype
+        self.made: list[Tensor] = []
+        self.updates: list[Tensor] = []
+
+    def variable(self, w: Weight) -> Tensor:
+        with self.graph.name_scope(w.name):
+            init = _initial_value(w, self.dtype)
+        v = fc.variable(init, name=w.name, trainable=w.trainable)
+        self.made.append(v)
+        return v
+
+    def batch_norm(self, x: Tensor, gamma: Tensor | None, beta: Tensor, mean: Tensor, var: Tensor,
+                   epsilon: float, momentum: float) -> Tensor:
+        # Keras' Inception-v3 uses BatchNormalization(scale=False): a constant 1, not a variable,
+        # which is why its parameter count has no gammas.
+        scale = gamma if gamma is not None else fc.ones((x.shape[-1],), self.dtype, name="bn/unit_scale")
+        y, updates = fc.batch_norm(x, scale, beta, mean, var, training=self.training, momentum=momentum,
+                                   epsilon=epsilon, name="bn")
+        self.updates.extend(updates)
+        return y
+
+
+def _initial_value(w: Weight, dtype: str) -> Tensor:
+    if w.init == "zeros":
+        return fc.zeros(w.shape, dtype, name="initial_value")
+    if w.init == "ones":
+        return fc.ones(w.shape, dtype, name="initial_value")
+    if w.init == "uniform":
+        return fc.random_uniform(w.shape, -w.scale, w.scale, dtype, name="initial_value")
+    if w.init == "truncated_normal":
+        return fc.truncated_normal(w.shape, 0.0, w.scale, dtype, name="initial_value")
+    if w.init == "glorot_uniform":
+        fan_in, fan_out = w.fan or (w.shape[0] if len(w.shape) > 1 else 1, w.shape[-1])
+        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        return fc.random_uniform(w.shape, -limit, limit, dtype, name="initial_value")
+    raise GraphError(f"unknown initializer {w.init!r} for weight {w.name}")
+
+
+def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None = None) -> BuiltModel:
+    """Emit the spec's layers into `graph` (a fresh one seeded with `training.seed` by default).
+    The built shapes and variables are checked against the layer library's static answers."""
+    g = graph if graph is not None else Graph(seed=loaded.spec.training.seed)
+    model = BuiltModel(g, loaded, training)
+    b = _Builder(g, training, loaded.spec.model.dtype)
+    with g.as_default():
+        for name, info in loaded.layers.items():
+            before = set(g.nodes)
+            b.made = []
+            where = f"{info.mark} layer {name}" if info.mark else f"layer {name}"
+            ins = [model.outputs[r] for r in info.inputs]
+            try:
+                with g.source(where):
+                    if info.layer.type == "input":  # a Placeholder named as the layer, to feed by name
+                        out = model.inputs[name] = info.layer.build(b, ins)
+                    else:
+                        with g.name_scope(name):
+                            out = info.layer.build(b, ins)
+            except GraphError as e:
+                # The static checks passed but the engine refused: still the spec's problem, so
+                # say which layer and line made the node.
+                raise SpecError(f"{info.mark or '<spec>'}: model.layers[{name}]: {e}") from None
+            model.outputs[name] = out
+            model.layer_nodes[name] = [n for n in g.nodes if n not in before]
+            model.variables[name] = list(b.made)
+            if tuple(out.shape) != tuple(info.output.shape) or out.dtype != info.output.dtype:
+                raise GraphError(f"layer '{name}' built {fmt(out.shape)} {out.dtype} but the layer library "
+                                 f"inferred {fmt(info.output.shape)} {info.output.dtype} (a bug in the "
+                                 f"{info.layer.type} layer)")
+            built = sorted(tuple(v.shape) for v in b.made)
+            static = sorted(tuple(w.shape) for w in info.weights)
+            if built != static:
+                raise GraphError(f"layer '{name}' built variables {built} but declares {static}")
+    model.updates = b.updates
+    if loaded.loss is not None:
+        model.loss = model.outputs[loaded.loss]
+    return model
+
+
+__all__ = ["BuiltModel", "build_model"]

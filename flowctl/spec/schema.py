@@ -1,0 +1,313 @@
+"""The spec schema (pydantic v2): every section of a run, unknown keys rejected.
+
+A spec says everything about a run: the model, the data, the devices and their links, placement
+constraints and colocation groups (§3.2.1, §4.3), the parallelism strategy (§7), training and
+checkpoint settings (§3.3) and the cluster. The layer types live in `flowctl.spec.layers`; this
+module assembles them into one discriminated union keyed by `type`. Checks that need more than one
+section (batch arithmetic, device references, layer shapes) are in `flowctl.spec.check`.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from flowctl.engine.devices import canonical
+from flowctl.engine.errors import PlacementError
+from flowctl.spec.layers import LAYERS, Layer, Strict
+
+_SIZE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+          "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_bytes(v: Any) -> int:
+    """`16GiB`, `80GB`, `512MiB` or a plain number of bytes."""
+    if isinstance(v, bool):
+        raise ValueError("a size must be a number of bytes or a string such as '16GiB'")
+    if isinstance(v, (int, float)):
+        return int(v)
+    m = _SIZE.match(str(v))
+    if not m:
+        raise ValueError(f"cannot read size {v!r}: write e.g. 16GiB, 80GB or 1073741824")
+    return int(float(m[1]) * _UNITS[(m[2] or "").lower()])
+
+
+def canonical_device(v: str) -> str:
+    try:
+        return canonical(v)
+    except PlacementError as e:
+        raise ValueError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- model
+class BlockDef(Strict):
+    """A parameterised group of layers, written once and instantiated many times (§10's proposed
+    "function mechanism", at the spec level). `${name}` in any field is replaced by a parameter."""
+
+    params: dict[str, Any] = Field(default_factory=dict,
+                                   description="parameter -> default value; null means required")
+    layers: list[dict[str, Any]] = Field(min_length=1)
+    output: str | None = Field(None, description="the layer whose output is the block's (default: the last)")
+
+
+class BlockUse(Strict):
+    """An instantiation of a block: `repeat` copies chained one after the other."""
+
+    name: str = Field(description="instance name; with repeat, instances are <name>_1, <name>_2, ... unless `names`")
+    block: str = Field(description="a block defined under model.blocks")
+    inputs: list[str] | None = Field(None, description="the layer feeding $input (default: the previous layer)")
+    repeat: int = Field(1, ge=1, description="copies, each fed by the previous one's output")
+    names: list[str] | None = Field(None, description="one name per copy")
+    params: dict[str, Any] = Field(default_factory=dict, description="parameter values shared by all copies")
+    each: list[dict[str, Any]] | None = Field(None, description="per-copy parameter values, one mapping per copy")
+
+
+def _layer_tag(v: Any) -> str | None:
+    if isinstance(v, dict):
+        if "block" in v and "type" not in v:
+            return "block"
+        t = v.get("type")
+        return t if isinstance(t, str) else None
+    return getattr(v, "type", None)
+
+
+if TYPE_CHECKING:  # the union is built from the registry at import time, which mypy cannot follow
+    LayerEntry = Layer | BlockUse
+else:
+    LayerEntry = Annotated[
+        Union[tuple(Annotated[cls, Tag(name)] for name, cls in LAYERS.items())
+              + (Annotated[BlockUse, Tag("block")],)],
+        Discriminator(_layer_tag),
+    ]
+
+
+class ModelSpec(Strict):
+    name: str = "model"
+    dtype: Literal["float32", "float64", "float16"] = Field("float32", description="dtype of weights and activations")
+    defaults: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="layer type -> field defaults applied to every layer of that type")
+    blocks: dict[str, BlockDef] = Field(default_factory=dict)
+    layers: list[LayerEntry] = Field(min_length=1, description="layers in order (a layer reads earlier layers only); an entry with `block:` instantiates a block")
+    loss: str | None = Field(None, description="the layer whose output is the training loss "
+                                                "(default: the last loss layer)")
+
+
+# ---------------------------------------------------------------------------- data
+class SyntheticData(Strict):
+    source: Literal["synthetic"] = "synthetic"
+    seed: int = Field(0, description="seeds the data stream (independent of training.seed)")
+    task: Literal["random", "learnable"] = Field(
+        "random", description="learnable: labels come from a fixed random linear teacher, so loss can fall")
+
+
+class ArrayData(Strict):
+    source: Literal["arrays"]
+    path: str = Field(description=".npz file, or a .npy file when the model has one input")
+    features: dict[str, str] = Field(default_factory=dict,
+                                     description="model input -> array name in the .npz (default: same name)")
+    shuffle: bool = True
+    seed: int = 0
+
+
+class TextData(Strict):
+    source: Literal["text"]
+    path: str
+    vocab_size: int | None = Field(None, ge=2, description="keep the most frequent words; others become <unk>")
+    input: str | None = Field(None, description="model input fed with token ids (default: first int input)")
+    target: str | None = Field(None, description="model input fed with next-token ids (default: second int input)")
+
+
+DataSpec = Annotated[Union[SyntheticData, ArrayData, TextData], Field(discriminator="source")]
+
+
+# ---------------------------------------------------------------------------- devices
+class DeviceProfile(Strict):
+    """Hardware that may not be present, for planning and simulation."""
+
+    peak_flops: float | None = Field(None, gt=0, description="FLOP/s")
+    memory_bandwidth: float | None = Field(None, gt=0, description="bytes/s")
+    memory: int | None = Field(None, description="bytes, or a size such as 16GiB")
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return None if v is None else parse_bytes(v)
+
+
+class Link(Strict):
+    bandwidth: float = Field(gt=0, description="bytes/s")
+    latency: float = Field(0.0, ge=0, description="seconds")
+
+
+class DeviceSpec(Strict):
+    name: str = Field(description="cpu:0, gpu:1, worker1/gpu:0 or a full /job:../task:../device:.. name")
+    profile: DeviceProfile | None = Field(None, description="hardware figures for planning and simulation")
+    links: dict[str, Link] = Field(default_factory=dict, description="peer device -> link")
+
+    @field_validator("name")
+    @classmethod
+    def _canon(cls, v: str) -> str:
+        return canonical_device(v)
+
+    @field_validator("links")
+    @classmethod
+    def _canon_links(cls, v: dict[str, Link]) -> dict[str, Link]:
+        return {canonical_device(k): link for k, link in v.items()}
+
+
+def _device_entry(v: Any) -> Any:
+    return {"name": v} if isinstance(v, str) else v
+
+
+DeviceEntry = Annotated[DeviceSpec, Field(description="'cpu:0' or a mapping with name, profile, links")]
+
+
+# ---------------------------------------------------------------------------- placement
+class Constraint(Strict):
+    """§4.3: nodes whose layer or node name matches `match` (a glob) go to `device`, which may be
+    partial ('gpu' fixes the type only)."""
+
+    match: str = Field(description="glob over layer names; a layer also matches the nodes under it")
+    device: str = Field(description="a listed device, or a partial one such as 'gpu'")
+
+
+class PlacementSpec(Strict):
+    algorithm: Literal["single", "expert", "greedy", "mincut", "learned", "auto"] = Field(
+        "greedy", description="placer (§3.2.1 greedy; learned after Mirhoseini et al. 2017)")
+    constraints: list[Constraint] = Field(default_factory=list)
+    colocate: list[list[str]] = Field(default_factory=list,
+                                      description="groups of globs whose nodes must share a device")
+    time_budget_s: float = Field(60.0, gt=0, description="search budget for learned and auto")
+
+
+# ---------------------------------------------------------------------------- parallelism
+class LayerGroup(Strict):
+    layers: list[str] = Field(min_length=1, description="globs over layer names")
+    device: str
+
+
+class ParallelismSpec(Strict):
+    strategy: Literal["single", "sync_data_parallel", "async_data_parallel", "model_parallel",
+                      "pipeline"] = "single"
+    replicas: int = Field(1, ge=1)
+    devices: list[str] | None = Field(None, description="one device per replica")
+    groups: list[LayerGroup] = Field(default_factory=list, description="model_parallel/pipeline stages")
+    concurrent_steps: int = Field(1, ge=1, description="pipeline: steps in flight (Figure 9)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ParallelismSpec":
+        s = self.strategy
+        if s == "single" and self.replicas != 1:
+            raise ValueError(f"strategy single runs 1 replica, but replicas is {self.replicas}")
+        if s in ("sync_data_parallel", "async_data_parallel") and self.devices is not None \
+                and len(self.devices) != self.replicas:
+            raise ValueError(f"{s}: {len(self.devices)} device(s) listed for {self.replicas} replica(s)")
+        if s in ("model_parallel", "pipeline") and not self.groups:
+            raise ValueError(f"{s} needs `groups` assigning layers to devices")
+        if s != "pipeline" and self.concurrent_steps != 1:
+            raise ValueError(f"concurrent_steps {self.concurrent_steps} needs strategy pipeline, not {s}")
+        return self
+
+
+# ---------------------------------------------------------------------------- training
+class Optimizer(Strict):
+    type: Literal["sgd", "momentum", "adam"] = Field("sgd", description="optimizer; its slots are Variables and so checkpointed")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    epsilon: float = Field(1e-8, gt=0)
+
+
+class Schedule(Strict):
+    schedule: Literal["constant", "step", "exponential", "cosine", "piecewise"] = "constant"
+    initial: float = Field(0.01, gt=0)
+    decay_rate: float | None = Field(None, gt=0)
+    decay_steps: int | None = Field(None, ge=1)
+    boundaries: list[int] = Field(default_factory=list)
+    values: list[float] = Field(default_factory=list)
+    warmup_steps: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Schedule":
+        if self.schedule in ("step", "exponential") and (self.decay_rate is None or self.decay_steps is None):
+            raise ValueError(f"schedule {self.schedule} needs decay_rate and decay_steps")
+        if self.schedule == "cosine" and self.decay_steps is None:
+            raise ValueError("schedule cosine needs decay_steps")
+        if self.schedule == "piecewise":
+            if len(self.values) != len(self.boundaries) + 1:
+                raise ValueError(f"piecewise needs one more value than boundaries: {len(self.boundaries)} "
+                                 f"boundaries, {len(self.values)} values")
+            if sorted(self.boundaries) != self.boundaries:
+                raise ValueError(f"piecewise boundaries must increase: {self.boundaries}")
+        return self
+
+
+class TrainingSpec(Strict):
+    optimizer: Optimizer = Field(default_factory=lambda: Optimizer.model_validate({}))
+    learning_rate: float | Schedule = Field(0.01, description="a constant, or a schedule mapping")
+    batch_size: int | None = Field(None, ge=1, description="global batch (all replicas together)")
+    per_replica_batch_size: int | None = Field(None, ge=1)
+    steps: int = Field(100, ge=0, description="training steps to run")
+    clip_norm: float | None = Field(None, gt=0, description="clip gradients to this global norm")
+    clip_value: float | None = Field(None, gt=0, description="clip each gradient element to ±value")
+    seed: int = Field(0, description="graph seed: every random op's stream derives from it and its node name")
+    log_every_steps: int = Field(10, ge=1)
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _positive(cls, v: Any) -> Any:
+        if isinstance(v, float) and v <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {v}")
+        return v
+
+
+# ---------------------------------------------------------------------------- checkpoint, cluster
+class CheckpointSpec(Strict):
+    dir: str = Field("checkpoints", description="relative to the run directory")
+    every_steps: int | None = Field(None, ge=1)
+    every_seconds: float | None = Field(None, gt=0)
+    keep: int = Field(3, ge=1, description="checkpoints kept; older ones are deleted")
+
+
+class ClusterSpec(Strict):
+    type: Literal["local", "ray"] = Field("local", description="local: one process; ray: a worker actor per task")
+    address: str | None = Field(None, description="Ray address ('auto', 'ray://host:10001')")
+    workers: int = Field(0, ge=0, description="Ray: worker tasks to start when address is local")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ClusterSpec":
+        if self.type == "local" and (self.address is not None or self.workers):
+            raise ValueError("a local cluster takes no address or workers (set type: ray)")
+        return self
+
+
+# ---------------------------------------------------------------------------- the whole spec
+class Spec(Strict):
+    version: Literal[1] = Field(description="spec format version; this flowctl reads 1")
+    name: str | None = None
+    description: str | None = None
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=lambda: SyntheticData.model_validate({}))
+    devices: list[DeviceEntry] = Field(default_factory=lambda: [DeviceSpec.model_validate({"name": "cpu:0"})])
+    placement: PlacementSpec = Field(default_factory=lambda: PlacementSpec.model_validate({}))
+    parallelism: ParallelismSpec = Field(default_factory=lambda: ParallelismSpec.model_validate({}))
+    training: TrainingSpec = Field(default_factory=lambda: TrainingSpec.model_validate({}))
+    checkpoint: CheckpointSpec | None = None
+    cluster: ClusterSpec = Field(default_factory=lambda: ClusterSpec.model_validate({}))
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _short_devices(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [_device_entry(x) for x in v]
+        return v
+
+
+def json_schema() -> dict[str, Any]:
+    return Spec.model_json_schema()
+
+
+__all__ = ["BlockDef", "BlockUse", "ModelSpec", "Spec", "json_schema", "parse_bytes"]
