@@ -34,10 +34,12 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from flowctl.cli import bench, demo
+    from flowctl.cli import bench, demo, train
 
     cli.add_command(bench.bench)
     cli.add_command(demo.demo)
+    cli.add_command(train.train)
+    cli.add_command(train.resume)
     import importlib.util
 
     if importlib.util.find_spec("flowctl.cli.spec_commands") is None:
