@@ -182,6 +182,14 @@ def test_embedded_demo_is_the_shipped_demo_spec():
     assert (root / "specs" / "demo.yaml").read_text() == (root / "flowctl" / "spec" / "builtin" / "demo.yaml").read_text()
 
 
+def test_default_run_dirs_are_never_reused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert CliRunner().invoke(cli, ["train", "--steps", "2"]).exit_code == 0
+    assert (tmp_path / "runs" / "demo" / "run.json").exists()
+    assert (tmp_path / "runs" / "demo-2" / "run.json").exists()
+
+
 def test_train_refuses_an_existing_run_and_resume_a_missing_one(spec_file, tmp_path):
     run = tmp_path / "run"
     assert CliRunner().invoke(cli, ["train", str(spec_file), "--run-dir", str(run), "--steps", "2"]).exit_code == 0

@@ -109,7 +109,7 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
 @click.argument("spec", required=False)
 @click.option("--steps", type=int, help="Train this many steps in all (default: training.steps).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where the run lives (default: runs/<spec name>).")
+              help="Where the run lives (default: runs/<spec name>, or runs/<spec name>-N if taken).")
 @click.option("--data", "data", help="Train on this file: a text corpus, or .npy/.npz arrays.")
 @click.option("--histograms", type=int, default=0, help="Write weight histograms every N steps.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
@@ -123,8 +123,13 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     console = Console(stderr=True)
     loaded, text, path = _load(spec, data)
     name = loaded.spec.name or loaded.spec.model.name
-    run_dir = run_dir or Path("runs") / name
-    if (run_dir / "run.json").exists():
+    if run_dir is None:  # runs/<name>, or the first free runs/<name>-N: a new run never reuses one
+        run_dir = Path("runs") / name
+        n = 1
+        while (run_dir / "run.json").exists():
+            n += 1
+            run_dir = Path("runs") / f"{name}-{n}"
+    elif (run_dir / "run.json").exists():
         raise FlowctlError(f"{run_dir} already holds a run: continue it with `flowctl resume {run_dir}`, "
                            f"or pass another --run-dir")
     trainer = Trainer(loaded, run_dir, steps=steps, histograms_every=histograms,
