@@ -315,7 +315,11 @@ class Graph:
     def topo_order(self, names: Iterable[str] | None = None) -> list[str]:
         """Kahn's algorithm over the given nodes (default all) in insertion order, deterministic.
         Raises GraphError naming two nodes on a cycle."""
-        subset = list(self.nodes) if names is None else [n for n in self.nodes if n in set(names)]
+        if names is None:
+            subset = list(self.nodes)
+        else:
+            wanted = set(names)
+            subset = [n for n in self.nodes if n in wanted]
         member = set(subset)
         pending: dict[str, int] = {}
         users: dict[str, list[str]] = {n: [] for n in subset}
