@@ -37,9 +37,10 @@ from flowctl.engine.ops.state import (
     variable, variables,
 )
 from flowctl.engine.session import Session
+from flowctl.engine.runtime import DistributedSession
 
 __all__ = [
-    "CheckpointError", "ContainerStore", "ExecutionError", "FlowctlError", "Graph", "GraphError",
+    "CheckpointError", "ContainerStore", "DistributedSession", "ExecutionError", "FlowctlError", "Graph", "GraphError",
     "Node", "NonFiniteError", "PlacementError", "RunStats", "Session", "SpecError", "Tensor",
     "constant", "default_graph", "gradients", "process_store", "reset_default_graph",
 ]

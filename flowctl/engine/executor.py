@@ -9,22 +9,37 @@ Two ways to run a plan:
 - `run`: the plan's order compiled into straight-line Python (`v3 = k3(v1, v2); del v1`), which
   costs about one Python call per node. Used for partitions with no asynchronous kernels.
 - `run_dataflow`: the §3.1 executor proper: a pending count per node and a ready queue, values
-  released by reference count. Asynchronous kernels (Recv, queues) need this one.
+  released by reference count. Asynchronous kernels (Recv, queues) need this one, and a plan that
+  holds one always runs this way (`run` hands over).
 Both keep the same accounting: bytes of live tensors and their peak, and which nodes ran.
+
+Asynchronous kernels (§5.3). An op whose OpDef says `is_async` has a kernel of the form
+`start(step, inputs, done)`: `step` is the per-step context (a `StepContext` from
+`flowctl.engine.rendezvous`: step id, rendezvous, frame), `inputs` the tuple of input arrays, and
+`done(outputs, error)` the continuation, which may be called from any thread, before or after
+`start` returns. The executor never blocks inside `start`; it keeps running whatever else is ready
+and only waits (on a condition) when nothing is ready and async work is outstanding. All executor
+bookkeeping (values, pending counts) stays on the executor's own thread: a continuation only
+appends to a completion queue.
 """
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import SOURCE
 from flowctl.kernels.registry import bind
+
+if TYPE_CHECKING:
+    from flowctl.engine.rendezvous import StepContext
 
 _plan_ids = itertools.count()
 
@@ -35,6 +50,12 @@ class RunStats:
 
     nodes_run: list[str] = field(default_factory=list)
     peak_bytes: int = 0  # peak bytes of live tensors produced in the step (views count in full)
+    # Dataflow executor only: (node, time.perf_counter()) as each node was *started*, in order. For a
+    # synchronous kernel start and finish are adjacent; for an async one (Recv) they are not, and
+    # this is where §5.2 receive scheduling shows.
+    starts: list[tuple[str, float]] = field(default_factory=list)
+    # A multi-device step: each device's own stats (the fields above then aggregate them).
+    devices: dict[str, "RunStats"] = field(default_factory=dict)
 
 
 def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
@@ -70,8 +91,9 @@ class Plan:
         self.feeds = list(feeds)
         for ref in self.fetches + self.feeds:
             graph.tensor(ref)  # raises with a did-you-mean on an unknown name
-        roots = [parse_ref(r)[0] for r in self.fetches if r not in set(self.feeds)] + list(targets)
-        self.order = graph.topo_order(needed_nodes(graph, roots, set(self.feeds)))
+        fed_refs = set(self.feeds)
+        roots = [parse_ref(r)[0] for r in self.fetches if r not in fed_refs] + list(targets)
+        self.order = graph.topo_order(needed_nodes(graph, roots, fed_refs))
         self.nodes = [graph.nodes[n] for n in self.order]
         self.kernels = [self._bind(n, resources) for n in self.nodes]
 
@@ -93,6 +115,8 @@ class Plan:
         self.fetch_slots = [slot[r] for r in self.fetches]
         self.num_slots = len(slot)
         self.float_out = [[is_float(s.dtype) for s in n.outputs] for n in self.nodes]
+        self.is_async = [n.opdef.is_async for n in self.nodes]
+        self.has_async = any(self.is_async)
         # Accounting counts what the step produces; constants belong to the plan, feeds to the caller.
         self.counted = {s for n, outs in zip(self.nodes, self.out_slots) if n.opdef.group != SOURCE
                         for s in outs}
@@ -195,7 +219,10 @@ class Plan:
         self._compiled[key] = result
         return result
 
-    def run(self, feeds: Sequence[Any], stats: RunStats | None = None, check_numerics: bool = False) -> list[Any]:
+    def run(self, feeds: Sequence[Any], stats: RunStats | None = None, check_numerics: bool = False,
+            step: "StepContext | None" = None) -> list[Any]:
+        if self.has_async:  # straight-line code cannot wait for a continuation (§5.3)
+            return self.run_dataflow(feeds, stats, check_numerics, step)
         fn, filename, owner = self._compile(stats is not None, check_numerics)
         ran: list[int] = []
         try:
@@ -228,7 +255,9 @@ class Plan:
 
     # ------------------------------------------------------------------ §3.1 dataflow execution
     def run_dataflow(self, feeds: Sequence[Any], stats: RunStats | None = None,
-                     check_numerics: bool = False) -> list[Any]:
+                     check_numerics: bool = False, step: "StepContext | None" = None) -> list[Any]:
+        """Run the plan with a pending count per node and a ready queue (§3.1). `step` is the
+        context handed to asynchronous kernels (§5.3); a plan without them ignores it."""
         values: list[Any] = [None] * self.num_slots
         for i, v in enumerate(feeds):
             values[i] = v
@@ -238,14 +267,43 @@ class Plan:
         keep = set(self.fetch_slots) | set(range(len(self.feeds)))
         live = peak = 0
         ran: list[str] = []
-        while ready:
-            i = ready.popleft()
+        timed = stats is not None
+        starts: list[tuple[str, float]] = []
+        # Async completions: appended by continuations on any thread, consumed here only.
+        completed: deque[tuple[int, Any, BaseException | None]] = deque()
+        cond = threading.Condition()
+        outstanding = 0
+        while True:
+            if completed:  # a continuation fired: finish that node before starting another
+                i, out, err = completed.popleft()
+                outstanding -= 1
+                if err is not None:
+                    raise self._error(err, i) from err
+            elif ready:
+                i = ready.popleft()
+                if timed:
+                    starts.append((self.order[i], time.perf_counter()))
+                if self.is_async[i]:
+                    outstanding += 1
+                    self._start_async(i, step, tuple(values[s] for s in self.in_slots[i]), completed, cond)
+                    continue
+                try:
+                    out = self.kernels[i](*[values[s] for s in self.in_slots[i]])
+                except Exception as e:  # noqa: BLE001
+                    raise self._error(e, i) from e
+            elif outstanding:
+                with cond:  # nothing to run until some asynchronous kernel completes
+                    while not completed:
+                        cond.wait()
+                continue
+            else:
+                break
+            # Node i finished with outputs `out`: store them, release inputs, wake successors.
             node = self.nodes[i]
+            outs = self.out_slots[i]
+            if len(outs) == 1:
+                out = (out,)
             try:
-                out = self.kernels[i](*[values[s] for s in self.in_slots[i]])
-                outs = self.out_slots[i]
-                if len(outs) == 1:
-                    out = (out,)
                 for s, v, f in zip(outs, out or (), self.float_out[i]):
                     values[s] = v
                     if check_numerics and f:
@@ -276,7 +334,29 @@ class Plan:
         if stats is not None:
             stats.nodes_run = ran
             stats.peak_bytes = peak
+            stats.starts = starts
         return [values[s] for s in self.fetch_slots]
+
+    def _start_async(self, i: int, step: "StepContext | None", inputs: tuple[Any, ...],
+                     completed: "deque[tuple[int, Any, BaseException | None]]",
+                     cond: threading.Condition) -> None:
+        """Start async kernel i; its continuation only queues the result and wakes the executor."""
+        if step is None:
+            node = self.nodes[i]
+            raise ExecutionError(f"node '{node.name}' ({node.op}) on {self.device} is asynchronous and "
+                                 f"needs a step context (a rendezvous): run partitioned graphs through "
+                                 f"flowctl.engine.runtime.DistributedSession", node=node.name, op=node.op,
+                                 device=self.device)
+
+        def done(out: Any = None, err: BaseException | None = None) -> None:
+            with cond:
+                completed.append((i, out, err))
+                cond.notify()
+
+        try:
+            self.kernels[i](step, inputs, done)
+        except Exception as e:  # noqa: BLE001 -- a failure to start is the node's failure
+            done(None, e)
 
 
 def _check_finite(x: Any) -> None:

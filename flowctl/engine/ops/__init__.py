@@ -1,6 +1,7 @@
 """The op library. Importing this package registers every op (OpDef) in the registry."""
 from flowctl.engine.ops import (  # noqa: F401
     array,
+    communication,
     control,
     conv,
     elementwise,

@@ -1,0 +1,284 @@
+"""The multi-device runtime (whitepaper §3.2, §3.2.2, §3.3, §5.3).
+
+`DistributedSession(graph, cluster, placement)` is a `Session` whose graph is placed across the
+devices of a `Cluster`. It is a subclass rather than extra arguments to `Session` so the single-device
+path stays as it was (straight-line plans, no threads) and this one can own threads and a lifetime
+(`close()`, or use it as a context manager).
+
+Per (fetches, feeds, targets) signature, once: prune the graph to what the fetches need (§4.2),
+partition the rest by the placement (§3.2.2: Send/Recv on every cross-device edge), and compile
+one `Plan` per device. Per step: a fresh step id and rendezvous, then one Run per partition (the
+master issues one request per device, the Send/Recv pairs do the rest of the synchronisation),
+each on that device's own execution thread, all at once. Feeds go straight to every partition that
+reads them; fetches come back from the partition that holds them.
+
+Failure (§3.3): the first kernel error on any device aborts the step's rendezvous, which wakes every
+waiting Recv on every device with that error, so all partitions stop; the session waits for all of
+them (no thread is left running a dead step) and raises the first error, which names the node, its
+op and its device. The session stays usable: the next step starts clean.
+
+Steps may be issued from several client threads (§7 asynchronous training): every step's Runs are
+queued on all device threads in one atomic action, so each device runs steps in the same order and
+two steps can never wait on each other crosswise.
+
+State: Variables live in the session's `ContainerStore` exactly as with `Session` (a partition binds
+the same slots by node name), and each random op keeps one RngState seeded from the graph seed and
+its own name, so it draws the same numbers wherever it is placed.
+
+Threads and BLAS (ARCHITECTURE "Devices"). Each device has one execution thread, created once with
+the session. `Device.threads` cannot be enforced per device inside one process: OpenBLAS (numpy's
+BLAS here), like MKL and BLIS, keeps one process-wide thread pool, and threadpoolctl changes that
+global setting; it cannot give one Python thread a different limit from another. What the runtime
+offers is `blas_limits(cluster)`: a context manager that sets the process-wide BLAS pool to one
+device's share of the cores (Cluster.local splits them evenly), so N concurrent device threads each
+calling BLAS use about the machine's cores, not N times them. Truly separate limits need separate
+processes (one per device), which is what the Ray workers of the distributed engine will give.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Mapping
+
+import numpy as np
+
+from flowctl.engine.cluster import Cluster
+from flowctl.engine.container import ContainerStore
+from flowctl.engine.devices import canonical, device_type
+from flowctl.engine.dtypes import np_dtype
+from flowctl.engine.errors import ExecutionError, PlacementError
+from flowctl.engine.executor import Plan, RunStats, needed_nodes
+from flowctl.engine.graph import Graph, parse_ref
+from flowctl.engine.ops.registry import COMMUNICATION
+from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
+from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
+from flowctl.engine.session import Session
+from flowctl.kernels.backend import array_module, to_host
+
+
+@dataclass
+class DevicePlan:
+    """One device's share of a signature: its partition, its compiled plan, and where its feeds and
+    fetches sit in the session's lists."""
+
+    device: str
+    graph: Graph
+    plan: Plan
+    feed_index: list[int]  # positions in the signature's feed list, in plan.feeds order
+    fetch_index: list[int]  # positions in the signature's fetch list, in plan.fetches order
+
+
+@dataclass
+class StepPlan:
+    """Everything a step of one signature needs; built once, reused every step."""
+
+    devices: list[DevicePlan]
+    fed_fetches: list[tuple[int, int]] = field(default_factory=list)  # (fetch pos, feed pos)
+
+    @property
+    def partitions(self) -> dict[str, Graph]:
+        return {d.device: d.graph for d in self.devices}
+
+
+class DistributedSession(Session):
+    def __init__(self, graph: Graph, cluster: Cluster, placement: Mapping[str, str],
+                 store: ContainerStore | None = None, check_numerics: bool = False, compress: bool = False,
+                 recv_schedule: str = "asap", durations: Mapping[str, float] | None = None,
+                 step_timeout: float | None = None) -> None:
+        """`placement`: node name -> device of `cluster` (any spelling), for at least every node a
+        run needs (or a placer's `Placement`, whose `.assignment` is that mapping). `compress`: §5.5 lossy float32 transfers. `recv_schedule`: "asap" or "alap"
+        (§5.2), with `durations` (node -> estimated seconds) for the ALAP calculation.
+        `step_timeout`: seconds after which a step still waiting is aborted (None: wait)."""
+        super().__init__(graph, device=cluster.devices[0].name, store=store, check_numerics=check_numerics,
+                         executor="dataflow")
+        self.cluster = cluster
+        # (A placer's Placement object carries the mapping as `.assignment`; accept it directly.)
+        assignment: Mapping[str, str] = getattr(placement, "assignment", placement)
+        self.placement = {n: canonical(d) for n, d in assignment.items()}
+        unknown = sorted({d for d in self.placement.values()} - set(cluster.names))
+        if unknown:
+            raise PlacementError(f"the placement uses device(s) {', '.join(unknown)} that the cluster lacks; "
+                                 f"devices: {', '.join(cluster.names)}")
+        if recv_schedule not in RECV_SCHEDULES:
+            raise ValueError(f"recv_schedule must be one of {RECV_SCHEDULES}, not {recv_schedule!r}")
+        self.compress = compress
+        self.recv_schedule = recv_schedule
+        self.durations = dict(durations or {})
+        self.step_timeout = step_timeout
+        self._step_plans: dict[tuple[Any, ...], StepPlan] = {}
+        self._plan_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
+        # One execution thread per device (its first step starts it), kept for the session's life.
+        # `Device.threads` is not a count of execution threads: it is the device's share of cores,
+        # which only BLAS could use (see blas_limits).
+        self._threads = {d.name: cf.ThreadPoolExecutor(1, thread_name_prefix=f"flowctl-{short_device(d.name)}")
+                         for d in cluster.devices}
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the device threads (waiting for any step in flight)."""
+        if not self._closed:
+            self._closed = True
+            for pool in self._threads.values():
+                pool.shutdown(wait=True)
+
+    def __enter__(self) -> "DistributedSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        pools = getattr(self, "_threads", {})
+        for pool in pools.values():
+            pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ Run
+    def run(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, stats: RunStats | None = None) -> Any:
+        if self._closed:
+            raise ExecutionError("this DistributedSession is closed")
+        refs: list[str] = []
+        targets: list[str] = []
+        template = self._flatten(fetches, refs, targets)
+        items = sorted((feeds or {}).items(), key=lambda kv: self._ref(kv[0]))
+        feed_refs = [self._ref(k) for k, _ in items]
+        feed_vals = [self._host_feed(r, v) for r, (_, v) in zip(feed_refs, items)]
+        key = (tuple(refs), tuple(feed_refs), tuple(targets))
+        sp = self._step_plans.get(key)
+        if sp is None:
+            with self._plan_lock:
+                sp = self._step_plans.get(key)
+                if sp is None:
+                    sp = self._step_plans[key] = self._build(refs, feed_refs, targets)
+
+        values: list[Any] = [None] * len(refs)
+        per_device = self._run_step(sp, feed_vals, values, stats)
+        for fetch_pos, feed_pos in sp.fed_fetches:
+            values[fetch_pos] = feed_vals[feed_pos]
+        if stats is not None:
+            stats.devices = per_device
+            stats.nodes_run = [n for s in per_device.values() for n in s.nodes_run]
+            stats.peak_bytes = sum(s.peak_bytes for s in per_device.values())  # an upper bound
+            stats.starts = sorted((st for s in per_device.values() for st in s.starts), key=lambda x: x[1])
+        return self._rebuild(template, iter([to_host(v) for v in values]))
+
+    def _run_step(self, sp: StepPlan, feed_vals: list[Any], values: list[Any],
+                  stats: RunStats | None) -> dict[str, RunStats]:
+        step = StepContext(next_step_id(), LocalRendezvous())
+        per_device = {d.device: RunStats() for d in sp.devices}
+        check = self.check_numerics
+
+        def job(d: DevicePlan, feeds: list[Any], st: RunStats | None) -> list[Any]:
+            try:
+                return d.plan.run_dataflow(feeds, st, check, step)
+            except BaseException as e:
+                step.rendezvous.abort(e)  # §3.3: one device's failure stops every device's step
+                raise
+
+        with self._submit_lock:  # every device queues this step at the same point (see module doc)
+            futures = [(d, self._threads[d.device].submit(
+                job, d, [self._on_device(feed_vals[i], d.device) for i in d.feed_index],
+                per_device[d.device] if stats is not None else None)) for d in sp.devices]
+        done, waiting = cf.wait([f for _, f in futures], timeout=self.step_timeout)
+        if waiting:
+            stuck = [d.device for d, f in futures if f in waiting]
+            step.rendezvous.abort(ExecutionError(
+                f"step {step.step_id} timed out after {self.step_timeout} s; still running on "
+                f"{', '.join(stuck)}"))
+            cf.wait([f for _, f in futures])  # a Recv wakes on abort; a running kernel finishes first
+        if step.rendezvous.error is not None:
+            raise _root_cause(step.rendezvous.error)
+        for d, f in futures:
+            out = f.result()
+            for pos, v in zip(d.fetch_index, out):
+                values[pos] = v
+        return per_device
+
+    # ------------------------------------------------------------------ planning
+    def _build(self, refs: list[str], feed_refs: list[str], targets: list[str]) -> StepPlan:
+        graph = self.graph
+        for ref in refs + feed_refs:
+            graph.tensor(ref)  # raises with a did-you-mean on an unknown name
+        fed = set(feed_refs)
+        roots = [parse_ref(r)[0] for r in refs if r not in fed] + list(targets)
+        need = needed_nodes(graph, roots, fed)
+        parts = partition(graph, self.placement, nodes=need, feeds=feed_refs, compress=self.compress,
+                          recv_schedule=self.recv_schedule, durations=self.durations)
+        feed_pos = {r: i for i, r in enumerate(feed_refs)}
+        devices: list[DevicePlan] = []
+        for dev in self.cluster.names:  # cluster order: stable thread submission order
+            g = parts.get(dev)
+            if g is None:
+                continue
+            d_feeds = [r for r in feed_refs if feed_node_name(r) in g.nodes]
+            fetch_index = [i for i, r in enumerate(refs) if r not in fed and self.placement[parse_ref(r)[0]] == dev]
+            d_targets = [t for t in targets if self.placement[t] == dev]
+            d_targets += [n.name for n in g.nodes.values() if n.op == "Send"]
+            plan = Plan(g, [refs[i] for i in fetch_index], [f"{feed_node_name(r)}:0" for r in d_feeds],
+                        d_targets, dev, self._resource)
+            ran = set(plan.order)
+            unrun = {n for n in g.nodes if n in need and n not in ran}
+            if unrun:  # partitioning must keep every needed node reachable from the device's roots
+                raise ExecutionError(f"partition for {dev} would skip needed node(s) {sorted(unrun)[:5]}",
+                                     device=dev)
+            devices.append(DevicePlan(dev, g, plan, [feed_pos[r] for r in d_feeds], fetch_index))
+        fed_fetches = [(i, feed_pos[r]) for i, r in enumerate(refs) if r in fed]
+        return StepPlan(devices, fed_fetches)
+
+    def step_plan(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> StepPlan:
+        """The partitions and per-device plans a run with these fetches and feeds uses."""
+        refs: list[str] = []
+        targets: list[str] = []
+        self._flatten(fetches, refs, targets)
+        feed_refs = sorted(self._ref(k) for k in (feeds or {}))
+        key = (tuple(refs), tuple(feed_refs), tuple(targets))
+        with self._plan_lock:
+            if key not in self._step_plans:
+                self._step_plans[key] = self._build(refs, feed_refs, targets)
+            return self._step_plans[key]
+
+    def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> Plan:
+        raise ExecutionError("a DistributedSession has one plan per device: use step_plan()")
+
+    # ------------------------------------------------------------------ feeds
+    def _host_feed(self, ref: str, value: Any) -> Any:
+        spec = self.graph.tensor(ref).spec
+        arr = np.asarray(to_host(value), dtype=np_dtype(spec.dtype))
+        if len(arr.shape) != len(spec.shape) or any(
+                d is not None and d != a for d, a in zip(spec.shape, arr.shape)):
+            raise ExecutionError(f"feed for '{ref}' has shape {tuple(arr.shape)}, but the tensor's shape "
+                                 f"is {spec.shape}", node=parse_ref(ref)[0])
+        return arr
+
+    def _on_device(self, value: Any, device: str) -> Any:
+        dtype = device_type(device)
+        return value if dtype == "cpu" else array_module(dtype).asarray(value)
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    while isinstance(err, RendezvousAborted):
+        err = err.cause
+    if isinstance(err, ExecutionError):
+        return err
+    return ExecutionError(f"step failed: {type(err).__name__}: {err}")
+
+
+def blas_limits(cluster: Cluster) -> ContextManager[Any]:
+    """Set the process-wide BLAS thread pool to the largest per-device thread count of `cluster`
+    while the context is open (see the module doc for why this cannot be per device)."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=max(d.threads for d in cluster.devices), user_api="blas")
+
+
+def count_transfers(parts: Mapping[str, Graph]) -> dict[tuple[str, str], int]:
+    """(source device, destination device) -> number of Recv nodes (tensors moved per step)."""
+    out: dict[tuple[str, str], int] = {}
+    for g in parts.values():
+        for n in g.nodes.values():
+            if n.op == "Recv" and n.opdef.group == COMMUNICATION:
+                key = (n.attrs["send_device"], n.attrs["recv_device"])
+                out[key] = out.get(key, 0) + 1
+    return out

@@ -1,0 +1,73 @@
+"""Send and Recv kernels (whitepaper §3.2.2, §5.3, §5.5).
+
+Both are asynchronous kernels: the factory returns `start(step, inputs, done)`. `step` is duck-typed
+(the engine's StepContext): `step.key(src, dst, tensor_name)` builds the rendezvous key and
+`step.rendezvous` has `send(key, value)` and `recv_async(key, callback)`.
+
+Within one process a tensor is handed over by reference: kernels never mutate their inputs and
+assignments replace a variable's array, so the receiving device may share the sender's buffer.
+A Recv on a device whose array module differs from the sender's moves the array (to the host for
+cpu, `xp.asarray` onto the current GPU for gpu).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flowctl.kernels.backend import to_host
+from flowctl.kernels.registry import kernel
+
+Done = Callable[[Any, "BaseException | None"], None]
+
+# bfloat16 truncation (§5.5): keep the upper 16 bits of the IEEE float32 bit pattern.
+_QUIET_NAN_HIGH = 0x7FC0  # a NaN whose payload sat only in the dropped bits must stay a NaN
+
+
+def narrow(xp: Any, x: Any) -> Any:
+    """float32 -> uint16 holding its upper 16 bits (sign, exponent, top 7 mantissa bits)."""
+    x = xp.asarray(x, dtype=xp.float32)
+    high = (x.view(xp.uint32) >> 16).astype(xp.uint16)
+    nan = xp.isnan(x)
+    if bool(nan.any()):
+        high = xp.where(nan, xp.uint16(_QUIET_NAN_HIGH), high)
+    return high
+
+
+def widen(xp: Any, y: Any) -> Any:
+    """uint16 upper halves -> float32 with the low 16 mantissa bits zero-filled (§5.5)."""
+    return (xp.asarray(y).astype(xp.uint32) << 16).view(xp.float32)
+
+
+@kernel("Send")
+def send(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done], None]:
+    src, dst, name = attrs["send_device"], attrs["recv_device"], attrs["tensor_name"]
+    compress = bool(attrs["compress"])
+
+    def start(step: Any, inputs: tuple[Any, ...], done: Done) -> None:
+        value = narrow(xp, inputs[0]) if compress else inputs[0]
+        step.rendezvous.send(step.key(src, dst, name), value)
+        done(None, None)  # a local Send never waits: the rendezvous buffers until the Recv comes
+
+    return start
+
+
+@kernel("Recv")
+def recv(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done], None]:
+    src, dst, name = attrs["send_device"], attrs["recv_device"], attrs["tensor_name"]
+    compress = bool(attrs["compress"])
+    on_host = xp.__name__ == "numpy"
+
+    def start(step: Any, inputs: tuple[Any, ...], done: Done) -> None:
+        def arrived(value: Any, err: BaseException | None) -> None:
+            if err is not None:
+                done(None, err)
+                return
+            try:
+                value = to_host(value) if on_host else xp.asarray(value)
+                done(widen(xp, value) if compress else value, None)
+            except Exception as e:  # noqa: BLE001 -- reported as this Recv's failure
+                done(None, e)
+
+        # §5.3: registers the continuation and returns; the executor goes on with other work.
+        step.rendezvous.recv_async(step.key(src, dst, name), arrived)
+
+    return start
