@@ -38,9 +38,3 @@ from flowctl.engine.ops.state import (
 )
 from flowctl.engine.session import Session
 from flowctl.engine.runtime import DistributedSession
-
-__all__ = [
-    "CheckpointError", "ContainerStore", "DistributedSession", "ExecutionError", "FlowctlError", "Graph", "GraphError",
-    "Node", "NonFiniteError", "PlacementError", "RunStats", "Session", "SpecError", "Tensor",
-    "constant", "default_graph", "gradients", "process_store", "reset_default_graph",
-]

@@ -11,16 +11,9 @@ import pytest
 
 import flowctl as fc
 from flowctl.engine.gradcheck import check_gradients
+from flowctl.engine.gradcheck import run_graph as run
 from flowctl.engine.ops.registry import get_op
 from flowctl.engine.shapes import TensorSpec
-
-
-def run(build, **inputs):
-    g = fc.Graph()
-    with g.as_default():
-        phs = {k: fc.placeholder(v.dtype.name, v.shape, name=k) for k, v in inputs.items()}
-        out = build(**phs)
-    return fc.Session(g, store=fc.ContainerStore()).run(out, {phs[k]: v for k, v in inputs.items()})
 
 
 def loop_reduce(x: np.ndarray, axis, keepdims: bool, combine) -> np.ndarray:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,24 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from flowctl.engine.errors import FlowctlError
+from flowctl.training.rundir import write_atomic
 
 SUITES = ("engine",)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 @click.command()
@@ -50,7 +33,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool) -> None:
     with err.status("benchmarking") as status:
         results = run_engine_suite(quick=quick, progress=lambda m: status.update(m))
     if out is not None:
-        write_json_atomic(out, results)
+        write_atomic(out, json.dumps(results, indent=2) + "\n")
     if as_json:
         click.echo(json.dumps(results, indent=2))
     _render(err, results)

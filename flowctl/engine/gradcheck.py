@@ -74,3 +74,12 @@ def check_gradients(build: Callable[..., Tensor | Sequence[Tensor]], inputs: Map
                 raise AssertionError(f"gradient of '{name}' at flat index {i}: analytic {a:.10g}, "
                                      f"numeric {numeric:.10g} (error {err:.3g})")
     return worst
+
+
+def run_graph(build: Callable[..., Any], **inputs: np.ndarray) -> Any:
+    """Evaluate `build(**placeholders)` on `inputs` in a fresh graph and private session."""
+    g = Graph()
+    with g.as_default():
+        phs = {k: placeholder(v.dtype.name, v.shape, name=k) for k, v in inputs.items()}
+        out = build(**phs)
+    return Session(g, store=ContainerStore()).run(out, {phs[k]: v for k, v in inputs.items()})
