@@ -29,6 +29,7 @@ from flowctl.engine.ops.elementwise import (
     ones_like, pow_, relu, rsqrt, select, sigmoid, sign, sqrt, square, sub, tanh, zeros_like,
 )
 from flowctl.engine.ops.matrix import *  # noqa: F401,F403
+from flowctl.engine.ops.queues import *  # noqa: F401,F403
 from flowctl.engine.ops.nn import *  # noqa: F401,F403
 from flowctl.engine.ops.random import *  # noqa: F401,F403
 from flowctl.engine.ops.reduction import *  # noqa: F401,F403

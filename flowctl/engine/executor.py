@@ -15,7 +15,8 @@ Both keep the same accounting: bytes of live tensors and their peak, and which n
 
 Asynchronous kernels (§5.3). An op whose OpDef says `is_async` has a kernel of the form
 `start(step, inputs, done)`: `step` is the per-step context (a `StepContext` from
-`flowctl.engine.rendezvous`: step id, rendezvous, frame), `inputs` the tuple of input arrays, and
+`flowctl.engine.rendezvous`: step id, rendezvous, frame; None under a plain `Session`, where only
+Send/Recv, which meet in a rendezvous, cannot run), `inputs` the tuple of input arrays, and
 `done(outputs, error)` the continuation, which may be called from any thread, before or after
 `start` returns. The executor never blocks inside `start`; it keeps running whatever else is ready
 and only waits (on a condition) when nothing is ready and async work is outstanding. All executor
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import SOURCE
+from flowctl.engine.ops.registry import COMMUNICATION, SOURCE
 from flowctl.kernels.registry import bind
 
 if TYPE_CHECKING:
@@ -341,7 +342,8 @@ class Plan:
                      completed: "deque[tuple[int, Any, BaseException | None]]",
                      cond: threading.Condition) -> None:
         """Start async kernel i; its continuation only queues the result and wakes the executor."""
-        if step is None:
+        if step is None and self.nodes[i].opdef.group == COMMUNICATION:
+            # Queue kernels (§4.6) need no rendezvous and run under a plain Session; Send/Recv do.
             node = self.nodes[i]
             raise ExecutionError(f"node '{node.name}' ({node.op}) on {self.device} is asynchronous and "
                                  f"needs a step context (a rendezvous): run partitioned graphs through "

@@ -170,6 +170,10 @@ class Session:
                 seed = derive_seed(self.graph.seed, node.name, int(node.attrs.get("seed", 0) or 0))
                 st = self.rng[node.name] = RngState(node.name, seed)
             return st
+        if kind == "queue":  # §4.6/§4.7: in the store like a Variable, so sessions and threads share it
+            from flowctl.engine.ops.queues import queue_resource
+
+            return queue_resource(self.graph, node, self.store)
         raise GraphError(f"node '{node.name}': unknown resource kind {kind!r}")
 
     def variable_values(self) -> dict[str, np.ndarray]:

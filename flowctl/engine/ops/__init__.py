@@ -7,6 +7,7 @@ from flowctl.engine.ops import (  # noqa: F401
     elementwise,
     matrix,
     nn,
+    queues,
     random,
     reduction,
     state,
