@@ -1,0 +1,200 @@
+"""Shrinking the graph before placing it (placement-notes.md: Mirhoseini et al. 2017, Baechi 2020).
+
+Placers decide per *group*, not per node. Groups are built in three phases; a merge in phases 2
+and 3 is kept only when the merged groups share a feasible device and the heavier one loses none
+of its own (hard colocation is never broken, and a cheap op never drags a heavy one off a GPU):
+
+1. Colocation groups (§4.3), from `feasibility`: hard constraints.
+2. Forward single-consumer merges, over the forward graph only (nodes without `follows`; edges
+   into NoOp/Group sinks ignored, so a train op does not swallow every variable update). In reverse
+   topological order, a group A whose outputs feed exactly one other group B joins B when doing
+   so cannot hide parallelism:
+     (a) A reads nothing computed outside B and does less work than B (it hangs off B:
+         variables and their update chains; not a whole tower hanging off a fed input), or
+     (b) A is B's only computed input (a chain), or
+     (c) A's work is no more than sending its outputs to B, so running A elsewhere cannot pay.
+   Without the guard, the literature's bare rule folds every branch of an in-tree into its join
+   (two parallel matmul towers feeding one Add become one group, one device).
+3. Backward nodes follow their forward node (`Node.follows`, set by autodiff), so a layer's
+   gradient runs where the layer ran.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flowctl.engine.graph import Graph, parse_ref
+from flowctl.engine.ops.registry import CONTROL
+from flowctl.engine.placement.cost import CostTable
+from flowctl.engine.placement.feasibility import Feasibility, UnionFind
+
+MAX_GROUP = 512  # stop growing a group past this: keeps coarsening linear and leaves placers a choice
+MAX_REASONS = 6
+
+
+@dataclass
+class Group:
+    id: int  # the graph index of its first member
+    members: list[str]  # graph order
+    feasible: list[str]  # device names
+    merged: list[str] = field(default_factory=list)  # why members share this group
+
+    def to_dict(self) -> dict[str, object]:
+        return {"id": self.id, "size": len(self.members), "members": list(self.members),
+                "feasible": list(self.feasible), "merged": list(self.merged)}
+
+
+@dataclass
+class Coarsening:
+    feas: Feasibility
+    group_of: list[int]  # per graph node index -> group id
+    groups: dict[int, Group]  # by id, in graph order
+    feasible_idx: dict[int, frozenset[int]]  # group id -> device indices
+
+    def group(self, node: str) -> Group:
+        return self.groups[self.group_of[self.feas.index[node]]]
+
+
+def coarsen(graph: Graph, feas: Feasibility, table: CostTable | None = None) -> Coarsening:
+    """Groups for the placers (module docstring). `table` supplies op times and tensor sizes for
+    rule (c); without it rule (c) is off."""
+    order = feas.order
+    N = len(order)
+    uf = UnionFind(N)
+    gfeas: dict[int, frozenset[int]] = {}
+    members: dict[int, list[int]] = {}
+    reasons: dict[int, list[str]] = {}
+    for g, ms in feas.members.items():
+        for m in ms[1:]:
+            uf.union(g, m)
+        gfeas[g] = feas.feasible[g]
+        members[g] = list(ms)
+        if len(ms) > 1:
+            reasons[g] = ["colocation: " + r for r in feas.links.get(g, [])[:MAX_REASONS]]
+
+    D = len(feas.devices)
+    work = [[0.0] * D for _ in range(N)]  # per node, filled below; merged groups sum theirs
+    if table is not None:
+        for k, name in enumerate(table.names):
+            work[feas.index[name]] = list(table.times[k])
+    gwork: dict[int, list[float]] = {}
+    for g, ms in members.items():
+        gwork[g] = [sum(work[m][d] for m in ms) for d in range(D)]
+
+    def union(a: int, b: int, why: str) -> bool:
+        ra, rb = uf.find(a), uf.find(b)
+        if ra == rb:
+            return True
+        inter = gfeas[ra] & gfeas[rb]
+        if not inter or len(members[ra]) + len(members[rb]) > MAX_GROUP:
+            return False
+        # A soft merge may narrow the lighter side only: a heavy op capable of a GPU must not be
+        # pinned to the CPU because its cheap consumer has only a CPU kernel.
+        heavy = ra if min(gwork[ra], default=0.0) >= min(gwork[rb], default=0.0) else rb
+        if inter != gfeas[heavy]:
+            return False
+        r = uf.union(ra, rb)
+        o = rb if r == ra else ra
+        gfeas[r] = inter
+        members[r] = sorted(members[ra] + members[rb])
+        gwork[r] = [x + y for x, y in zip(gwork[ra], gwork[rb])]
+        rs = reasons.get(r, []) + reasons.get(o, [])
+        if len(rs) < MAX_REASONS:
+            rs.append(why)
+        reasons[r] = rs[:MAX_REASONS]
+        for table_ in (gfeas, members, gwork, reasons):
+            table_.pop(o, None)  # type: ignore[attr-defined]
+        return True
+
+    # Forward view: producers/consumers among nodes that are not gradients, without ref edges
+    # and without edges into CONTROL sinks.
+    nodes = [graph.nodes[n] for n in order]
+    in_step = [True] * N
+    if table is not None:  # only what the step runs: initialisers must not link groups together
+        in_step = [False] * N
+        for name in table.names:
+            in_step[feas.index[name]] = True
+    forward = [not nd.follows and in_step[i] for i, nd in enumerate(nodes)]
+    computed = [bool(nd.inputs) for nd in nodes]  # sources (Const, Variable, Placeholder) are not
+    fwd_prod: list[list[int]] = [[] for _ in range(N)]
+    fwd_cons: list[list[int]] = [[] for _ in range(N)]
+    # Data edges of the step with their sizes, for rule (c): (consumer, producer port, bytes).
+    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(N)]
+    if table is not None:
+        for k, name in enumerate(table.names):
+            for j, p in table.inputs[k]:
+                out_edges[feas.index[table.names[j]]].append((feas.index[name], p, table.out_bytes[j][p]))
+    for i, nd in enumerate(nodes):
+        if not forward[i] or nd.opdef.group == CONTROL:
+            continue
+        skip = nd.opdef.ref_inputs
+        srcs = [parse_ref(r)[0] for k, r in enumerate(nd.inputs) if k not in skip] + list(nd.control_inputs)
+        for s in dict.fromkeys(srcs):
+            j = feas.index[s]
+            if forward[j]:
+                fwd_prod[i].append(j)
+                fwd_cons[j].append(i)
+
+    cheapest_link = _cheapest_transfer(table) if table is not None and D > 1 else None
+
+    def scan(root: int) -> tuple[set[int], set[int]]:
+        """(consumer groups, computed-producer groups) of a group in the forward view."""
+        cons: set[int] = set()
+        prods: set[int] = set()
+        for m in members[root]:
+            for c in fwd_cons[m]:
+                cons.add(uf.find(c))
+            for p in fwd_prod[m]:
+                if computed[p]:
+                    prods.add(uf.find(p))
+        cons.discard(root)
+        prods.discard(root)
+        return cons, prods
+
+    topo = graph.topo_order()
+    for name in reversed(topo):
+        u = feas.index[name]
+        if not forward[u]:
+            continue
+        a = uf.find(u)
+        if len(members[a]) > MAX_GROUP:
+            continue
+        cons, prods_a = scan(a)
+        if len(cons) != 1:
+            continue
+        b = next(iter(cons))
+        if prods_a <= {b} and min(gwork[a]) <= min(gwork[b]):
+            union(a, b, f"'{name}' hangs off its only consumer group, which does more work")
+            continue
+        _, prods_b = scan(b)
+        if prods_b <= {a}:
+            union(a, b, f"'{name}' feeds its only consumer, which reads nothing else computed")
+            continue
+        if cheapest_link is not None:
+            mine = min(gwork[a])
+            crossing = {(m, p): nb for m in members[a] for c, p, nb in out_edges[m] if uf.find(c) == b}
+            sent = cheapest_link(sum(crossing.values()))
+            if mine <= sent:
+                union(a, b, f"'{name}' is cheaper to run than to send to another device")
+
+    # Phase 3: §4.1 gradients were made for a forward node; keep them together.
+    for i, nd in enumerate(nodes):
+        if nd.follows and nd.follows in feas.index:
+            union(i, feas.index[nd.follows], f"gradients follow their forward node '{nd.follows}'")
+
+    group_of = [uf.find(i) for i in range(N)]
+    groups: dict[int, Group] = {}
+    for g in sorted(members):
+        groups[g] = Group(g, [order[m] for m in members[g]], [feas.devices[d] for d in sorted(gfeas[g])],
+                          list(reasons.get(g, [])))
+    return Coarsening(feas, group_of, groups, dict(gfeas))
+
+
+def _cheapest_transfer(table: CostTable) -> Callable[[int], float]:
+    D = len(table.devices)
+    pairs = [(a, b) for a in range(D) for b in range(D) if a != b]
+
+    def cost(nbytes: int) -> float:
+        return min(table.transfer(nbytes, a, b) for a, b in pairs)
+
+    return cost

@@ -1,0 +1,350 @@
+"""Cost models (whitepaper §3.2.1): how long an op takes on a device, how big a tensor is, and how
+long a tensor takes to cross a link. Two models answer the same three questions:
+
+- `StaticCostModel`: a roofline over the device profile, op_overhead + max(FLOPs / peak FLOP/s,
+  bytes / memory bandwidth), with FLOPs and bytes from each op's registered cost function on
+  concrete shapes: unknown dimensions of inputs set to `batch`, then every shape function re-run
+  (`concrete_shapes`). Transfers are latency + bytes / bandwidth.
+- `MeasuredCostModel`: per-op times from a profiling run on the real device, keyed by
+  (op, input shapes, output shapes, device profile), saved to and loaded from JSON (the run dir's
+  cache). A node with no record is costed by the static model and listed in `fallbacks`, so a
+  prediction never silently mixes the two.
+
+`CostTable` evaluates a model once over the nodes of one step, so the simulator and every placer
+read the same numbers (and do no per-node dictionary work in their inner loops).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flowctl.engine.cluster import Cluster
+from flowctl.engine.dtypes import itemsize, np_dtype
+from flowctl.engine.graph import Graph, Node, parse_ref
+from flowctl.engine.ops.registry import CONTROL, SOURCE
+from flowctl.engine.shapes import TensorSpec, concrete
+
+MEASURED_VERSION = 1
+
+
+class CostModel(Protocol):
+    """The one interface placers and the simulator see (ARCHITECTURE.md, Placement item 2)."""
+
+    name: str
+    batch: int
+
+    def op_time(self, graph: Graph, node: Node, device: str) -> float: ...
+
+    def tensor_bytes(self, graph: Graph, ref: str) -> int: ...
+
+    def transfer_time(self, nbytes: int, src: str, dst: str) -> float: ...
+
+    def fallbacks(self) -> list[str]: ...
+
+
+def _ref_skipped(node: Node) -> tuple[int, ...]:
+    return node.opdef.ref_inputs
+
+
+def concrete_shapes(graph: Graph, batch: int) -> dict[str, list[tuple[int, ...]]]:
+    """Every node's output shapes with the batch filled in: unknown dimensions of sources become
+    `batch`, and every op's shape function is re-run on concrete inputs, so a dimension derived
+    from the batch (a [batch * time, units] fold) gets its real size, not `batch`."""
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for name in graph.topo_order():
+        node = graph.nodes[name]
+        if all(None not in s.shape for s in node.outputs) or not node.inputs:
+            out[name] = [concrete(s.shape, batch) for s in node.outputs]
+            continue
+        ins = []
+        for ref in node.inputs:
+            src, port = parse_ref(ref)
+            ins.append(TensorSpec(out[src][port], graph.nodes[src].outputs[port].dtype))
+        try:
+            specs = node.opdef.infer(ins, node.attrs)
+            out[name] = [concrete(tuple(sp.shape), batch) for sp in specs]
+        except Exception:  # noqa: BLE001 -- a shape function that insists on its static view
+            out[name] = [concrete(sp.shape, batch) for sp in node.outputs]
+    return out
+
+
+class StaticCostModel:
+    """Roofline estimates from the op registry's cost functions over the cluster's profiles."""
+
+    name = "static"
+
+    def __init__(self, cluster: Cluster, batch: int = 1) -> None:
+        self.cluster = cluster
+        self.batch = int(batch)
+        self._shapes: tuple[Graph, dict[str, list[tuple[int, ...]]]] | None = None
+
+    def shapes(self, graph: Graph) -> dict[str, list[tuple[int, ...]]]:
+        """Concrete output shapes per node for this model's batch (cached per graph)."""
+        if self._shapes is None or self._shapes[0] is not graph or len(self._shapes[1]) != len(graph):
+            self._shapes = (graph, concrete_shapes(graph, self.batch))
+        return self._shapes[1]
+
+    def in_out(self, graph: Graph, node: Node) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        sh = self.shapes(graph)
+        ins = []
+        for ref in node.inputs:
+            src, port = parse_ref(ref)
+            ins.append(TensorSpec(sh[src][port], graph.nodes[src].outputs[port].dtype))
+        outs = [TensorSpec(shape, spec.dtype) for shape, spec in zip(sh[node.name], node.outputs)]
+        return ins, outs
+
+    def estimate(self, graph: Graph, node: Node) -> tuple[float, float]:
+        """(FLOPs, bytes moved) of one execution of `node`."""
+        ins, outs = self.in_out(graph, node)
+        return node.opdef.estimate(ins, outs, node.attrs, self.batch)
+
+    def time_of(self, flops: float, nbytes: float, device: str) -> float:
+        p = self.cluster.device(device).profile
+        return p.op_overhead + max(flops / p.peak_flops, nbytes / p.mem_bandwidth)
+
+    def op_time(self, graph: Graph, node: Node, device: str) -> float:
+        flops, nbytes = self.estimate(graph, node)
+        return self.time_of(flops, nbytes, device)
+
+    def tensor_bytes(self, graph: Graph, ref: str) -> int:
+        name, port = parse_ref(ref)
+        n = 1
+        for d in self.shapes(graph)[name][port]:
+            n *= d
+        return n * itemsize(graph.nodes[name].outputs[port].dtype)
+
+    def transfer_time(self, nbytes: int, src: str, dst: str) -> float:
+        if src == dst:
+            return 0.0
+        link = self.cluster.link(src, dst)
+        return link.latency + nbytes / link.bandwidth
+
+    def fallbacks(self) -> list[str]:
+        return []
+
+
+def record_key(op: str, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]],
+               device_kind: str) -> str:
+    """The JSON key of one measurement: op, concrete input and output shapes, device profile."""
+    fmt = lambda shapes: json.dumps([list(map(int, s)) for s in shapes], separators=(",", ":"))
+    return f"{op}|{fmt(in_shapes)}|{fmt(out_shapes)}|{device_kind}"
+
+
+class MeasuredCostModel:
+    """Per-op times measured on real devices. Keyed by device *profile* name, not type alone: two
+    virtual CPU devices with different thread counts run a MatMul at different speeds."""
+
+    name = "measured"
+
+    def __init__(self, cluster: Cluster, batch: int = 1, records: Mapping[str, float] | None = None) -> None:
+        self.cluster = cluster
+        self.batch = int(batch)
+        self.records: dict[str, float] = dict(records or {})
+        self.static = StaticCostModel(cluster, batch)
+        self._missed: dict[str, None] = {}
+
+    # ------------------------------------------------------------------ the interface
+    def key_for(self, graph: Graph, node: Node, device: str) -> str:
+        skip = _ref_skipped(node)
+        ins, outs = self.static.in_out(graph, node)
+        return record_key(node.op, [s.shape for i, s in enumerate(ins) if i not in skip], [s.shape for s in outs],
+                          self.cluster.device(device).profile.name)
+
+    def op_time(self, graph: Graph, node: Node, device: str) -> float:
+        t = self.records.get(self.key_for(graph, node, device))
+        if t is None:
+            if node.op == "Placeholder":  # fed: the step runs no kernel for it
+                return 0.0
+            self._missed[node.name] = None
+            return self.static.op_time(graph, node, device)
+        return t
+
+    def tensor_bytes(self, graph: Graph, ref: str) -> int:
+        return self.static.tensor_bytes(graph, ref)
+
+    def transfer_time(self, nbytes: int, src: str, dst: str) -> float:
+        # Links are not profiled: a transfer costs latency + bytes / bandwidth from the cluster.
+        return self.static.transfer_time(nbytes, src, dst)
+
+    def fallbacks(self) -> list[str]:
+        """Nodes asked about so far that had no measurement and were costed statically."""
+        return list(self._missed)
+
+    # ------------------------------------------------------------------ profiling
+    def profile(self, session: Any, fetches: Any, feeds: Mapping[Any, Any] | None = None, repeat: int = 5,
+                threads: int | None = None) -> int:
+        """Run the session's plan for (fetches, feeds) `repeat` times node by node, timing every
+        kernel call (the best of the repeats), and record one time per distinct key. This executes
+        real steps: stateful ops (variable updates, random ops) advance as in training.
+        Returns the number of keys recorded."""
+        plan = session.plan_for(fetches, feeds)
+        kind = self.cluster.device(session.device).profile.name
+        dev = self.cluster.device(session.device)
+        values: list[Any] = [None] * plan.num_slots
+        by_ref = {session._ref(k): v for k, v in (feeds or {}).items()}
+        for i, ref in enumerate(plan.feeds):
+            spec = session.graph.tensor(ref).spec
+            values[i] = session.xp.asarray(by_ref[ref], dtype=np_dtype(spec.dtype))
+        sync = _synchronizer(plan.device_type)
+        best = [float("inf")] * len(plan.nodes)
+        with contextlib.ExitStack() as stack:
+            if plan.device_type == "cpu":
+                stack.enter_context(_blas_limit(threads if threads is not None else dev.threads))
+            for _ in range(max(1, repeat)):
+                for i, k in enumerate(plan.kernels):
+                    args = [values[s] for s in plan.in_slots[i]]
+                    t0 = time.perf_counter()
+                    out = k(*args)
+                    sync()
+                    dt = time.perf_counter() - t0
+                    if dt < best[i]:
+                        best[i] = dt
+                    outs = plan.out_slots[i]
+                    if len(outs) == 1:
+                        out = (out,)
+                    for s, v in zip(outs, out or ()):
+                        values[s] = v
+        seen: dict[str, list[float]] = {}
+        for i, node in enumerate(plan.nodes):
+            ins = [_shape_of(values[s]) for s in plan.in_slots[i]]
+            outs = [_shape_of(values[s]) for s in plan.out_slots[i]]
+            seen.setdefault(record_key(node.op, ins, outs, kind), []).append(best[i])
+        added = sum(1 for k in seen if k not in self.records)
+        for key, ts in seen.items():
+            # Each node's best of `repeat` drops one-off stalls; across the nodes that share a key
+            # (the 35 identical cells of an LSTM) the median, since the minimum of many samples
+            # on a busy machine is optimistic (measured: it under-predicted a step by 25%).
+            self.records[key] = statistics.median(ts)
+        return added
+
+    # ------------------------------------------------------------------ the run dir cache
+    def save(self, path: str | os.PathLike[str]) -> None:
+        data = {"version": MEASURED_VERSION, "batch": self.batch, "records": dict(sorted(self.records.items()))}
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)  # a crash mid-write never leaves a truncated cache behind
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], cluster: Cluster, batch: int | None = None) -> MeasuredCostModel:
+        from flowctl.engine.errors import PlacementError
+
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlacementError(f"cannot read measured costs from {os.fspath(path)}: {e}") from None
+        if data.get("version") != MEASURED_VERSION:
+            raise PlacementError(f"measured costs {os.fspath(path)}: version {data.get('version')!r} is not "
+                                 f"{MEASURED_VERSION}")
+        return cls(cluster, int(batch if batch is not None else data.get("batch", 1)),
+                   {str(k): float(v) for k, v in data["records"].items()})
+
+
+def _shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in getattr(x, "shape", ()))
+
+
+def _synchronizer(device_type: str) -> Any:
+    """A callable that waits for the device: cupy launches are asynchronous, so a GPU kernel's time
+    is only known after the stream drains."""
+    if device_type == "gpu":
+        from flowctl.kernels.backend import cupy_or_none
+
+        cp = cupy_or_none()
+        if cp is not None:
+            return lambda: cp.cuda.get_current_stream().synchronize()
+    return lambda: None
+
+
+def _blas_limit(threads: int) -> contextlib.AbstractContextManager[Any]:
+    """Limit BLAS to the device's threads while profiling, so a virtual CPU device is timed as the
+    runtime will run it. threadpoolctl is optional: without it the times are the whole machine's."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=max(1, int(threads)), user_api="blas")
+
+
+# ---------------------------------------------------------------------------- per-step cost table
+@dataclass
+class CostTable:
+    """One step's nodes (topological order) with their costs on every device of the cluster.
+
+    Edges are by index: `inputs[i]` lists (producer, port) pairs read by node i (ref inputs
+    excluded: they name state, they move no bytes), `controls[i]` its control predecessors
+    (including the data inputs of a Group, which waits for them but reads nothing),
+    `succ[i]` every consumer. `resident[i]` is true for nodes whose outputs live across steps
+    (Variables, Consts, fed Placeholders): the simulator counts them as resident memory."""
+
+    names: list[str]
+    index: dict[str, int]
+    devices: list[str]
+    times: list[list[float]]  # [node][device] seconds
+    flops: list[float]
+    out_bytes: list[list[int]]  # [node][port]
+    inputs: list[list[tuple[int, int]]]
+    controls: list[list[int]]
+    succ: list[list[int]]
+    resident: list[bool]
+    model: Any  # the CostModel, for transfer times
+
+    def transfer(self, nbytes: int, src: int, dst: int) -> float:
+        return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
+
+    @classmethod
+    def build(cls, graph: Graph, cluster: Cluster, model: CostModel, step: Iterable[str]) -> CostTable:
+        names = list(step)
+        index = {n: i for i, n in enumerate(names)}
+        devices = cluster.names
+        # A cost model answers by device profile (ARCHITECTURE: profiles describe devices), so ask
+        # once per distinct profile and share the answer among devices that have it.
+        reps: dict[str, int] = {}
+        col = []
+        for d, name in enumerate(devices):
+            col.append(reps.setdefault(cluster.device(name).profile.name, d))
+        rep_list = sorted(set(col))
+        static = model if isinstance(model, StaticCostModel) else getattr(model, "static", None)
+        if not isinstance(static, StaticCostModel):  # FLOPs for the explanation come from the registry
+            static = StaticCostModel(cluster, model.batch)
+        times, flops, out_bytes, inputs, controls, resident = [], [], [], [], [], []
+        succ: list[list[int]] = [[] for _ in names]
+        for i, name in enumerate(names):
+            node = graph.nodes[name]
+            fl, nb = static.estimate(graph, node)
+            if model is static:  # one estimate serves every profile
+                per = {r: static.time_of(fl, nb, devices[r]) for r in rep_list}
+            else:
+                per = {r: float(model.op_time(graph, node, devices[r])) for r in rep_list}
+            times.append([per[col[d]] for d in range(len(devices))])
+            flops.append(float(fl))
+            out_bytes.append([model.tensor_bytes(graph, f"{name}:{p}") for p in range(len(node.outputs))])
+            skip = node.opdef.ref_inputs
+            # A Group (or other output-less CONTROL op) only waits for its inputs: across devices
+            # the partition needs a token from each, not the tensor itself.
+            waits_only = node.opdef.group == CONTROL and not node.outputs
+            ins: list[tuple[int, int]] = []
+            ctrl_names = list(node.control_inputs)
+            for k, ref in enumerate(node.inputs):
+                if k in skip:
+                    continue
+                src, port = parse_ref(ref)
+                j = index.get(src)
+                if waits_only:
+                    ctrl_names.append(src)
+                elif j is not None and (j, port) not in ins:
+                    ins.append((j, port))
+            ctrl = [index[c] for c in dict.fromkeys(ctrl_names) if c in index]
+            inputs.append(ins)
+            controls.append(ctrl)
+            for j in dict.fromkeys([j for j, _ in ins] + ctrl):
+                succ[j].append(i)
+            resident.append(node.opdef.group == SOURCE or node.op == "Variable")
+        return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model)

@@ -1,0 +1,337 @@
+"""List-scheduling placers: the whitepaper's greedy (§3.2.1) and HEFT.
+
+Both walk the step's nodes while simulating every device, and decide a group's device when they
+reach the group's first node: each feasible device is tried, its estimated finish time computed
+from the device's free time, the arrival of every input (a transfer over the link when the input
+lives elsewhere, one per tensor and device as in the partition), and the op's cost there; the
+device where it would finish soonest wins (plus, to compare unlike devices fairly, the work the
+rest of the group would then do there). Later members of the group go where it went.
+
+They differ in the walk. `greedy` takes nodes in order of their estimated ready time, which is
+"simulates the activity on each device as it progresses" (§3.2.1). `heft` takes them by upward
+rank (the longest cost path to the end of the step, Topcuoglu et al. 2002), so the critical path
+is placed first; it wins where greedy fills devices with short off-path work early.
+
+Sources that compute nothing (Variables, Consts, Placeholders), and ops on parameters alone (an
+LSTM's slice of its kernel), are not decided on their own: a variable's device is best decided by
+whoever brings it activations, so they are deferred to their first such consumer (which counts
+them as local). Without this, a layer's weights go wherever a weight-only op happened to find an
+idle device at time zero, and drag the layer with them.
+
+Memory: each device's resident state plus live tensors is tracked as the walk goes; a device that
+would overflow is not a candidate. The simulator checks the result, and the placer retries with
+the offending device's budget lowered when it still overflows.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+
+from flowctl.engine.placement.explain import Candidate, Decision, Placement
+from flowctl.engine.placement.problem import Problem, finalize
+from flowctl.engine.placement.simulator import fmt_bytes
+
+RETRIES = 3
+
+
+def place_greedy(pb: Problem, priority: str = "ready") -> Placement:
+    started = time.perf_counter()
+    caps = [float(pb.cluster.device(d).profile.memory) for d in pb.devices]
+    notes: list[str] = []
+    best: Placement | None = None
+    for attempt in range(RETRIES + 1):
+        group_dev, decisions = list_schedule(pb, priority, caps)
+        pl = finalize(pb, "greedy" if priority == "ready" else "heft", group_dev, decisions, started, notes)
+        if pl.valid:
+            return pl
+        best = pl
+        if attempt == RETRIES:
+            break
+        # Lower the budget of each overflowing device by its overflow (and a margin): the walk's
+        # memory estimate runs ahead of the simulator's, so the next walk moves work elsewhere.
+        for s in pl.simulation.devices:
+            if s.peak_memory > s.capacity:
+                d = pb.devices.index(s.device)
+                caps[d] -= 1.1 * (s.peak_memory - s.capacity)
+                notes.append(f"retry {attempt + 1}: {s.device} overflowed by "
+                             f"{fmt_bytes(s.peak_memory - s.capacity)}; its budget lowered")
+    assert best is not None
+    return best
+
+
+def place_heft(pb: Problem) -> Placement:
+    return place_greedy(pb, priority="rank")
+
+
+def upward_rank(pb: Problem) -> list[float]:
+    """HEFT's rank: mean op time over the feasible devices plus the longest path (with mean
+    transfer times) to a sink."""
+    t = pb.table
+    n, D = len(t.names), len(pb.devices)
+    if D > 1:
+        pairs = [(a, b) for a in range(D) for b in range(D) if a != b]
+        lat = sum(t.transfer(0, a, b) for a, b in pairs) / len(pairs)
+        per_byte = sum(t.transfer(1 << 30, a, b) - t.transfer(0, a, b) for a, b in pairs) / len(pairs) / (1 << 30)
+    else:
+        lat = per_byte = 0.0
+    feas = pb.coarse.feasible_idx
+    w = []
+    for i in range(n):
+        fs = feas[pb.step_group[i]]
+        w.append(sum(t.times[i][d] for d in fs) / len(fs))
+    rank = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        best = 0.0
+        for s in t.succ[i]:
+            nbytes = sum(t.out_bytes[i][p] for j, p in t.inputs[s] if j == i)
+            c = lat + nbytes * per_byte
+            if c + rank[s] > best:
+                best = c + rank[s]
+        rank[i] = w[i] + best
+    return rank
+
+
+def list_schedule(pb: Problem, priority: str, caps: list[float]) -> tuple[dict[int, int], list[Decision]]:
+    t = pb.table
+    n, D = len(t.names), len(pb.devices)
+    times, inputs, controls, succ, out_bytes, resident = (t.times, t.inputs, t.controls, t.succ,
+                                                         t.out_bytes, t.resident)
+    grp = pb.step_group
+    feas = {g: sorted(s) for g, s in pb.coarse.feasible_idx.items()}
+    # Remaining work of each group on each device, and its resident bytes (for memory checks).
+    left: dict[int, list[float]] = {}
+    gres: dict[int, int] = {}
+    for i in range(n):
+        g = grp[i]
+        row = left.setdefault(g, [0.0] * D)
+        for d in range(D):
+            row[d] += times[i][d]
+        if resident[i]:
+            gres[g] = gres.get(g, 0) + sum(out_bytes[i])
+    rank = upward_rank(pb) if priority == "rank" else None
+    # Cross-group edges per group, one per (tensor, consuming group): the transfers a decision
+    # commits the group to once its neighbours are placed (the whitepaper's greedy sees only the
+    # node's own inputs; without this an LSTM cell's tiny gate ops ping-pong between devices to
+    # win microseconds and pay with every weight gradient crossing a link).
+    gedges: dict[int, list[tuple[int, int, int]]] = {}
+    seen_edge: set[tuple[int, int, int]] = set()
+    for i in range(n):
+        gi = grp[i]
+        for j, p in inputs[i]:
+            gj = grp[j]
+            if gj != gi and (j, p, gi) not in seen_edge:
+                seen_edge.add((j, p, gi))
+                gedges.setdefault(gi, []).append((j, p, i))
+                gedges.setdefault(gj, []).append((j, p, i))
+
+    group_dev: dict[int, int] = {}
+    decisions: list[Decision] = []
+    devn = [-2] * n  # device index; -1: deferred (see the module docstring); -2: not yet reached
+    finish = [0.0] * n
+    dev_free = [0.0] * D
+    link_free: dict[tuple[int, int], float] = {}
+    arrival: dict[tuple[int, int, int], float] = {}
+    deferred: dict[int, list[int]] = {}  # group -> its deferred nodes, in walk order
+    mem = [0.0] * D
+    users_left = [len(succ[i]) for i in range(n)]
+    received: dict[int, list[int]] = {}  # node -> devices holding a copy of its outputs
+    param = [False] * n  # deferred and computed from parameters alone (not from fed inputs)
+    placeholders = {name for name in t.names if pb.graph.nodes[name].op == "Placeholder"}
+
+    def settle(g: int, d: int) -> None:
+        """Group g is decided: its deferred nodes now live on d (their own deferred inputs are
+        pulled along first), ready as soon as their inputs are."""
+        group_dev[g] = d
+        mem[d] += gres.get(g, 0)
+        for j in deferred.pop(g, []):
+            ready = 0.0
+            for k in [k for k, _ in inputs[j]] + controls[j]:
+                if devn[k] == -1:
+                    pull(k, d, j)
+                ready = max(ready, finish[k])
+            devn[j] = d
+            finish[j] = ready + times[j][d]
+
+    def pull(j: int, d: int, reader: int) -> None:
+        """A deferred node j is read by `reader` on d: settle j's group there (or on its first
+        feasible device when it cannot run on d)."""
+        g = grp[j]
+        if g in group_dev:
+            return
+        settle(g, d if d in pb.coarse.feasible_idx[g] else feas[g][0])
+        decisions.append(pb.decision(g, group_dev[g], f"read first by '{t.names[reader]}'", t.names[j]))
+
+    def arrive(j: int, p: int, d: int, commit: bool) -> float:
+        dj = devn[j]
+        if dj == -1:  # a deferred source: local wherever its group may go, else from its first device
+            g = grp[j]
+            if d in pb.coarse.feasible_idx[g]:
+                return times[j][d]
+            dj = feas[g][0]
+            ready = times[j][dj]
+        else:
+            ready = finish[j]
+            if dj == d:
+                return ready
+        key = (j, p, d)
+        got = arrival.get(key)
+        if got is not None:
+            return got
+        lk = (dj, d)
+        nbytes = out_bytes[j][p] if p >= 0 else 0
+        end = max(ready, link_free.get(lk, 0.0)) + t.transfer(nbytes, dj, d)
+        if commit:
+            link_free[lk] = end
+            arrival[key] = end
+            if p >= 0:
+                mem[d] += nbytes
+                received.setdefault(j, []).append(d)
+        return end
+
+    def est(i: int, d: int) -> float:
+        s = dev_free[d]
+        for j, p in inputs[i]:
+            a = arrive(j, p, d, False)
+            if a > s:
+                s = a
+        for j in controls[i]:
+            a = arrive(j, -1, d, False)
+            if a > s:
+                s = a
+        return s + times[i][d]
+
+    def comm(i: int, d: int) -> float:
+        """Transfers group(i) on d would need to and from neighbours already placed elsewhere,
+        beyond node i's own inputs (which `est` counts as arrival times)."""
+        g = grp[i]
+        total = 0.0
+        for j, p, c in gedges.get(g, ()):
+            if c == i:
+                continue
+            other = grp[c] if grp[j] == g else grp[j]  # edges cross groups: one end is g
+            od = group_dev.get(other)
+            if od is not None and od != d:
+                total += t.transfer(out_bytes[j][p], od, d)
+        return total
+
+    def extra_bytes(i: int, d: int) -> float:
+        b = 0.0 if resident[i] else float(sum(out_bytes[i]))
+        if grp[i] not in group_dev:
+            b += gres.get(grp[i], 0)
+        for j, p in inputs[i]:
+            if devn[j] >= 0 and devn[j] != d and (j, p, d) not in arrival:
+                b += out_bytes[j][p]
+            elif devn[j] == -1 and grp[j] not in group_dev:
+                b += gres.get(grp[j], 0)
+        return b
+
+    def commit(i: int, d: int) -> None:
+        # Inputs first: deferred nodes read here settle here (or on their only devices).
+        for j in [j for j, _ in inputs[i]] + controls[i]:
+            if devn[j] == -1:
+                pull(j, d, i)
+        s = dev_free[d]
+        for j, p in inputs[i]:
+            s = max(s, arrive(j, p, d, True))
+        for j in controls[i]:
+            s = max(s, arrive(j, -1, d, True))
+        f = s + times[i][d]
+        finish[i] = f
+        dev_free[d] = f
+        devn[i] = d
+        left[grp[i]][d] -= times[i][d]
+        if not resident[i]:
+            mem[d] += sum(out_bytes[i])
+        for j in dict.fromkeys([j for j, _ in inputs[i]] + controls[i]):
+            users_left[j] -= 1
+            if users_left[j] == 0 and not resident[j] and devn[j] >= 0:
+                b = sum(out_bytes[j])
+                mem[devn[j]] -= b
+                for r in received.pop(j, []):
+                    mem[r] -= b
+
+    # The walk. Pending counts over unique predecessors; the heap holds ready nodes.
+    pending = [len(set([j for j, _ in inputs[i]] + controls[i])) for i in range(n)]
+    heap: list[tuple[float, int]] = []
+    for i in range(n):
+        if pending[i] == 0:
+            heap.append((-rank[i] if rank is not None else 0.0, i))
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        g = grp[i]
+        if g not in group_dev:
+            fs = feas[g]
+            preds = [j for j, _ in inputs[i]] + controls[i]
+            if len(fs) > 1 and ((resident[i] and not preds) or
+                                (preds and all(param[j] and devn[j] == -1 for j in preds))):
+                # A Variable, Const or Placeholder, or an op on parameters alone (a slice of a
+                # kernel): decided by the first consumer that brings activations.
+                devn[i] = -1
+                param[i] = bool(preds) or t.names[i] not in placeholders  # fed data is not a parameter
+                deferred.setdefault(g, []).append(i)
+            else:
+                settle(g, choose(pb, i, fs, est, comm, extra_bytes, left, times, mem, caps, decisions))
+        if devn[i] != -1:
+            commit(i, group_dev[g])
+        for c in succ[i]:
+            pending[c] -= 1
+            if pending[c] == 0:
+                if rank is not None:
+                    key = -rank[c]
+                else:
+                    key = 0.0
+                    for j, _ in inputs[c]:
+                        key = max(key, finish[j])
+                    for j in controls[c]:
+                        key = max(key, finish[j])
+                heapq.heappush(heap, (key, c))
+    # Deferred nodes no consumer pulled (work on parameters alone, all the way to a sink) are
+    # decided now, the ordinary way, in topological order.
+    for i in range(n):
+        if devn[i] != -1:
+            continue
+        g = grp[i]
+        if g not in group_dev:
+            d = choose(pb, i, feas[g], est, comm, extra_bytes, left, times, mem, caps, decisions)
+            group_dev[g] = d
+            mem[d] += gres.get(g, 0)
+            deferred.pop(g, None)
+        commit(i, group_dev[g])
+    return group_dev, decisions
+
+
+def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float], comm: Callable[[int, int], float],
+           extra_bytes: Callable[[int, int], float], left: dict[int, list[float]], times: list[list[float]],
+           mem: list[float], caps: list[float], decisions: list[Decision]) -> int:
+    """§3.2.1: the feasible device where node i would finish soonest, plus the group's remaining
+    work there and the transfers it would need to neighbours already placed elsewhere; devices
+    that would overflow their memory are not candidates."""
+    g = pb.step_group[i]
+    cands: list[Candidate] = []
+    best, best_score = -1, float("inf")
+    fallback, fallback_over = fs[0], float("inf")
+    for d in fs:
+        f = est(i, d)
+        c_ = comm(i, d)
+        score = f + left[g][d] - times[i][d] + c_
+        over = mem[d] + extra_bytes(i, d) - caps[d]
+        c = Candidate(pb.devices[d], f, score, c_)
+        if over > 0:
+            c.note = f"memory: would exceed its budget by {fmt_bytes(over)}"
+            if over < fallback_over:
+                fallback, fallback_over = d, over
+        elif score < best_score:
+            best, best_score = d, score
+        cands.append(c)
+    reason = "earliest estimated finish"
+    if best < 0:
+        best = fallback
+        reason = "every device over its memory budget: the least over"
+    elif len(fs) == 1:
+        reason = "only feasible device"
+    dec = pb.decision(g, best, reason, pb.table.names[i])
+    dec.candidates = cands
+    decisions.append(dec)
+    return best

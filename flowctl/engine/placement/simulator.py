@@ -1,0 +1,309 @@
+"""A discrete-event simulation of one step of a placed graph (whitepaper §3.2.1: "the placement
+algorithm first runs a simulated execution of the graph"). It is the single source of predicted
+numbers: every placer's result, `place --explain` and `bench`'s prediction come from here.
+
+The model, chosen to match what the runtime does:
+- Each device runs one op at a time (a device partition runs on its own executor thread; a
+  virtual CPU device's extra threads go to BLAS inside one op, which the cost model's peak FLOP/s
+  already counts). Ready ops wait in a per-device FIFO ordered by (ready time, topological index).
+- Every cross-device edge is one transfer per (tensor, destination device), shared by all the
+  consumers there (§3.2.2: one Recv per tensor per device), queued FIFO on the directed link
+  (src, dst) and taking the cost model's transfer time. A cross-device control edge is a 0-byte
+  transfer (the partitioner sends a token), so it costs the link's latency.
+- Memory: a tensor is allocated on its device when its op starts, and a received tensor when its
+  transfer arrives; it is freed once its last consumer on that device has finished (and, on the
+  producer's device, once its outgoing transfers are done). Outputs of Variables, Consts and fed
+  Placeholders are resident for the whole step. A device whose peak exceeds its memory makes the
+  placement invalid: `SimResult.valid` is false and `check()` raises `PlacementError`.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flowctl.engine.cluster import Cluster
+from flowctl.engine.devices import canonical
+from flowctl.engine.errors import PlacementError
+from flowctl.engine.executor import needed_nodes
+from flowctl.engine.graph import Graph, parse_ref
+from flowctl.engine.placement.cost import CostModel, CostTable
+
+
+def step_nodes(graph: Graph, targets: Iterable[str] | None = None) -> list[str]:
+    """The nodes one step runs, in topological order: everything `targets` (node names or
+    `node:port` refs) needs, or the whole graph when no targets are given."""
+    if targets is None:
+        return graph.topo_order()
+    roots = [parse_ref(t.lstrip("^"))[0] for t in targets]
+    for r in roots:
+        if r not in graph.nodes:
+            graph.tensor(r)  # raises with a did-you-mean
+    return graph.topo_order(needed_nodes(graph, roots, set()))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class DeviceStats:
+    device: str
+    ops: int = 0
+    flops: float = 0.0
+    busy: float = 0.0  # seconds spent running ops
+    bytes_in: int = 0  # received from other devices
+    bytes_out: int = 0  # sent to other devices
+    resident: int = 0  # Variables, Consts, fed inputs
+    peak_memory: int = 0  # resident + the largest live working set
+    capacity: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LinkStats:
+    src: str
+    dst: str
+    bytes: int = 0
+    transfers: int = 0
+    busy: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SimResult:
+    step_time: float  # the makespan, seconds
+    devices: list[DeviceStats]
+    links: list[LinkStats]
+    start: dict[str, float] = field(default_factory=dict)
+    finish: dict[str, float] = field(default_factory=dict)
+    device_of: dict[str, str] = field(default_factory=dict)  # the placement simulated (step nodes)
+    problems: list[str] = field(default_factory=list)  # memory overflows, one line per device
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def device(self, name: str) -> DeviceStats:
+        name = canonical(name)
+        for d in self.devices:
+            if d.device == name:
+                return d
+        raise KeyError(name)
+
+    def check(self) -> SimResult:
+        """Raise PlacementError if the placement overflows a device's memory (§4.3: never accept
+        a placement silently that cannot run)."""
+        if self.problems:
+            raise PlacementError("placement is invalid: " + "; ".join(self.problems))
+        return self
+
+    def to_dict(self, nodes: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {"step_time": self.step_time, "valid": self.valid, "problems": list(self.problems),
+                             "devices": [x.to_dict() for x in self.devices],
+                             "links": [x.to_dict() for x in self.links if x.transfers]}
+        if nodes:
+            d["nodes"] = {n: {"device": self.device_of[n], "start": self.start[n], "finish": self.finish[n]}
+                          for n in self.start}
+        return d
+
+
+def simulate(graph: Graph, placement: Mapping[str, str], cluster: Cluster, cost_model: CostModel,
+             targets: Iterable[str] | None = None, keep: Iterable[str] = ()) -> SimResult:
+    """Simulate one step of `graph` under `placement` (node name -> device name). `targets`: what
+    the step runs (default the whole graph); `keep`: refs the client fetches, never freed."""
+    step = step_nodes(graph, targets)
+    table = CostTable.build(graph, cluster, cost_model, step)
+    index = {d: i for i, d in enumerate(table.devices)}
+    dev = []
+    for n in step:
+        if n not in placement:
+            raise PlacementError(f"node '{n}' ({graph.nodes[n].op}) has no device in the placement")
+        try:
+            dev.append(index[canonical(placement[n])])
+        except KeyError:
+            raise PlacementError(f"node '{n}' is placed on {placement[n]}, which is not in the cluster; "
+                                 f"devices: {', '.join(table.devices)}") from None
+    return simulate_table(table, dev, cluster, keep)
+
+
+def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep: Iterable[str] = ()) -> SimResult:
+    """The event loop over a prepared CostTable; `dev[i]` is node i's device index."""
+    n, D = len(table.names), len(table.devices)
+    times, inputs, controls, out_bytes, resident = (table.times, table.inputs, table.controls,
+                                                   table.out_bytes, table.resident)
+    keep_refs = set()
+    for ref in keep:
+        name, port = parse_ref(ref)
+        if name in table.index:
+            keep_refs.add((table.index[name], port))
+
+    # Dependencies: a consumer on the producer's device waits for the producer; one elsewhere waits
+    # for the (tensor, destination) transfer, which every consumer on that device shares (§3.2.2).
+    pending = [0] * n
+    local_succ: list[list[int]] = [[] for _ in range(n)]
+    xfer_waiters: dict[tuple[int, int, int], list[int]] = {}
+    out_xfers: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (port or -1, dst device)
+    src_refs: dict[tuple[int, int], int] = {}  # (node, port) -> local readers + outgoing transfers
+    recv_refs: dict[tuple[int, int, int], int] = {}  # (node, port, device) -> readers there
+    for i in range(n):
+        d = dev[i]
+        node_deps: set[int] = set()
+        keys: list[tuple[int, int, int]] = []
+        for j, p in inputs[i]:
+            if dev[j] == d:
+                node_deps.add(j)
+                src_refs[(j, p)] = src_refs.get((j, p), 0) + 1
+            else:
+                key = (j, p, d)
+                if key not in xfer_waiters:
+                    xfer_waiters[key] = []
+                    out_xfers[j].append((p, d))
+                    src_refs[(j, p)] = src_refs.get((j, p), 0) + 1
+                xfer_waiters[key].append(i)
+                recv_refs[key] = recv_refs.get(key, 0) + 1
+                keys.append(key)
+        for j in controls[i]:
+            if dev[j] == d:
+                node_deps.add(j)
+            else:
+                key = (j, -1, d)
+                if key not in xfer_waiters:
+                    xfer_waiters[key] = []
+                    out_xfers[j].append((-1, d))
+                xfer_waiters[key].append(i)
+                keys.append(key)
+        for j in node_deps:
+            local_succ[j].append(i)
+        pending[i] = len(node_deps) + len(keys)
+    for j in range(n):
+        out_xfers[j].sort(key=lambda pd: (pd[1], pd[0]))  # deterministic link order
+
+    stats = [DeviceStats(table.devices[d], capacity=int(cluster.device(table.devices[d]).profile.memory))
+             for d in range(D)]
+    mem = [0] * D
+    for i in range(n):
+        if resident[i]:
+            b = sum(out_bytes[i])
+            stats[dev[i]].resident += b
+            mem[dev[i]] += b
+    peak = list(mem)
+    links: dict[tuple[int, int], LinkStats] = {}
+    link_free: dict[tuple[int, int], float] = {}
+
+    start = [0.0] * n
+    finish = [0.0] * n
+    queues: list[list[tuple[float, int]]] = [[] for _ in range(D)]
+    running = [-1] * D
+    events: list[tuple[float, int, int, Any]] = []
+    seq = 0
+    for i in range(n):
+        if pending[i] == 0:
+            queues[dev[i]].append((0.0, i))
+    for q in queues:
+        heapq.heapify(q)
+
+    def release(key_j: int, p: int) -> None:
+        left = src_refs[(key_j, p)] - 1
+        src_refs[(key_j, p)] = left
+        if left == 0 and not resident[key_j] and (key_j, p) not in keep_refs:
+            mem[dev[key_j]] -= out_bytes[key_j][p]
+
+    t = 0.0
+    done = 0
+    while True:
+        # Dispatch: every idle device starts its earliest-ready op at time t.
+        for d in range(D):
+            if running[d] < 0 and queues[d]:
+                _, i = heapq.heappop(queues[d])
+                running[d] = i
+                start[i] = t
+                dur = times[i][d]
+                if not resident[i]:
+                    mem[d] += sum(out_bytes[i])
+                    if mem[d] > peak[d]:
+                        peak[d] = mem[d]
+                s = stats[d]
+                s.ops += 1
+                s.busy += dur
+                s.flops += table.flops[i]
+                seq += 1
+                heapq.heappush(events, (t + dur, seq, 0, i))
+        if not events:
+            break
+        t = events[0][0]
+        while events and events[0][0] == t:
+            _, _, kind, payload = heapq.heappop(events)
+            if kind == 0:  # op finished
+                i = payload
+                d = dev[i]
+                running[d] = -1
+                finish[i] = t
+                done += 1
+                for j, p in inputs[i]:
+                    if dev[j] == d:
+                        release(j, p)
+                    else:
+                        key = (j, p, d)
+                        recv_refs[key] -= 1
+                        if recv_refs[key] == 0:
+                            mem[d] -= out_bytes[j][p]
+                if not resident[i]:
+                    for p, b in enumerate(out_bytes[i]):
+                        if src_refs.get((i, p), 0) == 0 and (i, p) not in keep_refs:
+                            mem[d] -= b  # produced but never read here: dropped at once
+                for c in local_succ[i]:
+                    pending[c] -= 1
+                    if pending[c] == 0:
+                        heapq.heappush(queues[d], (t, c))
+                for p, dd in out_xfers[i]:
+                    nbytes = out_bytes[i][p] if p >= 0 else 0
+                    lk = (d, dd)
+                    begin = max(t, link_free.get(lk, 0.0))
+                    dur = table.transfer(nbytes, d, dd)
+                    link_free[lk] = begin + dur
+                    ls = links.get(lk)
+                    if ls is None:
+                        ls = links[lk] = LinkStats(table.devices[d], table.devices[dd])
+                    ls.bytes += nbytes
+                    ls.transfers += 1
+                    ls.busy += dur
+                    stats[d].bytes_out += nbytes
+                    stats[dd].bytes_in += nbytes
+                    seq += 1
+                    heapq.heappush(events, (begin + dur, seq, 1, (i, p, dd)))
+            else:  # a transfer arrived
+                j, p, dd = payload
+                if p >= 0:
+                    mem[dd] += out_bytes[j][p]
+                    if mem[dd] > peak[dd]:
+                        peak[dd] = mem[dd]
+                    release(j, p)
+                for c in xfer_waiters[(j, p, dd)]:
+                    pending[c] -= 1
+                    if pending[c] == 0:
+                        heapq.heappush(queues[dd], (t, c))
+    if done != n:  # cannot happen for a graph that passed topo_order; kept as an invariant check
+        stuck = [table.names[i] for i in range(n) if pending[i] > 0][:5]
+        raise PlacementError(f"simulation stalled with {n - done} node(s) never ready, e.g. {stuck}")
+
+    problems = []
+    for d, s in enumerate(stats):
+        s.peak_memory = int(peak[d])
+        if s.peak_memory > s.capacity:
+            problems.append(f"device {s.device} needs {fmt_bytes(s.peak_memory)} at peak "
+                            f"({fmt_bytes(s.resident)} resident) but holds {fmt_bytes(s.capacity)}")
+    names = table.names
+    return SimResult(
+        step_time=max(finish, default=0.0), devices=stats,
+        links=[links[k] for k in sorted(links)],
+        start=dict(zip(names, start)), finish=dict(zip(names, finish)),
+        device_of={names[i]: table.devices[dev[i]] for i in range(n)}, problems=problems)

@@ -1,0 +1,233 @@
+"""The step simulator on graphs whose answers can be worked out by hand.
+
+Op times come from a fixed table (a cost model written for the test) so every expected number
+below is arithmetic on the test's own constants, not a re-run of the simulator's formulas.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link
+from flowctl.engine.devices import canonical
+from flowctl.engine.graph import Graph, Node
+from flowctl.engine.placement import StaticCostModel, simulate
+from flowctl.engine.placement.cost import CostTable
+
+D0, D1 = canonical("cpu:0"), canonical("cpu:1")
+LAT, BW = 1e-3, 1e6  # a slow link: 1 ms + 1 µs per byte, so transfers are easy to see
+
+
+class FixedCosts:
+    """op_time from a table (default `default`), bytes from the graph's static shapes, links
+    latency + bytes / bandwidth."""
+
+    name = "fixed"
+    batch = 1
+
+    def __init__(self, times: dict[str, float], default: float = 0.0) -> None:
+        self.times = times
+        self.default = default
+
+    def op_time(self, graph: Graph, node: Node, device: str) -> float:
+        return self.times.get(node.name, self.default)
+
+    def tensor_bytes(self, graph: Graph, ref: str) -> int:
+        return StaticCostModel(cluster(), 1).tensor_bytes(graph, ref)
+
+    def transfer_time(self, nbytes: int, src: str, dst: str) -> float:
+        return 0.0 if src == dst else LAT + nbytes / BW
+
+    def fallbacks(self) -> list[str]:
+        return []
+
+
+def cluster(n: int = 2, memory: int = 1 << 30) -> Cluster:
+    prof = DeviceProfile("test", "cpu", 1e9, 1e9, memory, 0.0)
+    return Cluster([Device(canonical(f"cpu:{i}"), prof) for i in range(n)], default_link=Link(BW, LAT))
+
+
+def on(graph: Graph, device: str, **overrides: str) -> dict[str, str]:
+    return {n: overrides.get(n, device) for n in graph.nodes}
+
+
+def chain(n: int = 4, size: int = 1000) -> Graph:
+    g = fc.Graph()
+    with g.as_default():
+        h = fc.placeholder("float32", (size,), name="x")
+        for i in range(n):
+            h = fc.relu(h, name=f"r{i}")
+    return g
+
+
+def test_chain_on_one_device_takes_the_sum_of_its_op_times() -> None:
+    g = chain(4)
+    times = {"x": 0.5e-3, "r0": 1e-3, "r1": 2e-3, "r2": 3e-3, "r3": 4e-3}
+    r = simulate(g, on(g, D0), cluster(), FixedCosts(times))
+    assert r.step_time == pytest.approx(10.5e-3)
+    assert r.device(D0).busy == pytest.approx(10.5e-3)
+    assert r.device(D1).busy == 0.0 and r.device(D1).ops == 0
+    assert not r.links
+    # Each op starts when its predecessor finishes.
+    assert r.start["r2"] == pytest.approx(3.5e-3) and r.finish["r2"] == pytest.approx(6.5e-3)
+
+
+def two_branches() -> Graph:
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (10,), name="x")  # 40 bytes
+        a = fc.relu(fc.relu(x, name="a0"), name="a1")
+        b = fc.relu(fc.relu(x, name="b0"), name="b1")
+        fc.group([a, b], name="done")
+    return g
+
+
+def test_independent_branches_on_two_devices_overlap() -> None:
+    g = two_branches()
+    times = {"a0": 5e-3, "a1": 5e-3, "b0": 5e-3, "b1": 5e-3}
+    costs = FixedCosts(times)
+    one = simulate(g, on(g, D0), cluster(), costs)
+    assert one.step_time == pytest.approx(20e-3)
+    two = simulate(g, on(g, D0, b0=D1, b1=D1), cluster(), costs)
+    xfer = LAT + 40 / BW  # x goes to cpu:1 once
+    # cpu:1 finishes b1 at xfer + 10 ms; the Group `done` on cpu:0 only waits for b1, so what
+    # crosses back is a 0-byte token: one more latency, no bytes.
+    assert two.finish["b1"] == pytest.approx(xfer + 10e-3)
+    assert two.step_time == pytest.approx(xfer + 10e-3 + LAT)
+    assert [(lk.src, lk.dst, lk.bytes) for lk in two.links] == [(D0, D1, 40), (D1, D0, 0)]
+    assert two.step_time < one.step_time
+    assert two.device(D0).busy == pytest.approx(10e-3) and two.device(D1).busy == pytest.approx(10e-3)
+
+
+def test_a_cross_device_edge_adds_latency_plus_bytes_over_bandwidth() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (250,), name="x")  # 1000 bytes
+        fc.relu(fc.relu(x, name="a"), name="b")
+    times = {"a": 2e-3, "b": 3e-3}
+    r = simulate(g, on(g, D0, b=D1), cluster(), FixedCosts(times))
+    assert r.step_time == pytest.approx(2e-3 + (LAT + 1000 / BW) + 3e-3)
+    assert r.start["b"] == pytest.approx(2e-3 + LAT + 1000 / BW)
+    (link,) = r.links
+    assert (link.src, link.dst, link.bytes, link.transfers) == (D0, D1, 1000, 1)
+    assert r.device(D0).bytes_out == 1000 and r.device(D1).bytes_in == 1000
+
+
+def test_a_tensor_read_by_three_consumers_on_another_device_crosses_once() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (100,), name="x")
+        a = fc.relu(x, name="a")
+        outs = [fc.square(a, name=f"c{i}") for i in range(3)]
+        fc.group(outs, name="done")
+    placement = on(g, D1, x=D0, a=D0)
+    r = simulate(g, placement, cluster(), FixedCosts({"a": 1e-3, "c0": 1e-3, "c1": 1e-3, "c2": 1e-3}))
+    (link,) = r.links
+    assert link.transfers == 1 and link.bytes == 400
+    # The three consumers share the one arrival and then queue on cpu:1.
+    arrival = 1e-3 + LAT + 400 / BW
+    assert sorted(r.start[f"c{i}"] for i in range(3)) == pytest.approx([arrival, arrival + 1e-3, arrival + 2e-3])
+
+
+def test_cross_device_control_edge_costs_the_link_latency() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (4,), name="x")
+        a = fc.relu(x, name="a")
+        with g.control_dependencies([a]):
+            fc.no_op(name="after")
+    r = simulate(g, on(g, D0, after=D1), cluster(), FixedCosts({"a": 1e-3}))
+    assert r.start["after"] == pytest.approx(1e-3 + LAT)
+    assert r.links[0].bytes == 0
+
+
+def test_memory_peak_of_a_chain_counts_resident_input_and_two_live_tensors() -> None:
+    # x (resident, 4000 B) -> r0 -> r1 -> r2 -> r3, each 4000 B. While r_i runs its input and its
+    # output are both live; the input is freed when r_i finishes. r3's output has no consumer.
+    g = chain(4, size=1000)
+    r = simulate(g, on(g, D0), cluster(), FixedCosts({}, default=1e-3))
+    assert r.device(D0).resident == 4000
+    assert r.device(D0).peak_memory == 4000 + 2 * 4000
+    # Fetched outputs stay: keeping r1 alive adds it on top while r2 and r3 run.
+    kept = simulate(g, on(g, D0), cluster(), FixedCosts({}, default=1e-3), keep=["r1:0"])
+    assert kept.device(D0).peak_memory == 4000 + 3 * 4000
+
+
+def test_a_received_tensor_is_counted_on_the_receiving_device() -> None:
+    g = chain(2, size=1000)  # x -> r0 -> r1
+    r = simulate(g, on(g, D0, r1=D1), cluster(), FixedCosts({}, default=1e-3))
+    assert r.device(D1).peak_memory == 4000 + 4000  # the received r0 and r1's own output
+    assert r.device(D0).peak_memory == 4000 + 4000  # x resident, r0 until its transfer is done
+
+
+def test_variables_are_resident_and_an_overflow_makes_the_placement_invalid() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(np.zeros((1000,), np.float32), name="w")  # 4000 B
+        x = fc.placeholder("float32", (1000,), name="x")
+        fc.add(w, x, name="y")
+    small = cluster(memory=10_000)
+    over = simulate(g, on(g, D0), small, FixedCosts({}, default=1e-3), targets=["y"])
+    assert over.device(D0).resident == 8000  # w and the fed x
+    assert over.device(D0).peak_memory == 12000  # w + x + y
+    assert not over.valid
+    assert over.problems == [f"device {D0} needs 11.72 KiB at peak (7.81 KiB resident) but holds 9.77 KiB"]
+    with pytest.raises(fc.PlacementError, match="placement is invalid: device .*cpu:0 needs 11.72 KiB"):
+        over.check()
+    roomy = simulate(g, on(g, D0), cluster(memory=12_000), FixedCosts({}, default=1e-3), targets=["y"])
+    assert roomy.valid
+
+
+def test_targets_restrict_the_step_to_what_they_need() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(np.zeros((3,), np.float32), name="w")
+        y = fc.square(w, name="y")
+    r = simulate(g, on(g, D0), cluster(), FixedCosts({}, default=1e-3), targets=[y.node])
+    # The initializer (w/init and its Const) is not part of the step.
+    assert set(r.start) == {"w", "y"}
+    assert r.step_time == pytest.approx(2e-3)
+
+
+def test_static_cost_model_is_a_roofline_over_the_profile() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        a = fc.placeholder("float32", (None, 64), name="a")
+        b = fc.placeholder("float32", (64, 32), name="b")
+        fc.matmul(a, b, name="mm")
+    prof = DeviceProfile("p", "gpu", peak_flops=1e12, mem_bandwidth=1e11, memory=1 << 30, op_overhead=7e-6)
+    cl = Cluster([Device(canonical("gpu:0"), prof), Device(canonical("gpu:1"), prof)],
+                 default_link=Link(1e10, 5e-6))
+    cm = StaticCostModel(cl, batch=128)
+    flops = 2 * 128 * 64 * 32
+    nbytes = 4 * (128 * 64 + 64 * 32 + 128 * 32)
+    assert cm.op_time(g, g.nodes["mm"], "gpu:0") == pytest.approx(7e-6 + max(flops / 1e12, nbytes / 1e11))
+    assert cm.tensor_bytes(g, "a:0") == 128 * 64 * 4
+    assert cm.transfer_time(1_000_000, canonical("gpu:0"), canonical("gpu:1")) == pytest.approx(5e-6 + 1e-4)
+    table = CostTable.build(g, cl, cm, ["a", "b", "mm"])
+    assert table.inputs[2] == [(0, 0), (1, 0)] and table.resident == [True, True, False]
+
+
+def test_concrete_shapes_follow_the_batch_through_reshapes() -> None:
+    # [batch, 35, 8] folded to [batch * 35, 8]: the static shape is (None, 8); the cost model
+    # must see 35 * batch rows, not batch rows.
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (None, 35, 8), name="x")
+        flat = fc.reshape(x, (-1, 8), name="flat")
+        fc.matmul(flat, fc.constant(np.ones((8, 4), np.float32)), name="mm")
+    assert g.nodes["flat"].outputs[0].shape == (None, 8)
+    cm = StaticCostModel(cluster(), batch=3)
+    assert cm.tensor_bytes(g, "flat:0") == 3 * 35 * 8 * 4
+    assert cm.tensor_bytes(g, "mm:0") == 3 * 35 * 4 * 4
+    assert cm.estimate(g, g.nodes["mm"])[0] == 2 * (3 * 35) * 8 * 4
+
+
+def test_result_to_dict_is_json() -> None:
+    g = two_branches()
+    r = simulate(g, on(g, D0, b0=D1, b1=D1), cluster(), FixedCosts({}, default=1e-3))
+    d = json.loads(json.dumps(r.to_dict(nodes=True)))
+    assert d["valid"] and d["nodes"]["b1"]["device"] == D1 and len(d["devices"]) == 2
