@@ -20,23 +20,56 @@ SUITES = ("engine",)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Also write the JSON here.")
 @click.option("--quick", is_flag=True, help="Smaller sizes, for a smoke test.")
-def bench(target: str, as_json: bool, out: Path | None, quick: bool) -> None:
-    """Benchmark TARGET: a built-in suite (`engine`) or a spec file."""
+@click.option("--algorithms", default="single,expert,greedy", show_default=True,
+              help="Placers to measure (a spec target).")
+@click.option("--steps", default=5, show_default=True, help="Timed steps per placement (a spec target).")
+def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int) -> None:
+    """Benchmark TARGET: a built-in suite (`engine`) or a spec file (placements measured on its devices
+    beside the simulator's predictions; results also go to runs/bench-<name>.json)."""
     err = Console(stderr=True)
-    if target not in SUITES:
-        if Path(target).exists():
-            raise FlowctlError(f"benchmarking a spec ({target}) needs placement across devices, which this "
-                               f"version does not have yet; built-in suites: {', '.join(SUITES)}")
-        raise FlowctlError(f"no spec file or built-in suite named '{target}'; built-in suites: {', '.join(SUITES)}")
-    from flowctl.engine.benchmarks import run_engine_suite
+    if target in SUITES:
+        from flowctl.engine.benchmarks import run_engine_suite
 
-    with err.status("benchmarking") as status:
-        results = run_engine_suite(quick=quick, progress=lambda m: status.update(m))
+        with err.status("benchmarking") as status:
+            results = run_engine_suite(quick=quick, progress=lambda m: status.update(m))
+        render: Any = _render
+    elif Path(target).exists():
+        from flowctl.spec.loader import load_spec
+        from flowctl.training.benchmark import bench_spec
+
+        loaded = load_spec(target)
+        algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
+        with err.status("benchmarking") as status:
+            results = bench_spec(loaded, algs, steps=steps, progress=lambda m: status.update(m))
+        out = out or Path("runs") / f"bench-{results['spec']}.json"
+        render = _render_spec
+    else:
+        raise FlowctlError(f"no spec file or built-in suite named '{target}'; built-in suites: {', '.join(SUITES)}")
     if out is not None:
         write_atomic(out, json.dumps(results, indent=2) + "\n")
     if as_json:
         click.echo(json.dumps(results, indent=2))
-    _render(err, results)
+    render(err, results)
+
+
+def _render_spec(console: Console, r: dict[str, Any]) -> None:
+    base = r["one_device_all_threads"]
+    t = Table(title=f"{r['spec']}: measured vs predicted step time (batch {r['batch']})")
+    for col in ("placement", "devices", "predicted ms", "measured ms", "error", "examples/s", "vs 1 device"):
+        t.add_column(col, justify="right")
+    t.add_row(f"1 device, {base['threads']} threads", "1", "-", f"{base['step_s'] * 1e3:,.1f}", "-",
+              f"{base['examples_per_s']:,.1f}", "1.00x")
+    for alg, p in r["placements"].items():
+        if p.get("error") is not None:
+            t.add_row(alg, "-", "-", "-", "-", "-", str(p["error"])[:40])
+            continue
+        t.add_row(alg, str(len(p["devices_used"])), f"{p['predicted_step_s'] * 1e3:,.1f}",
+                  f"{p['measured_step_s'] * 1e3:,.1f}", f"{100 * p['prediction_error']:+.0f}%",
+                  f"{p['examples_per_s']:,.1f}", f"{base['step_s'] / p['measured_step_s']:.2f}x")
+    console.print(t)
+    if "same_ranking" in r:
+        console.print(f"ranking predicted {r['ranking_predicted']}, measured {r['ranking_measured']}: "
+                      f"{'same' if r['same_ranking'] else 'DIFFERENT'}")
 
 
 def _render(console: Console, r: dict[str, Any]) -> None:

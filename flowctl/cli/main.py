@@ -34,12 +34,13 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from flowctl.cli import bench, demo, train
+    from flowctl.cli import bench, demo, place, train
 
     cli.add_command(bench.bench)
     cli.add_command(demo.demo)
     cli.add_command(train.train)
     cli.add_command(train.resume)
+    cli.add_command(place.place)
     import importlib.util
 
     if importlib.util.find_spec("flowctl.cli.spec_commands") is None:

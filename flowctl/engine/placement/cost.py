@@ -148,6 +148,9 @@ class MeasuredCostModel:
         self.records: dict[str, float] = dict(records or {})
         self.static = StaticCostModel(cluster, batch)
         self._missed: dict[str, None] = {}
+        # Seconds the runtime spends per node beyond its kernel (executor bookkeeping, Python
+        # dispatch): profiling times kernels alone, so `calibrate` measures this once per step.
+        self.dispatch = 0.0
 
     # ------------------------------------------------------------------ the interface
     def key_for(self, graph: Graph, node: Node, device: str) -> str:
@@ -163,7 +166,15 @@ class MeasuredCostModel:
                 return 0.0
             self._missed[node.name] = None
             return self.static.op_time(graph, node, device)
-        return t
+        return t + self.dispatch
+
+    def calibrate(self, step_seconds: float, graph: Graph, nodes: Sequence[str], device: str) -> float:
+        """Set the per-node dispatch cost so that `nodes` (one step, run on `device` alone) add up
+        to the measured `step_seconds`; returns it. Never negative."""
+        self.dispatch = 0.0
+        kernels = sum(self.op_time(graph, graph.nodes[n], device) for n in nodes)
+        self.dispatch = max(0.0, (step_seconds - kernels) / max(1, len(nodes)))
+        return self.dispatch
 
     def tensor_bytes(self, graph: Graph, ref: str) -> int:
         return self.static.tensor_bytes(graph, ref)
@@ -225,7 +236,8 @@ class MeasuredCostModel:
 
     # ------------------------------------------------------------------ the run dir cache
     def save(self, path: str | os.PathLike[str]) -> None:
-        data = {"version": MEASURED_VERSION, "batch": self.batch, "records": dict(sorted(self.records.items()))}
+        data = {"version": MEASURED_VERSION, "batch": self.batch, "dispatch": self.dispatch,
+                "records": dict(sorted(self.records.items()))}
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
@@ -243,8 +255,10 @@ class MeasuredCostModel:
         if data.get("version") != MEASURED_VERSION:
             raise PlacementError(f"measured costs {os.fspath(path)}: version {data.get('version')!r} is not "
                                  f"{MEASURED_VERSION}")
-        return cls(cluster, int(batch if batch is not None else data.get("batch", 1)),
-                   {str(k): float(v) for k, v in data["records"].items()})
+        model = cls(cluster, int(batch if batch is not None else data.get("batch", 1)),
+                    {str(k): float(v) for k, v in data["records"].items()})
+        model.dispatch = float(data.get("dispatch", 0.0))
+        return model
 
 
 def _shape_of(x: Any) -> tuple[int, ...]:

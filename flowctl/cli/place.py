@@ -1,0 +1,135 @@
+"""`flowctl place SPEC --explain`: which node runs where, and why (rich tables on stderr, JSON on
+stdout with --json)."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from flowctl.engine.placement import ALGORITHMS
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:,.2f}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _short(dev: str) -> str:
+    return dev.split("/device:")[-1] if "/device:" in dev else dev
+
+
+@click.command()
+@click.argument("spec")
+@click.option("--algorithm", "-a", type=click.Choice(ALGORITHMS), help="Placer (default: the spec's).")
+@click.option("--devices", help="A what-if cluster from profiles, e.g. 4xgpu:k40 or 2xgpu:v100@nvlink.")
+@click.option("--explain", is_flag=True, help="Per node (or layer): feasible set, constraints, candidates, choice.")
+@click.option("--by", "by", type=click.Choice(["node", "layer"]), default="node", show_default=True)
+@click.option("--limit", default=40, show_default=True, help="Rows of the explanation to show (0: all).")
+@click.option("--batch", type=int, help="Batch size to cost (default: the spec's per-replica batch).")
+@click.option("--json", "as_json", is_flag=True, help="The placement and its explanation as JSON on stdout.")
+def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, by: str, limit: int,
+          batch: int | None, as_json: bool) -> None:
+    """Place SPEC's training step on its devices (or --devices) and show where every node runs and why."""
+    from flowctl.spec.loader import load_spec
+    from flowctl.training.planning import plan
+
+    console = Console(stderr=True)
+    loaded = load_spec(spec)
+    p = plan(loaded, algorithm, devices, batch=batch)
+    chosen = p.chosen
+    if as_json:
+        out = chosen.to_dict(nodes=explain)
+        out["compared"] = {k: (v.step_time if not isinstance(v, str) else v) for k, v in p.compared.items()}
+        out["cluster"] = p.cluster.describe()
+        out["nodes_in_step"] = len(chosen.simulation.start)
+        if explain and by == "layer":
+            out["layers"] = _by_layer(p)
+        click.echo(json.dumps(out, default=str))
+    _render(console, p, explain, by, limit)
+
+
+def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> None:
+    chosen = p.chosen
+    console.print(f"[bold]{chosen.algorithm}[/] placement of {len(chosen.simulation.start):,} step nodes on "
+                  f"{len(p.cluster.devices)} device(s), {p.cost.__class__.__name__}, placed in {chosen.seconds:.2f} s")
+    t = Table(title="predicted step time (simulated)")
+    t.add_column("placement")
+    t.add_column("step ms", justify="right")
+    t.add_column("vs chosen", justify="right")
+    t.add_row(chosen.algorithm + " (chosen)", _ms(chosen.step_time), "1.00x")
+    for alg, other in p.compared.items():
+        if isinstance(other, str):
+            t.add_row(alg, "-", other[:70])
+        else:
+            t.add_row(alg, _ms(other.step_time), f"{other.step_time / chosen.step_time:.2f}x")
+    console.print(t)
+    t = Table(title="per device")
+    for col in ("device", "profile", "ops", "GFLOPs", "bytes in", "bytes out", "peak memory", "busy ms", "busy %"):
+        t.add_column(col, justify="right")
+    profiles = {d.name: d.profile.name for d in p.cluster.devices}
+    for d in chosen.devices:
+        t.add_row(_short(d.device), profiles.get(d.device, "?"), f"{d.ops:,}", f"{d.flops / 1e9:,.2f}",
+                  _bytes(d.bytes_in), _bytes(d.bytes_out), _bytes(d.peak_memory), _ms(d.busy),
+                  f"{100 * d.busy / chosen.step_time:.0f}" if chosen.step_time else "-")
+    console.print(t)
+    if chosen.notes:
+        for n in chosen.notes:
+            console.print(f"note: {n}")
+    if not explain:
+        return
+    if by == "layer":
+        rows = _by_layer(p)
+        t = Table(title="per layer")
+        for col in ("layer", "nodes", "devices", "GFLOPs", "time ms", "narrowed by"):
+            t.add_column(col)
+        for r in rows[: limit or None]:
+            t.add_row(r["layer"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
+                      f"{r['flops'] / 1e9:,.3f}", _ms(r["time"]), "; ".join(r["narrowed_by"])[:60] or "-")
+        console.print(t)
+        return
+    decisions = {d.first: d for d in chosen.decisions}
+    t = Table(title="per node (groups are placed together; candidates are estimated finish times, ms)")
+    for col in ("node", "op", "device", "feasible", "narrowed by", "candidates", "why"):
+        t.add_column(col)
+    reports = chosen.node_reports()
+    for r in reports[: limit or None]:
+        d = decisions.get(r.name)
+        cands = "" if d is None else ", ".join(f"{_short(c.device)}:{_ms(c.finish)}" for c in d.candidates
+                                               if c.finish is not None)
+        t.add_row(r.name[-48:], r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
+                  "; ".join(r.narrowed_by)[:40] or "-", cands or "(with its group)",
+                  (d.reason if d else "")[:40])
+    console.print(t)
+    if limit and len(reports) > limit:
+        console.print(f"... {len(reports) - limit:,} more nodes (--limit 0 shows all, --json gives everything)")
+
+
+def _by_layer(p: Any) -> list[dict[str, Any]]:
+    layer_of = p.layer_of()
+    agg: dict[str, dict[str, Any]] = {}
+    for r in p.chosen.node_reports():
+        layer = layer_of.get(r.name, "(other)")
+        a = agg.setdefault(layer, {"layer": layer, "nodes": 0, "devices": defaultdict(int), "flops": 0.0,
+                                   "time": 0.0, "narrowed_by": set()})
+        a["nodes"] += 1
+        a["devices"][r.device] += 1
+        a["flops"] += r.flops
+        a["time"] += r.time or 0.0
+        a["narrowed_by"].update(r.narrowed_by)
+    out = []
+    for a in agg.values():
+        a["devices"] = dict(a["devices"])
+        a["narrowed_by"] = sorted(a["narrowed_by"])
+        out.append(a)
+    return out

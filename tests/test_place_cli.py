@@ -1,0 +1,88 @@
+"""`flowctl place` and `flowctl bench SPEC` through the CLI: exit codes, the explanation, JSON."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from flowctl.cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TWO_TOWERS = """\
+version: 1
+name: towers
+model:
+  layers:
+    - {name: x, type: input, shape: [64]}
+    - {name: left, type: dense, units: 256, activation: relu, inputs: [x]}
+    - {name: right, type: dense, units: 256, activation: relu, inputs: [x]}
+    - {name: join, type: concat, inputs: [left, right]}
+    - {name: logits, type: dense, units: 4}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+devices: [cpu:0, cpu:1]
+placement:
+  algorithm: greedy
+  constraints:
+    - {match: "left*", device: cpu:0}
+    - {match: "right*", device: cpu:1}
+training: {batch_size: 16, steps: 5}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "towers.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_place_explains_each_node_and_compares(tmp_path):
+    spec = write(tmp_path, TWO_TOWERS)
+    r = CliRunner().invoke(cli, ["place", str(spec), "--explain", "--json", "--limit", "0"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["algorithm"] == "greedy" and data["valid"]
+    assert set(data["compared"]) == {"single", "expert"}
+    nodes = {n["name"]: n for n in data["nodes"]}
+    left = next(n for k, n in nodes.items() if k.startswith("left/") and n["op"] == "MatMul")
+    assert left["device"].endswith("cpu:0") and "constraint device='cpu:0'" in left["narrowed_by"]
+    assert {d["device"][-5:] for d in data["devices"]} == {"cpu:0", "cpu:1"}
+
+
+def test_place_by_layer_and_what_if_cluster(tmp_path):
+    spec = write(tmp_path, TWO_TOWERS.replace("devices: [cpu:0, cpu:1]\n", "").replace(
+        "  constraints:\n    - {match: \"left*\", device: cpu:0}\n    - {match: \"right*\", device: cpu:1}\n", ""))
+    r = CliRunner().invoke(cli, ["place", str(spec), "--devices", "2xgpu:k40", "--explain", "--by", "layer",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    layers = {row["layer"] for row in data["layers"]}
+    assert {"left", "right", "logits"} <= layers
+    assert all("gpu" in d["device"] for d in data["devices"])
+
+
+def test_place_conflicting_constraints_is_one_placement_error(tmp_path):
+    bad = TWO_TOWERS.replace("placement:\n", "placement:\n  colocate: [[left, right]]\n")
+    r = CliRunner().invoke(cli, ["place", str(write(tmp_path, bad))])
+    assert r.exit_code == 4, r.output
+    assert "Traceback" not in r.output and r.output.startswith("error:")
+
+
+def test_place_unknown_profile_suggests(tmp_path):
+    r = CliRunner().invoke(cli, ["place", str(write(tmp_path, TWO_TOWERS)), "--devices", "2xgpu:k4"])
+    assert r.exit_code == 4 and "did you mean 'k40'" in r.output
+
+
+def test_bench_spec_measures_placements_beside_predictions(tmp_path):
+    spec = write(tmp_path, TWO_TOWERS)
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(cli, ["bench", str(spec), "--steps", "2", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    for alg in ("single", "expert", "greedy"):
+        p = data["placements"][alg]
+        assert p["error"] is None and p["measured_step_s"] > 0 and p["predicted_step_s"] > 0
+    assert len(data["placements"]["expert"]["devices_used"]) == 2
+    assert data["one_device_all_threads"]["step_s"] > 0
