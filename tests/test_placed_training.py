@@ -1,0 +1,88 @@
+"""Issue 5's equivalence: one model, the same losses and variables on 1 device and placed across 2
+and 4 virtual CPU devices by every placer (float32; the kernels are deterministic, so bitwise)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine.cluster import Cluster
+from flowctl.engine.placement import ALGORITHMS, StaticCostModel, place
+from flowctl.spec.loader import load_text
+from flowctl.training.benchmark import _feeds
+from flowctl.training.planning import expert_rules, step_graph
+
+SPEC = """\
+version: 1
+name: placed
+model:
+  layers:
+    - {name: x, type: input, shape: [12]}
+    - {name: a, type: dense, units: 32, activation: relu, inputs: [x]}
+    - {name: b, type: dense, units: 32, activation: tanh, inputs: [x]}
+    - {name: ab, type: concat, inputs: [a, b]}
+    - {name: c, type: dense, units: 16, activation: relu}
+    - {name: logits, type: dense, units: 3}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 3}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+devices: [cpu:0, cpu:1, cpu:2, cpu:3]
+parallelism:
+  groups:
+    - {layers: [a], device: cpu:0}
+    - {layers: [b], device: cpu:1}
+    - {layers: [c], device: cpu:2}
+    - {layers: [logits, loss], device: cpu:3}
+training: {optimizer: {type: momentum}, learning_rate: 0.1, batch_size: 8, seed: 4}
+"""
+
+
+def losses_for(assign: dict | None, n_devices: int, steps: int = 3) -> tuple[list[float], dict]:
+    loaded = load_text(SPEC)
+    st = step_graph(loaded)
+    g = st.graph
+    init = st.model.initializer()
+    store = fc.ContainerStore()
+    fc.Session(g, store=store).run(init.node)
+    feeds = _feeds(st, loaded, 8)
+    feeds[st.lr] = np.float32(0.1)
+    if assign is None:
+        sess = fc.Session(g, store=store)
+    else:
+        sess = fc.DistributedSession(g, Cluster.local(n_devices, threads=n_devices), assign(g, st, loaded),
+                                     store=store)
+    out = [float(sess.run([st.loss, st.train_op], feeds)[0]) for _ in range(steps)]
+    if assign is not None:
+        sess.close()
+    return out, sess.variable_values()
+
+
+def placer(alg: str, n: int):
+    def assign(g, st, loaded):
+        cluster = Cluster.local(n, threads=n)
+        rules = [(p, d) for p, d in expert_rules(loaded) if int(d[-1]) < n] or None
+        pl = place(g, cluster, StaticCostModel(cluster, batch=8), alg, targets=[st.train_op.node], rules=rules,
+                   layers=st.model.layer_of())
+        return pl.assignment
+    return assign
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("alg", ALGORITHMS)
+def test_every_placer_gives_the_single_device_losses(alg, n):
+    if alg == "mincut":
+        pytest.importorskip("pymetis")
+    ref_losses, ref_vars = losses_for(None, 1)
+    got_losses, got_vars = losses_for(placer(alg, n), n)
+    assert got_losses == ref_losses
+    for k in ref_vars:
+        np.testing.assert_array_equal(got_vars[k], ref_vars[k], err_msg=k)
+
+
+def test_expert_placement_really_spans_four_devices():
+    loaded = load_text(SPEC)
+    st = step_graph(loaded)
+    cluster = Cluster.local(4, threads=4)
+    pl = place(st.graph, cluster, StaticCostModel(cluster, batch=8), "expert", targets=[st.train_op.node],
+               rules=expert_rules(loaded), layers=st.model.layer_of())
+    used = {pl.assignment[n] for n in pl.simulation.start}
+    assert len(used) == 4
