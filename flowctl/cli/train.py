@@ -93,6 +93,9 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
         summary = trainer.train()
     summary.restored_from = restored
     rate = f", {summary.mean_examples_per_s:,.0f} examples/s" if summary.steps_run else ""
+    if summary.staleness is not None:
+        console.print(f"staleness: mean {summary.staleness['mean']:.2f}, max {summary.staleness['max']} "
+                      f"updates (updates applied by other replicas between a replica's read and its update)")
     if summary.interrupted:
         console.print(f"interrupted at step {summary.last_step}: checkpoint {summary.checkpoint}; "
                       f"continue with: flowctl resume {summary.run_dir}")
@@ -134,14 +137,18 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
                            f"or pass another --run-dir")
     trainer = Trainer(loaded, run_dir, steps=steps, histograms_every=histograms,
                       on_warning=lambda m: console.print(f"warning: {m}"))
-    trainer.start_fresh(text, path)
-    info = trainer.run.read_info()
-    info["overrides"] = {"data": str(Path(data).resolve())} if data else {}
-    trainer.run.write_info(info)
-    t, n = trainer.model.params()
-    console.print(f"training {name} ({t + n:,} parameters) for {trainer.total_steps} steps, batch {trainer.batch}, "
-                  f"in {run_dir}")
-    _run(trainer, console, as_json, None)
+    try:
+        trainer.start_fresh(text, path)
+        info = trainer.run.read_info()
+        info["overrides"] = {"data": str(Path(data).resolve())} if data else {}
+        trainer.run.write_info(info)
+        t, n = trainer.model.params()
+        unit = "batch per replica" if trainer.program.async_step is not None else "batch"
+        console.print(f"training {name} ({t + n:,} parameters) for {trainer.total_steps} steps, {unit} "
+                      f"{trainer.batch}, {trainer.program.describe()}, in {run_dir}")
+        _run(trainer, console, as_json, None)
+    finally:
+        trainer.close()  # the device threads of a multi-device session
 
 
 @click.command()
@@ -179,12 +186,17 @@ def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: b
         console.print(f"warning: resuming with a changed spec: {listing}")
     trainer = Trainer(loaded, run.path, steps=steps, allow_spec_change=allow_spec_change,
                       on_warning=lambda m: console.print(f"warning: {m}"))
-    restored = trainer.restore()
-    console.print(f"restored {restored}: step {trainer.step}, data epoch {trainer.data.epoch} batch "
-                  f"{trainer.data.position}, learning rate schedule at step {trainer.step}, "
-                  f"{len(trainer.session.rng)} random stream(s)")
-    if trainer.step >= trainer.total_steps:
-        console.print(f"nothing to do: the run is at step {trainer.step} of {trainer.total_steps} "
-                      f"(pass --steps to train further)")
-        return
-    _run(trainer, console, as_json, restored)
+    try:
+        restored = trainer.restore()
+        cursors = "; ".join(f"replica {k} data epoch {s.epoch} batch {s.position}" for k, s in
+                            enumerate(trainer.sources)) if len(trainer.sources) > 1 else \
+            f"data epoch {trainer.data.epoch} batch {trainer.data.position}"
+        console.print(f"restored {restored}: step {trainer.step}, {cursors}, learning rate schedule at step "
+                      f"{trainer.step}, {len(trainer.session.rng)} random stream(s); {trainer.program.describe()}")
+        if trainer.step >= trainer.total_steps:
+            console.print(f"nothing to do: the run is at step {trainer.step} of {trainer.total_steps} "
+                          f"(pass --steps to train further)")
+            return
+        _run(trainer, console, as_json, restored)
+    finally:
+        trainer.close()

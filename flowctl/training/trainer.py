@@ -3,29 +3,49 @@ Ctrl-C and at the end, and an exact resume.
 
 Exactness: a checkpoint holds every Variable (optimizer slots and batch-norm statistics are
 Variables), every random op's generator state, the data cursor and the step; the learning rate is
-a function of the step. So k steps + resume + (N - k) steps equals N steps straight, bit for bit.
+a function of the step. So k steps + resume + (N - k) steps equals N steps straight, bit for bit,
+for every strategy whose step is one deterministic graph run (single, sync_data_parallel,
+model_parallel, pipeline: §7 strategies are graph transforms, flowctl.training.strategies).
+async_data_parallel (§7, Figure 7 bottom) interleaves its replicas as the threads happen to run,
+so its resume restores the parameters, optimizer state, step and each replica's data cursor, but
+the updates that follow are not bit-reproducible.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import numpy as np
 
 import flowctl as fc
-from flowctl.data import InputSpec, make_source
 from flowctl.engine import checkpoint as ckpt
-from flowctl.engine.errors import ExecutionError, NonFiniteError, SpecError
-from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
+from flowctl.engine import strategies as st
+from flowctl.engine.errors import (
+    CheckpointError,
+    ExecutionError,
+    NonFiniteError,
+    SpecError,
+)
+from flowctl.engine.runtime import blas_limits
 from flowctl.spec.check import LoadedSpec
-from flowctl.spec.model import BuiltModel, build_model
+from flowctl.spec.model import BuiltModel
 from flowctl.training.rundir import RunDir, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
+from flowctl.training.strategies import (
+    Program,
+    build_program,
+    make_optimizer,
+    make_sources,
+)
+
+__all__ = ["EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer", "make_optimizer"]
 
 EXIT_INTERRUPTED = 130  # Ctrl-C: a checkpoint was written, `flowctl resume` continues
 
@@ -53,6 +73,7 @@ class Summary:
     interrupted: bool = False
     restored_from: str | None = None
     warnings: list[str] = field(default_factory=list)
+    staleness: dict[str, Any] | None = None  # async_data_parallel: mean and max over the updates run
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -82,26 +103,12 @@ class Interrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def make_optimizer(spec: Any, lr: fc.Tensor) -> Optimizer:
-    o = spec.training.optimizer
-    if o.type == "sgd":
-        return SGD(lr)
-    if o.type == "momentum":
-        return Momentum(lr, momentum=o.momentum)
-    if o.type == "adam":
-        return Adam(lr, beta1=o.beta1, beta2=o.beta2, epsilon=o.epsilon)
-    raise SpecError(f"unknown optimizer {o.type!r}")
-
-
 class Trainer:
     def __init__(self, loaded: LoadedSpec, run_dir: Path, steps: int | None = None,
                  on_step: Callable[[StepEvent], None] | None = None,
                  on_warning: Callable[[str], None] | None = None, histograms_every: int = 0,
                  allow_spec_change: bool = False) -> None:
         spec = loaded.spec
-        if spec.parallelism.strategy != "single":
-            raise SpecError(f"parallelism.strategy '{spec.parallelism.strategy}' cannot be trained by this "
-                            f"version yet; use strategy: single")
         if loaded.loss is None:
             raise SpecError("the spec names no loss layer (model.loss), so there is nothing to train")
         self.loaded = loaded
@@ -114,44 +121,35 @@ class Trainer:
         self.allow_spec_change = allow_spec_change
         self.resolved = resolved(spec)
         self.hash = spec_hash(self.resolved)
-        self.batch = loaded.per_replica_batch
         self._build()
 
     # ------------------------------------------------------------------ graph and session
     def _build(self) -> None:
-        self.model: BuiltModel = build_model(self.loaded, training=True)
-        g = self.model.graph
-        spec = self.spec
-        assert self.model.loss is not None
-        with g.as_default():
-            self.lr = fc.placeholder(self.model.loss.dtype, (), name="learning_rate")
-            opt = self.optimizer = make_optimizer(spec, self.lr)
-            loss = self.model.loss
-            if loss.shape != ():
-                loss = fc.reduce_mean(loss, name="mean_loss")
-            self.loss = loss
-            gv = opt.compute_gradients(loss, self.model.trainable_variables())
-            grads = [g_ for g_, _ in gv]
-            if spec.training.clip_value is not None:
-                c = spec.training.clip_value
-                grads = [None if g_ is None else fc.maximum(fc.minimum(g_, c), -c) for g_ in grads]
-            if spec.training.clip_norm is not None:
-                grads, self.grad_norm = clip_by_global_norm(grads, spec.training.clip_norm)
-            apply = opt.apply_gradients(list(zip(grads, [v for _, v in gv])))
-            self.train_op = fc.group([apply] + list(self.model.updates), name="train_step")
-            self.init = fc.global_variables_initializer(g)
-        self.session = fc.Session(g, store=fc.ContainerStore())
-        self.inputs = [InputSpec(i.name, tuple(i.output.shape[1:]), i.output.dtype, getattr(i.layer, "classes", None))
-                       for i in self.loaded.inputs()]
-        data_cfg = spec.data.model_dump()
-        self.data = make_source(data_cfg, self.inputs, self.batch, base_dir=self.loaded.base_dir)
-        self.placeholders = {name: self.model.inputs[name] for name in self.model.inputs}
-        ck = spec.checkpoint
+        # The strategy is a graph transform (flowctl.engine.strategies) applied by build_program.
+        self.program: Program = build_program(self.loaded)
+        p = self.program
+        self.strategy = p.strategy
+        self.model: BuiltModel = p.model
+        self.optimizer = p.optimizer
+        self.lr = p.lr
+        self.init = p.init
+        self.session = p.session
+        self.batch = p.batch
+        if p.step is not None:
+            self.loss = p.step.loss
+            self.train_op = p.step.train_op
+        self.sources = make_sources(self.loaded, p)
+        self.data = self.sources[0]
+        ck = self.spec.checkpoint
         self.ckpt_every_steps = ck.every_steps if ck else None
         self.ckpt_every_seconds = ck.every_seconds if ck else None
         self.manager = ckpt.CheckpointManager(self.run.checkpoints, keep=ck.keep if ck else 3,
                                               spec_hash=self.hash, on_warning=self.on_warning)
         self.step = 0
+
+    def close(self) -> None:
+        """Stop the device threads of a multi-device session (a no-op for one device)."""
+        self.program.close()
 
     # ------------------------------------------------------------------ state
     def start_fresh(self, spec_text: str, spec_path: str) -> None:
@@ -163,8 +161,11 @@ class Trainer:
         self.run.write_json("devices.json", [d if isinstance(d, str) else d.model_dump(mode="json")
                                              for d in self.spec.devices])
         self.run.write_text("graph.json", self.model.graph.to_json())
+        if self.program.placement is not None:
+            self.run.write_json("placement.json", {"strategy": self.strategy, "devices": self.program.devices,
+                                                   "assignment": self.program.placement})
         self.run.write_info({"status": "running", "spec_path": spec_path, "step": 0, "flowctl": fc.__version__,
-                             "spec_sha256": self.hash})
+                             "spec_sha256": self.hash, "strategy": self.strategy})
         self.run.truncate_metrics(-1)
 
     def restore(self) -> str:
@@ -173,7 +174,14 @@ class Trainer:
         for w in c.warnings:
             self.on_warning(w)
         ckpt.apply(self.session, c.tensors, c.state, origin=c.path)
-        self.data.restore(c.state["data"])
+        data = c.state["data"]
+        # async_data_parallel saves one cursor per replica; the synchronous strategies one.
+        cursors = data if isinstance(data, list) else [data]
+        if len(cursors) != len(self.sources):
+            raise CheckpointError(f"{c.path}: inconsistent ({len(cursors)} data cursor(s) saved, the run has "
+                                  f"{len(self.sources)} replica(s))")
+        for src, cur in zip(self.sources, cursors):
+            src.restore(cur)
         self.step = int(c.state["step"])
         self.run.truncate_metrics(self.step)
         info = self.run.read_info()
@@ -183,60 +191,38 @@ class Trainer:
 
     def save(self) -> str:
         tensors, state = ckpt.capture(self.session, self.optimizer)
-        state.update(step=self.step, data=self.data.state(), lr=learning_rate(self.spec.training.learning_rate,
-                                                                                self.step))
+        data: Any = [s.state() for s in self.sources] if self.program.async_step is not None else self.data.state()
+        state.update(step=self.step, data=data, strategy=self.strategy,
+                     lr=learning_rate(self.spec.training.learning_rate, self.step))
         path = self.manager.save(self.step, tensors, state)
         return str(path)
 
+    def _due(self, now: float, last_save: float) -> bool:
+        return bool((self.ckpt_every_steps and self.step % self.ckpt_every_steps == 0) or
+                    (self.ckpt_every_seconds and now - last_save >= self.ckpt_every_seconds))
+
     # ------------------------------------------------------------------ the loop
     def train(self) -> Summary:
+        """Train to `total_steps`. One client thread runs whole steps (single, sync_data_parallel,
+        model_parallel, pipeline); async_data_parallel runs one client thread per replica."""
         from flowctl.training.events import EventWriter
 
         first = self.step
         t0 = time.perf_counter()
-        last_save = t0
-        last_path: str | None = None
-        loss_v = float("nan")
-        rates: list[float] = []
         writer = EventWriter(self.run.events, purge_step=first + 1, histograms_every=self.histograms_every)
-        interrupted = False
-        fetches = [self.loss, self.train_op]
+        cluster = self.program.cluster
+        # N device threads each calling BLAS: give each its share of the cores (runtime.blas_limits).
+        limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
         try:
-            with Interrupt() as stop, open(self.run.metrics, "a") as metrics:
-                while self.step < self.total_steps:
-                    if stop.requested:
-                        interrupted = True
-                        break
-                    batch = self.data.next_batch()
-                    feeds: dict[Any, Any] = {self.placeholders[k]: v for k, v in batch.items()}
-                    lr = learning_rate(self.spec.training.learning_rate, self.step)
-                    feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
-                    snapshot = self.session.variable_values(), self.session.rng_states()
-                    ts = time.perf_counter()
-                    loss_arr, _ = self.session.run(fetches, feeds)
-                    dt = time.perf_counter() - ts
-                    loss_v = float(loss_arr)
-                    if not math.isfinite(loss_v):
-                        self._explain_non_finite(snapshot, fetches, feeds)
-                    self.step += 1
-                    eps = self.batch / dt if dt > 0 else float("inf")
-                    rates.append(eps)
-                    metrics.write(f'{{"step": {self.step}, "loss": {loss_v!r}, "lr": {lr!r}, '
-                                  f'"examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
-                    writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps})
-                    if self.histograms_every and self.step % self.histograms_every == 0:
-                        writer.histograms(self.step, self.session.variable_values())
-                    self.on_step(StepEvent(self.step, self.total_steps, loss_v, lr, eps, time.perf_counter() - t0))
-                    now = time.perf_counter()
-                    due = (self.ckpt_every_steps and self.step % self.ckpt_every_steps == 0) or \
-                          (self.ckpt_every_seconds and now - last_save >= self.ckpt_every_seconds)
-                    if due and self.step < self.total_steps:
-                        metrics.flush()
-                        last_path = self.save()
-                        last_save = now
+            with Interrupt() as stop, open(self.run.metrics, "a") as metrics, limits:
+                if self.program.async_step is not None:
+                    loss_v, rates, last_path, interrupted, stale = self._loop_async(stop, metrics, writer, t0)
+                else:
+                    loss_v, rates, last_path, interrupted = self._loop(stop, metrics, writer, t0)
+                    stale = None
                 metrics.flush()
-            if self.step > first or interrupted or last_path is None:
-                last_path = self.save()
+                if self.step > first or interrupted or last_path is None:
+                    last_path = self.save()
         finally:
             writer.close()
         info = self.run.read_info()
@@ -244,7 +230,49 @@ class Trainer:
         self.run.write_info(info)
         elapsed = time.perf_counter() - t0
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
-                       float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted)
+                       float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale)
+
+    def _loop(self, stop: Interrupt, metrics: IO[str], writer: Any,
+              t0: float) -> tuple[float, list[float], str | None, bool]:
+        assert self.program.step is not None
+        step_feeds = self.program.step.feeds
+        last_save = t0
+        last_path: str | None = None
+        loss_v = float("nan")
+        rates: list[float] = []
+        fetches = [self.loss, self.train_op]
+        while self.step < self.total_steps:
+            if stop.requested:
+                return loss_v, rates, last_path, True
+            feeds: dict[Any, Any] = step_feeds(self.data.next_batch())
+            lr = learning_rate(self.spec.training.learning_rate, self.step)
+            feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
+            snapshot = self.session.variable_values(), self.session.rng_states()
+            ts = time.perf_counter()
+            loss_arr, _ = self.session.run(fetches, feeds)
+            dt = time.perf_counter() - ts
+            loss_v = float(loss_arr)
+            if not math.isfinite(loss_v):
+                self._explain_non_finite(snapshot, fetches, feeds)
+            self.step += 1
+            eps = self.batch / dt if dt > 0 else float("inf")
+            rates.append(eps)
+            metrics.write(f'{{"step": {self.step}, "loss": {loss_v!r}, "lr": {lr!r}, '
+                          f'"examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
+            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps})
+            if self.histograms_every and self.step % self.histograms_every == 0:
+                writer.histograms(self.step, self.session.variable_values())
+            self.on_step(StepEvent(self.step, self.total_steps, loss_v, lr, eps, time.perf_counter() - t0))
+            now = time.perf_counter()
+            if self._due(now, last_save) and self.step < self.total_steps:
+                metrics.flush()
+                last_path = self.save()
+                last_save = now
+        return loss_v, rates, last_path, False
+
+    def _loop_async(self, stop: Interrupt, metrics: IO[str], writer: Any,
+                    t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
+        return _async_loop(self, stop, metrics, writer, t0)
 
     def _explain_non_finite(self, snapshot: tuple[dict[str, Any], dict[str, Any]], fetches: list[Any],
                             feeds: dict[Any, Any]) -> None:
@@ -263,3 +291,124 @@ class Trainer:
                                  device=e.device) from None
         raise ExecutionError(f"step {self.step + 1}: the loss is not finite, but replaying the step with every "
                              f"output checked found no non-finite value")
+
+
+class _AsyncState:
+    """What the replica threads and the coordinating thread share, guarded by `cond`.
+    `reserved`: updates started (a replica took a batch); `applied`: updates finished; replicas
+    start no update at or past `hold`, so a checkpoint is taken with none in flight."""
+
+    def __init__(self, step: int, hold: int) -> None:
+        self.cond = threading.Condition()
+        self.apply_lock = threading.Lock()
+        self.reserved = step
+        self.applied = step
+        self.hold = hold
+        self.stop = False
+        self.error: BaseException | None = None
+        self.staleness: list[int] = []
+        self.loss = float("nan")
+
+
+def _async_loop(self: Trainer, stop: Interrupt, metrics: IO[str], writer: Any,
+                t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
+    """Figure 7 bottom: one client thread per replica, each taking its own batches, computing
+    gradients on its device against the parameters as it reads them, and applying them through the
+    shared update. This thread only coordinates: checkpoints (every N updates or seconds, taken
+    with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C, errors.
+    A metrics line per update carries the replica and the update's staleness."""
+    a = self.program.async_step
+    assert a is not None
+    total = self.total_steps
+    every = self.ckpt_every_steps
+
+    def next_hold(applied: int) -> int:
+        return min(total, (applied // every + 1) * every) if every else total
+
+    s = _AsyncState(self.step, next_hold(self.step))
+    schedule = self.spec.training.learning_rate
+
+    def replica(k: int) -> None:
+        src = self.sources[k]
+        fetch = [a.losses[k], a.grads[k], a.version] + ([a.side_updates[k]] if a.side_updates[k] is not None else [])
+        try:
+            while True:
+                with s.cond:
+                    while not s.stop and s.error is None and s.hold <= s.reserved < total:
+                        s.cond.wait()
+                    if s.stop or s.error is not None or s.reserved >= total:
+                        return
+                    s.reserved += 1
+                ts = time.perf_counter()
+                loss_arr, grads, read = self.session.run(fetch, st.split_batch(src.next_batch(), [a.inputs[k]]))[:3]
+                loss_v = float(loss_arr)
+                if not math.isfinite(loss_v):
+                    raise NonFiniteError(f"update {s.applied + 1}: replica {k}'s loss is not finite "
+                                         f"({loss_v}); the update was not applied")
+                feeds: dict[Any, Any] = dict(zip(a.grad_inputs, grads))
+                with s.apply_lock:  # the rate is the schedule's at this update's index
+                    lr = learning_rate(schedule, self.step)
+                    feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
+                    applied = int(self.session.run([a.applied, a.apply], feeds)[0])
+                    self.step = applied
+                    stale = applied - 1 - int(read)
+                    eps = self.batch / (time.perf_counter() - ts)
+                    s.staleness.append(stale)
+                    s.loss = loss_v
+                    metrics.write(f'{{"step": {applied}, "replica": {k}, "staleness": {stale}, "loss": {loss_v!r}, '
+                                  f'"lr": {lr!r}, "examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
+                    writer.scalars(applied, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps,
+                                             "staleness": stale, f"replica_{k}/loss": loss_v})
+                    self.on_step(StepEvent(applied, total, loss_v, lr, eps, time.perf_counter() - t0))
+                with s.cond:
+                    s.applied += 1
+                    s.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 -- handed to the coordinating thread
+            with s.cond:
+                s.error = s.error or e
+                s.cond.notify_all()
+
+    threads = [threading.Thread(target=replica, args=(k,), name=f"flowctl-replica-{k}", daemon=True)
+               for k in range(len(a.losses))]
+    for th in threads:
+        th.start()
+    last_save = t0
+    last_path: str | None = None
+    interrupted = False
+    try:
+        while True:
+            save = False
+            with s.cond:
+                s.cond.wait(0.05)
+                quiet = s.applied == s.reserved
+                if s.error is not None:
+                    break
+                if stop.requested and not s.stop:
+                    s.stop = interrupted = True
+                    s.cond.notify_all()
+                if (s.stop and quiet) or s.applied >= total:
+                    break
+                if self.ckpt_every_seconds and time.perf_counter() - last_save >= self.ckpt_every_seconds:
+                    s.hold = min(s.hold, s.reserved)  # start no more updates until the save
+                save = quiet and s.applied == s.hold and s.applied < total
+            if save:
+                metrics.flush()
+                last_path = self.save()
+                last_save = time.perf_counter()
+                with s.cond:
+                    s.hold = next_hold(s.applied)
+                    s.cond.notify_all()
+    finally:
+        with s.cond:  # wake any replica waiting at the hold, so that it sees the stop
+            s.stop = True
+            s.cond.notify_all()
+        for th in threads:
+            th.join()
+    if s.error is not None:
+        raise s.error
+    stale = {"mean": float(np.mean(s.staleness)) if s.staleness else 0.0,
+             "max": int(max(s.staleness, default=0)), "updates": len(s.staleness)}
+    # The run's rate is all replicas together: examples applied over the time taken.
+    elapsed = time.perf_counter() - t0
+    rates = [len(s.staleness) * self.batch / elapsed] if s.staleness and elapsed > 0 else []
+    return s.loss, rates, last_path, interrupted, stale
