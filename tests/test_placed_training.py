@@ -86,3 +86,51 @@ def test_expert_placement_really_spans_four_devices():
                rules=expert_rules(loaded), layers=st.model.layer_of())
     used = {pl.assignment[n] for n in pl.simulation.start}
     assert len(used) == 4
+
+
+TWO_DEVICES = """\
+version: 1
+name: twodev
+model:
+  layers:
+    - {name: x, type: input, shape: [16]}
+    - {name: left, type: dense, units: 32, activation: relu, inputs: [x]}
+    - {name: right, type: dense, units: 32, activation: relu, inputs: [x]}
+    - {name: join, type: concat, inputs: [left, right]}
+    - {name: drop, type: dropout, rate: 0.2}
+    - {name: logits, type: dense, units: 4}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+data: {source: synthetic, task: learnable}
+devices: [cpu:0, cpu:1]
+placement:
+  algorithm: expert
+  constraints:
+    - {match: "left*", device: cpu:0}
+    - {match: "right*", device: cpu:1}
+training: {optimizer: {type: adam}, batch_size: 16, steps: 12}
+"""
+
+
+def test_train_places_the_step_on_the_specs_devices_and_resumes_exactly(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from flowctl.cli.main import cli
+
+    spec = tmp_path / "twodev.yaml"
+    spec.write_text(TWO_DEVICES)
+    run = CliRunner()
+    assert run.invoke(cli, ["train", str(spec), "--run-dir", str(tmp_path / "full")]).exit_code == 0
+    assert run.invoke(cli, ["train", str(spec), "--run-dir", str(tmp_path / "split"), "--steps", "5"]).exit_code == 0
+    r = run.invoke(cli, ["resume", str(tmp_path / "split")])
+    assert r.exit_code == 0, r.output
+    placement = json.loads((tmp_path / "full" / "placement.json").read_text())["assignment"]
+    assert {d[-5:] for d in placement.values()} == {"cpu:0", "cpu:1"}
+    assert placement["right/kernel"].endswith("cpu:1")
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(tmp_path / "split") == losses(tmp_path / "full") and len(losses(tmp_path / "full")) == 12

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 import flowctl as fc
-from flowctl.data import InputSpec, make_source
+from flowctl.data import make_source
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.container import ContainerStore
 from flowctl.engine.errors import PlacementError
@@ -23,15 +23,11 @@ from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.cluster import cluster_for
 from flowctl.training.planning import StepGraph, expert_rules, step_graph
-
-
-def input_specs(loaded: LoadedSpec) -> list[InputSpec]:
-    return [InputSpec(i.name, tuple(i.output.shape[1:]), i.output.dtype, getattr(i.layer, "classes", None))
-            for i in loaded.inputs()]
+from flowctl.training.strategies import model_inputs
 
 
 def _feeds(step: StepGraph, loaded: LoadedSpec, batch: int) -> dict[Any, Any]:
-    data = make_source(loaded.spec.data.model_dump(), input_specs(loaded), batch, base_dir=loaded.base_dir)
+    data = make_source(loaded.spec.data.model_dump(), model_inputs(loaded), batch, base_dir=loaded.base_dir)
     feeds: dict[Any, Any] = {step.model.inputs[k]: v for k, v in data.next_batch().items()}
     feeds[step.lr] = np.asarray(0.0, dtype=step.lr.dtype)  # rate 0: the variables stay where they are
     return feeds

@@ -11,14 +11,14 @@ from typing import Any
 
 import flowctl as fc
 from flowctl.engine.cluster import Cluster
-from flowctl.engine.errors import PlacementError, SpecError
+from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.placement import (
     ALGORITHMS, MeasuredCostModel, Placement, StaticCostModel, place, rule_matches,
 )
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.cluster import cluster_for
-from flowctl.spec.model import BuiltModel, build_model
+from flowctl.spec.model import BuiltModel
 
 
 @dataclass
@@ -33,22 +33,18 @@ class StepGraph:
 
 def step_graph(loaded: LoadedSpec) -> StepGraph:
     """The model, its mean loss, a learning-rate placeholder and one train op (the optimizer's
-    update and the batch-norm moving averages) -- the graph one training step runs."""
-    from flowctl.training.trainer import make_optimizer
+    update, with the spec's gradient clipping, and the batch-norm moving averages): the graph one
+    training step of the `single` strategy runs, with the spec's constraints on its nodes."""
+    from flowctl.engine import strategies as st
+    from flowctl.training.strategies import forward, gradient_process
 
-    if loaded.loss is None:
-        raise SpecError("the spec names no loss layer (model.loss), so it has no training step")
-    model = build_model(loaded, training=True)
+    model, lr, opt, loss = forward(loaded)
     g = model.graph
-    assert model.loss is not None
     with g.as_default():
-        lr = fc.placeholder(model.loss.dtype, (), name="learning_rate")
-        loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
-        opt = make_optimizer(loaded.spec, lr)
-        train = fc.group([opt.minimize(loss, model.trainable_variables())] + list(model.updates),
-                         name="train_step")
+        step = st.single_step(g, loss, model.inputs, model.trainable_variables(), opt,
+                              updates=list(model.updates), process=gradient_process(loaded.spec))
     apply_constraints(loaded, g, layer_of(g, model))
-    return StepGraph(model, g, loss, lr, train, opt)
+    return StepGraph(model, g, step.loss, lr, step.train_op, opt)
 
 
 def layer_of(graph: Graph, model: BuiltModel) -> dict[str, str]:

@@ -151,21 +151,26 @@ def replica_devices(loaded: LoadedSpec) -> list[str]:
     return listed[:par.replicas]
 
 
+def forward(loaded: LoadedSpec) -> tuple[BuiltModel, fc.Tensor, Optimizer, fc.Tensor]:
+    """The built model, a learning-rate placeholder, the spec's optimizer and the mean loss: what
+    every strategy (and the planner) starts from."""
+    if loaded.loss is None:
+        raise SpecError("the spec names no loss layer (model.loss), so there is nothing to train")
+    model = build_model(loaded, training=True)
+    assert model.loss is not None
+    with model.graph.as_default():
+        lr = fc.placeholder(model.loss.dtype, (), name="learning_rate")
+        loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
+    return model, lr, make_optimizer(loaded.spec, lr), loss
+
+
 def build_program(loaded: LoadedSpec) -> Program:
     """The model, optimizer and training step for the spec's strategy, with an open session."""
     spec = loaded.spec
-    if loaded.loss is None:
-        raise SpecError("the spec names no loss layer (model.loss), so there is nothing to train")
     strategy = spec.parallelism.strategy
-    model = build_model(loaded, training=True)
+    model, lr, opt, loss = forward(loaded)
     g = model.graph
-    assert model.loss is not None
     with g.as_default():
-        lr = fc.placeholder(model.loss.dtype, (), name="learning_rate")
-        opt = make_optimizer(spec, lr)
-        loss = model.loss
-        if loss.shape != ():
-            loss = fc.reduce_mean(loss, name="mean_loss")
         args = (g, loss, model.inputs, model.trainable_variables(), opt)
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(spec)}
         first = canonical(spec.devices[0].name)
@@ -174,6 +179,8 @@ def build_program(loaded: LoadedSpec) -> Program:
         if strategy == "single":
             step = st.single_step(*args, **kw)
             devices = [first]
+            if len(spec.devices) > 1:  # §3.2.1: the spec's placer spreads the one step over its devices
+                devices = _place_single(loaded, model, step)
         elif strategy in ("sync_data_parallel", "async_data_parallel"):
             devices = replica_devices(loaded)
             if strategy == "sync_data_parallel":
@@ -206,6 +213,27 @@ def build_program(loaded: LoadedSpec) -> Program:
         session = DistributedSession(g, cluster, placement, store=fc.ContainerStore())
     batch = loaded.per_replica_batch if astep is not None else loaded.global_batch
     return Program(strategy, model, opt, lr, init, session, devices, batch, step, astep, cluster, placement)
+
+
+def _place_single(loaded: LoadedSpec, model: BuiltModel, step: st.TrainStep) -> list[str]:
+    """Put the spec's constraints on the nodes and run its placer; records the placement on `step`
+    and returns the devices it uses."""
+    from flowctl.engine.placement import StaticCostModel, place
+    from flowctl.spec.cluster import cluster_for
+    from flowctl.training.planning import apply_constraints, expert_rules, layer_of
+
+    spec = loaded.spec
+    if spec.placement.algorithm == "learned":
+        raise SpecError("placement.algorithm 'learned' is not in this version; use single, expert, greedy, "
+                        "heft, mincut or auto")
+    g = model.graph
+    apply_constraints(loaded, g, layer_of(g, model))
+    cluster = cluster_for(spec)
+    pl = place(g, cluster, StaticCostModel(cluster, batch=loaded.per_replica_batch), spec.placement.algorithm,
+               targets=[step.train_op.node], rules=expert_rules(loaded) or None, layers=model.layer_of(),
+               time_budget=spec.placement.time_budget_s)
+    step.placement = dict(pl.assignment)
+    return sorted(set(pl.assignment.values()), key=cluster.names.index)
 
 
 def model_inputs(loaded: LoadedSpec) -> list[InputSpec]:
