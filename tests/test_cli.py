@@ -31,3 +31,10 @@ def test_bench_engine_quick_writes_json(tmp_path):
     assert data["dispatch_chain"]["nodes"] == 2000
     assert len(data["conv2d"]) == 3 and all(d["ratio_to_matmul"] > 0 for d in data["conv2d"])
     assert data["lstm_cell"]["ratio_to_matmuls"] > 0
+
+
+def test_bench_prefetch_quick_reports_both_rates():
+    r = CliRunner().invoke(cli, ["bench", "prefetch", "--quick", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout[r.stdout.index("{"):])
+    assert data["steps_per_s_plain"] > 0 and data["steps_per_s_prefetch"] > 0 and "speedup" in data

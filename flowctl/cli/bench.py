@@ -12,7 +12,7 @@ from rich.table import Table
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine",)
+SUITES = ("engine", "strategies", "prefetch")
 
 
 @click.command()
@@ -24,15 +24,29 @@ SUITES = ("engine",)
               help="Placers to measure (a spec target).")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per placement (a spec target).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int) -> None:
-    """Benchmark TARGET: a built-in suite (`engine`) or a spec file (placements measured on its devices
-    beside the simulator's predictions; results also go to runs/bench-<name>.json)."""
+    """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
+    parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
+    prefetching) or a spec file (placements measured on its devices beside the simulator's
+    predictions; results also go to runs/bench-<name>.json)."""
     err = Console(stderr=True)
-    if target in SUITES:
+    if target == "engine":
         from flowctl.engine.benchmarks import run_engine_suite
 
         with err.status("benchmarking") as status:
             results = run_engine_suite(quick=quick, progress=lambda m: status.update(m))
         render: Any = _render
+    elif target == "strategies":
+        from flowctl.training.strategies import strategy_benchmarks
+
+        with err.status("benchmarking") as status:
+            results = strategy_benchmarks(steps=2 if quick else steps, progress=lambda m: status.update(m))
+        render = _render_ratios
+    elif target == "prefetch":
+        from flowctl.data.prefetch import prefetch_benchmark
+
+        with err.status("benchmarking: steps/s with and without prefetching a slow input"):
+            results = prefetch_benchmark(steps=10 if quick else 40, rounds=2 if quick else 4)
+        render = _render_ratios
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.training.benchmark import bench_spec
@@ -50,6 +64,20 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     if as_json:
         click.echo(json.dumps(results, indent=2))
     render(err, results)
+
+
+def _render_ratios(console: Console, r: dict[str, Any]) -> None:
+    """A flat table of a suite's figures (nested results one level down)."""
+    t = Table(title="results")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for k, v in r.items():
+        items = v.items() if isinstance(v, dict) else [("", v)]
+        for sub, val in items:
+            if isinstance(val, (int, float, str)):
+                shown = f"{val:,.3f}" if isinstance(val, float) else str(val)
+                t.add_row(f"{k}.{sub}" if sub else k, shown)
+    console.print(t)
 
 
 def _render_spec(console: Console, r: dict[str, Any]) -> None:
