@@ -359,7 +359,7 @@ def test_async_resume_restores_parameters_and_each_replica_cursor(tmp_path):
             np.testing.assert_array_equal(again.session.variable_values()[k], v, err_msg=k)
         for src, cur in zip(again.sources, saved_cursors):
             assert src.position == cur["position"]
-            assert src.rng.bit_generator.state == cur["rng"]
+            assert src.state()["rng"] == cur["rng"]  # the cursor (a prefetcher reads ahead of it)
         assert int(again.session.run(again.program.async_step.version)) == 40
         again.train()
     finally:

@@ -115,9 +115,11 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
               help="Where the run lives (default: runs/<spec name>, or runs/<spec name>-N if taken).")
 @click.option("--data", "data", help="Train on this file: a text corpus, or .npy/.npz arrays.")
 @click.option("--histograms", type=int, default=0, help="Write weight histograms every N steps.")
+@click.option("--prefetch", type=int, default=2, show_default=True,
+              help="Batches read ahead on a background thread while the model computes (0: none).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str | None, histograms: int,
-          as_json: bool) -> None:
+          prefetch: int, as_json: bool) -> None:
     """Train SPEC (default: the embedded demo) with progress, metrics and checkpoints.
 
     Ctrl-C finishes the step, writes a checkpoint and exits with code 130."""
@@ -135,7 +137,7 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     elif (run_dir / "run.json").exists():
         raise FlowctlError(f"{run_dir} already holds a run: continue it with `flowctl resume {run_dir}`, "
                            f"or pass another --run-dir")
-    trainer = Trainer(loaded, run_dir, steps=steps, histograms_every=histograms,
+    trainer = Trainer(loaded, run_dir, steps=steps, histograms_every=histograms, prefetch=prefetch,
                       on_warning=lambda m: console.print(f"warning: {m}"))
     try:
         trainer.start_fresh(text, path)
