@@ -231,3 +231,30 @@ def test_result_to_dict_is_json() -> None:
     r = simulate(g, on(g, D0, b0=D1, b1=D1), cluster(), FixedCosts({}, default=1e-3))
     d = json.loads(json.dumps(r.to_dict(nodes=True)))
     assert d["valid"] and d["nodes"]["b1"]["device"] == D1 and len(d["devices"]) == 2
+
+
+def test_devices_of_one_process_take_turns_at_the_interpreter():
+    """Two independent chains on two devices of one process: kernels overlap, but each op's
+    dispatch share (the measured model's host_time) is serialised on the process's lane."""
+    from flowctl.engine.cluster import Cluster
+    from flowctl.engine.placement import MeasuredCostModel, simulate
+
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (4,), name="x")
+        a = fc.tanh(fc.exp(x, name="a1"), name="a2")
+        b = fc.tanh(fc.exp(x, name="b1"), name="b2")
+    cluster = Cluster.local(2, threads=2)
+    cost = MeasuredCostModel(cluster, batch=1)
+    for n in ("a1", "a2", "b1", "b2"):
+        cost.records[cost.key_for(g, g.nodes[n], cluster.names[0])] = 0.010  # 10 ms kernels, both profiles
+    place = {"x": cluster.names[0], "a1": cluster.names[0], "a2": cluster.names[0],
+             "b1": cluster.names[1], "b2": cluster.names[1]}
+    free = simulate(g, place, cluster, cost, targets=[a.node, b.node])
+    assert free.step_time == pytest.approx(0.020, abs=1e-4)  # no dispatch share: the chains overlap fully
+    cost.dispatch = 0.004  # 4 ms of each 14 ms op holds the interpreter
+    shared = simulate(g, place, cluster, cost, targets=[a.node, b.node])
+    # a1 and b1 cannot both dispatch at t=0: b1 waits 4 ms, and so on down the chains.
+    assert shared.step_time == pytest.approx(0.032, abs=1e-4)
+    one = simulate(g, {n: cluster.names[0] for n in place}, cluster, cost, targets=[a.node, b.node])
+    assert one.step_time == pytest.approx(0.056, abs=1e-4)  # one device: 4 ops of 14 ms

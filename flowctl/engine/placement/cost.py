@@ -21,11 +21,12 @@ import os
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.dtypes import itemsize, np_dtype
+from flowctl.engine.devices import parse_device
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import CONTROL, SOURCE
 from flowctl.engine.shapes import TensorSpec, concrete
@@ -168,6 +169,11 @@ class MeasuredCostModel:
             return self.static.op_time(graph, node, device)
         return t + self.dispatch
 
+    def host_time(self, node: Node) -> float:
+        """The part of a node's time spent in the runtime's Python dispatch, which holds the
+        interpreter: devices of one process take turns at it (the simulator's host lane)."""
+        return 0.0 if node.op == "Placeholder" else self.dispatch
+
     def calibrate(self, step_seconds: float, graph: Graph, nodes: Sequence[str], device: str) -> float:
         """Set the per-node dispatch cost so that `nodes` (one step, run on `device` alone) add up
         to the measured `step_seconds`; returns it. Never negative."""
@@ -309,6 +315,11 @@ class CostTable:
     succ: list[list[int]]
     resident: list[bool]
     model: Any  # the CostModel, for transfer times
+    # Seconds of each node's time that hold its process's interpreter (Python dispatch: it
+    # cannot overlap with dispatch on another device of the same process), and each device's
+    # process ("lane"). All zero for models that do not measure it.
+    host: list[float] = field(default_factory=list)
+    lanes: list[int] = field(default_factory=list)
 
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
@@ -361,4 +372,9 @@ class CostTable:
             for j in dict.fromkeys([j for j, _ in ins] + ctrl):
                 succ[j].append(i)
             resident.append(node.opdef.group == SOURCE or node.op == "Variable")
-        return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model)
+        host_time = getattr(model, "host_time", None)
+        host = [float(host_time(graph.nodes[n])) if host_time else 0.0 for n in names]
+        procs: dict[tuple[str, int], int] = {}
+        lanes = [procs.setdefault((p.job, p.task), len(procs)) for p in map(parse_device, devices)]
+        return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
+                   host, lanes)

@@ -217,15 +217,23 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
         if left == 0 and not resident[key_j] and (key_j, p) not in keep_refs:
             mem[dev[key_j]] -= out_bytes[key_j][p]
 
+    host = table.host or [0.0] * n
+    lanes = table.lanes or list(range(D))
+    host_free = [0.0] * (max(lanes, default=0) + 1)
     t = 0.0
     done = 0
     while True:
-        # Dispatch: every idle device starts its earliest-ready op at time t.
+        # Dispatch: every idle device starts its earliest-ready op at time t -- once its process's
+        # interpreter is free for the op's dispatch share (devices of one process take turns).
         for d in range(D):
             if running[d] < 0 and queues[d]:
                 _, i = heapq.heappop(queues[d])
                 running[d] = i
-                start[i] = t
+                begin = t
+                if host[i]:
+                    begin = max(t, host_free[lanes[d]])
+                    host_free[lanes[d]] = begin + host[i]
+                start[i] = begin
                 dur = times[i][d]
                 if not resident[i]:
                     mem[d] += sum(out_bytes[i])
@@ -236,7 +244,7 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
                 s.busy += dur
                 s.flops += table.flops[i]
                 seq += 1
-                heapq.heappush(events, (t + dur, seq, 0, i))
+                heapq.heappush(events, (begin + dur, seq, 0, i))
         if not events:
             break
         t = events[0][0]
