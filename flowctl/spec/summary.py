@@ -13,25 +13,16 @@ from typing import Any
 
 import flowctl as fc
 from flowctl.engine.dtypes import itemsize
-from flowctl.engine.graph import Graph, parse_ref
+from flowctl.engine.executor import needed_nodes
+from flowctl.engine.graph import Graph
 from flowctl.engine.ops.registry import SOURCE, STATE
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel, build_model
 
 
 def ancestors(graph: Graph, targets: list[str]) -> set[str]:
-    """Every node the targets need (data and control inputs), the targets included."""
-    seen: set[str] = set()
-    stack = list(targets)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        node = graph.nodes[n]
-        stack.extend(parse_ref(r)[0] for r in node.inputs)
-        stack.extend(node.control_inputs)
-    return seen
+    """Every node one run of the targets executes (the executor's own pruning, §4.2)."""
+    return needed_nodes(graph, targets, set())
 
 
 def _cost(graph: Graph, name: str, batch: int) -> tuple[float, float]:
