@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import flowctl as fc
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph, Tensor
