@@ -211,3 +211,19 @@ def test_both_executors_agree_on_a_random_graph(rng):
     for u, v in zip(a, b):
         np.testing.assert_array_equal(u, v)
     assert sorted(st_a.nodes_run) == sorted(st_b.nodes_run)
+
+
+def test_a_device_this_machine_lacks_is_a_placement_error_not_a_traceback():
+    from flowctl.kernels.backend import gpu_count
+
+    if gpu_count():
+        pytest.skip("this machine has a GPU")
+    g = fc.Graph()
+    with g.as_default():
+        fc.constant(1.0, name="c")
+    with pytest.raises(fc.PlacementError, match="device /job:localhost/task:0/device:gpu:0 is not on this machine"):
+        fc.Session(g, device="gpu:0")
+    from flowctl.engine.cluster import Cluster
+
+    with pytest.raises(fc.PlacementError, match="gpu:1 is not on this machine"):
+        fc.DistributedSession(g, Cluster.from_spec("2xgpu:k40"), {"c": "gpu:1"})

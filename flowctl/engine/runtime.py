@@ -53,7 +53,7 @@ from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.ops.registry import COMMUNICATION
 from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
-from flowctl.engine.session import Session
+from flowctl.engine.session import Session, require_device
 from flowctl.kernels.backend import array_module, to_host
 
 
@@ -96,6 +96,9 @@ class DistributedSession(Session):
         # (A placer's Placement object carries the mapping as `.assignment`; accept it directly.)
         assignment: Mapping[str, str] = getattr(placement, "assignment", placement)
         self.placement = {n: canonical(d) for n, d in assignment.items()}
+        for dev in dict.fromkeys(self.placement.values()):
+            if dev in cluster.names:
+                require_device(dev)
         unknown = sorted({d for d in self.placement.values()} - set(cluster.names))
         if unknown:
             raise PlacementError(f"the placement uses device(s) {', '.join(unknown)} that the cluster lacks; "

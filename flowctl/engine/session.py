@@ -18,6 +18,18 @@ from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
 from flowctl.kernels.backend import array_module, to_host
 
 
+def require_device(device: str) -> Any:
+    """The array module of `device`, or a PlacementError naming it when this machine lacks it
+    (never a silent move to another device)."""
+    kind = device.rsplit("device:", 1)[-1].split(":")[0]
+    try:
+        return array_module(kind)
+    except RuntimeError:
+        raise PlacementError(f"device {device} is not on this machine: cupy or a CUDA device is missing "
+                             f"(install flowctl[gpu] where there is one). To plan for hardware that is not "
+                             f"here, use `flowctl place --devices ...`") from None
+
+
 class Session:
     def __init__(self, graph: Graph, device: str = CPU0, store: ContainerStore | None = None,
                  check_numerics: bool = False, optimize: bool = False, executor: str = "auto") -> None:
@@ -30,7 +42,7 @@ class Session:
         self.graph = graph
         self.device = canonical(device)
         self.device_type = self.device.rsplit("device:", 1)[1].split(":")[0]
-        self.xp = array_module(self.device_type)
+        self.xp = require_device(self.device)
         self.store = store if store is not None else process_store()
         self.check_numerics = check_numerics
         self.optimize = optimize
