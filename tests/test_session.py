@@ -225,5 +225,5 @@ def test_a_device_this_machine_lacks_is_a_placement_error_not_a_traceback():
         fc.Session(g, device="gpu:0")
     from flowctl.engine.cluster import Cluster
 
-    with pytest.raises(fc.PlacementError, match="gpu:1 is not on this machine"):
+    with pytest.raises(fc.PlacementError, match=r"device:gpu:\d is not on this machine"):
         fc.DistributedSession(g, Cluster.from_spec("2xgpu:k40"), {"c": "gpu:1"})
