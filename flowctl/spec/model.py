@@ -66,6 +66,7 @@ class _Builder:
         self.dtype = dtype
         self.made: list[Tensor] = []
         self.updates: list[Tensor] = []
+        self.steps: dict[str, list[Tensor]] = {}
 
     def variable(self, w: Weight) -> Tensor:
         with self.graph.name_scope(w.name):

@@ -56,6 +56,10 @@ class Builder(Protocol):
     graph: Graph
     training: bool
     dtype: str
+    # A sequence tensor [batch, time, ...] (by ref) -> its per-time-step tensors, where a layer made
+    # it from them: the next recurrent layer reads step t directly instead of unstacking the whole
+    # sequence, so layer l+1 can run step t while layer l runs t+1 (Figure 8's model parallelism).
+    steps: dict[str, list[Tensor]]
 
     def variable(self, w: Weight) -> Tensor: ...
 

@@ -119,9 +119,20 @@ class Dropout(Layer):
         return ins[0]
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        steps = b.steps.get(ins[0].name)
         if not b.training or self.rate == 0.0:
-            return fc.identity(ins[0], name="identity")
-        return fc.dropout(ins[0], rate=self.rate, name="dropout")
+            y = fc.identity(ins[0], name="identity")
+            if steps is not None:
+                b.steps[y.name] = steps
+            return y
+        if steps is None:
+            return fc.dropout(ins[0], rate=self.rate, name="dropout")
+        # Between recurrent layers: one mask per time step (the same distribution as one mask over
+        # the sequence), keeping the steps separate so the next layer need not wait for them all.
+        outs = [fc.dropout(s, rate=self.rate, name=f"dropout_t{t}") for t, s in enumerate(steps)]
+        y = fc.stack(outs, axis=1, name="stack")
+        b.steps[y.name] = outs
+        return y
 
 
 @register

@@ -47,7 +47,7 @@ class LSTM(Layer):
         x = ins[0]
         d, u = int(x.shape[2]), self.units
         kernel, bias = (b.variable(w) for w in self.weights([x.spec]))
-        steps = fc.unstack(x, axis=1, name="unstack")
+        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
         # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing them
         # avoids materialising a zero state whose batch size is unknown until run time.
         w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
@@ -70,7 +70,9 @@ class LSTM(Layer):
                 outs.append(h)
         if not self.return_sequences:
             return fc.identity(outs[-1], name="last")
-        return fc.stack(outs, axis=1, name="stack")
+        y = fc.stack(outs, axis=1, name="stack")  # runs only if a non-recurrent layer reads it
+        b.steps[y.name] = outs
+        return y
 
 
 @register
