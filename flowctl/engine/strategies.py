@@ -315,6 +315,21 @@ def model_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], var
     return step
 
 
+def _replicas(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
+              updates: Sequence[Tensor], devices: Sequence[str], strategy: str
+              ) -> tuple[list[dict[str, str]], list[Tensor], list[dict[str, Tensor]], list[list[Tensor]],
+                         list[list[Tensor | None]]]:
+    """Figure 7's replicas: the forward graph copied under `replica_<k>/` (sharing the Variables),
+    and each copy's gradients with respect to the shared Variables."""
+    n = len(devices)
+    if n < 1:
+        raise PlacementError(f"{strategy} needs at least one device")
+    maps, losses, ins, ups = _copies(graph, loss, inputs, updates, n, "replica_{k}")
+    with graph.absolute_scope():
+        per = [gradients(losses[k], list(variables), name=f"replica_{k}/gradients") for k in range(n)]
+    return maps, losses, ins, ups, per
+
+
 def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
                        optimizer: Optimizer, devices: Sequence[str], *, param_device: str | None = None,
                        updates: Sequence[Tensor] = (), process: GradientProcess | None = None) -> TrainStep:
@@ -322,11 +337,7 @@ def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor],
     devices[k]; Variables, the gradient average, the optimizer and the update on `param_device`
     (default devices[0]). Replica 0's side updates (batch-norm moving averages) run with the step."""
     n = len(devices)
-    if n < 1:
-        raise PlacementError("sync_data_parallel needs at least one device")
-    maps, losses, ins, ups = _copies(graph, loss, inputs, updates, n, "replica_{k}")
-    with graph.absolute_scope():
-        per = [gradients(losses[k], list(variables), name=f"replica_{k}/gradients") for k in range(n)]
+    maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "sync_data_parallel")
     grads = _average(graph, per, variables, "sync_average")
     mean = _mean_loss(graph, losses, "sync_loss")
     train_op = _update(graph, optimizer, grads, variables, process, ups[0])
@@ -409,11 +420,8 @@ def async_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor]
     never interleave, and a replica's parameter read (one partition there too) sees whole updates.
     The counter is read in the same partition as the parameters, so staleness is exact."""
     n = len(devices)
-    if n < 1:
-        raise PlacementError("async_data_parallel needs at least one device")
-    maps, losses, ins, ups = _copies(graph, loss, inputs, updates, n, "replica_{k}")
+    maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "async_data_parallel")
     with graph.absolute_scope():
-        per = [gradients(losses[k], list(variables), name=f"replica_{k}/gradients") for k in range(n)]
         side = [group(u, name=f"replica_{k}/side_updates", graph=graph) if u else None for k, u in enumerate(ups)]
     live = [i for i, g in enumerate(per[0]) if g is not None]
     if not live:
