@@ -467,9 +467,9 @@ def test_array_kernels_on_gpu_match_numpy(rng):
 
     def build(x):
         y = fc.concat([fc.transpose(fc.reshape(x, [-1, 3, 2]), [0, 2, 1]), fc.tile(fc.slice_(
-            fc.reshape(x, [4, 3, 2]), [0, 1, 0], [-1, 2, 2]), [1, 1, 1])], 1)
-        z = fc.gather(fc.pad(y, [[1, 0], [0, 1], [0, 0]]), [[0, 3], [3, 3]], axis=1)
-        s = fc.stack(fc.split(z, 2, axis=-1), 0) * fc.expand_dims(fc.one_hot([1, 0], 2), -1)
+            fc.reshape(x, [4, 3, 2]), [0, 1, 0], [-1, 2, 1]), [1, 1, 2])], -1)  # (4, 2, 5)
+        z = fc.gather(fc.pad(y, [[1, 0], [0, 2], [0, 1]]), [[0, 3], [3, 1]], axis=1)  # (5, 2, 2, 6)
+        s = fc.stack(fc.split(z, 6, axis=-1), 0) * fc.expand_dims(fc.one_hot([1, 0], 2), -1)
         out = fc.squeeze(fc.unstack(s, 0)[0], [-1]) * 2.0
         return [out, fc.shape(out)] + fc.gradients(out, [x])
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from flowctl.kernels.registry import kernel
 
 
@@ -27,12 +29,27 @@ def placeholder(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
     return run
 
 
+def _resident(xp: Any, slot: Any) -> Any:
+    """The slot's value on this kernel's device. A variable lives where its node is placed, but the
+    store is shared by name between sessions (§4.7): one initialised or restored on the host and
+    then read on a GPU, or the reverse, moves once, and the slot keeps the moved array."""
+    v = slot.value
+    if v is None:
+        return v
+    if xp is np:
+        if not isinstance(v, (np.ndarray, np.generic)) and hasattr(v, "get"):  # a cupy array
+            v = slot.value = v.get()
+    elif isinstance(v, (np.ndarray, np.generic)):
+        v = slot.value = xp.asarray(v)
+    return v
+
+
 @kernel("Variable")
 def variable(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
     slot = attrs["_resource"]
 
     def run() -> Any:
-        v = slot.value
+        v = _resident(xp, slot)
         if v is None:
             raise ValueError(f"variable '{slot.name}' is uninitialized: run its initializer "
                              f"(global_variables_initializer) or restore a checkpoint first")
@@ -59,7 +76,7 @@ def assign_add(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     slot = attrs["_resource"]
 
     def run(value: Any) -> Any:
-        new = slot.value + value
+        new = _resident(xp, slot) + value
         slot.value = new
         return new
 
@@ -71,7 +88,7 @@ def assign_sub(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     slot = attrs["_resource"]
 
     def run(value: Any) -> Any:
-        new = slot.value - value
+        new = _resident(xp, slot) - value
         slot.value = new
         return new
 

@@ -206,7 +206,7 @@ def build_program(loaded: LoadedSpec) -> Program:
     cluster: Cluster | None = None
     session: fc.Session
     if placement is None:
-        session = fc.Session(g, store=fc.ContainerStore())
+        session = fc.Session(g, device=devices[0], store=fc.ContainerStore())  # the spec's one device
     else:
         placement = st.complete_placement(g, placement, devices[0])  # the initializer, made after the step
         cluster = local_cluster([d.name for d in spec.devices] + devices)

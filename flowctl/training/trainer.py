@@ -27,6 +27,7 @@ import numpy as np
 import flowctl as fc
 from flowctl.engine import checkpoint as ckpt
 from flowctl.engine import strategies as st
+from flowctl.engine.devices import CPU0
 from flowctl.engine.errors import (
     CheckpointError,
     ExecutionError,
@@ -292,7 +293,9 @@ class Trainer:
         values, rng = snapshot
         self.session.load_variables(values)
         self.session.set_rng_states(rng)
-        checker = fc.Session(self.session.graph, store=self.session.store, check_numerics=True)
+        # One device replays it: the step's own where it has one, else the host (variables move to it).
+        device = self.session.device if self.program.cluster is None else CPU0
+        checker = fc.Session(self.session.graph, device=device, store=self.session.store, check_numerics=True)
         checker.set_rng_states(rng)
         try:
             checker.run(fetches, feeds)
