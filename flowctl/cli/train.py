@@ -125,7 +125,7 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     Ctrl-C finishes the step, writes a checkpoint and exits with code 130."""
     from flowctl.training.trainer import Trainer
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     loaded, text, path = _load(spec, data)
     name = loaded.spec.name or loaded.spec.model.name
     if run_dir is None:  # runs/<name>, or the first free runs/<name>-N: a new run never reuses one
@@ -163,7 +163,7 @@ def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: b
     from flowctl.training.rundir import RunDir, resolved, spec_changes, spec_hash
     from flowctl.training.trainer import Trainer
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     run = RunDir(run_dir)
     if not run.exists():
         raise CheckpointError(f"{run_dir}: no run here (run.json missing)")
