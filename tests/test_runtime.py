@@ -280,6 +280,48 @@ def test_a_waiting_recv_does_not_block_its_device():
     assert order.index(recv) < order.index("busy0") < order.index("open_gate") < order.index("waiting_consumer")
 
 
+def test_step_trace_records_every_finish_on_both_devices_in_dataflow_order():
+    g, t = build_mlp()
+    placement = layer_wise(g, 2)
+    d = _data()
+    feeds = {t["x"]: d["x"], t["y"]: d["y"]}
+    with DistributedSession(g, Cluster.local(2), placement, store=fc.ContainerStore()) as s:
+        s.run(t["init"])
+        st = fc.RunStats()
+        s.run([t["loss"], t["train"]], feeds, stats=st)
+        parts = s.step_plan([t["loss"], t["train"]], feeds).partitions
+    assert set(st.devices) == {canonical("cpu:0"), canonical("cpu:1")} == set(parts)
+    # Producers of each node: its own partition's edges (Send/Recv included), and the original
+    # graph's edges across devices (a consumer starts only after its producer on the other device
+    # finished, the Send and Recv between them).
+    deps: dict[str, set[str]] = {}
+    for graph in [g, *parts.values()]:
+        for n in graph.nodes.values():
+            deps.setdefault(n.name, set()).update([ref.rpartition(":")[0] for ref in n.inputs], n.control_inputs)
+    for dev, ds in st.devices.items():
+        names = [n for n, _ in ds.finishes]
+        assert names and sorted(names) == sorted(ds.nodes_run) == sorted(n for n, _ in ds.starts), dev
+        assert all(n in parts[dev].nodes for n in names), dev  # each device reports its own nodes
+        assert any(n.startswith("_recv/") for n in names) or any(n.startswith("_send/") for n in names), dev
+        times = [tm for _, tm in ds.finishes]
+        assert times == sorted(times), dev
+    # The aggregate: both devices' finishes, merged in time order, one per node that ran.
+    finish, start = dict(st.finishes), dict(st.starts)
+    assert len(finish) == len(st.finishes) == len(st.nodes_run)
+    assert sorted(st.finishes) == sorted(f for ds in st.devices.values() for f in ds.finishes)
+    assert [tm for _, tm in st.finishes] == sorted(tm for _, tm in st.finishes)
+    assert set(finish) == set(start) == set(st.nodes_run)
+    for n in st.nodes_run:
+        assert finish[n] >= start[n], n
+        for p in deps.get(n, ()):
+            if p in finish:
+                assert start[n] >= finish[p], (p, n)
+                assert finish[n] >= finish[p], (p, n)
+    # The model really is split: layer0 ran on cpu:0, layer1 on cpu:1, and both are in the trace.
+    assert any(n.startswith("layer0/") for n, _ in st.devices[canonical("cpu:0")].finishes)
+    assert any(n.startswith("layer1/") for n, _ in st.devices[canonical("cpu:1")].finishes)
+
+
 def test_cross_device_control_edge_orders_the_devices():
     """A read on cpu:1 with a control input from a (slow) increment on cpu:0 always sees it."""
     g = fc.Graph()

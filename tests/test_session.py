@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flowctl as fc
-from flowctl.engine.graph import Graph
+from flowctl.engine.graph import Graph, parse_ref
 
 
 def two_branch_graph() -> tuple[fc.Graph, dict]:
@@ -213,6 +213,76 @@ def test_both_executors_agree_on_a_random_graph(rng):
     assert sorted(st_a.nodes_run) == sorted(st_b.nodes_run)
 
 
+def graph_deps(g: fc.Graph) -> dict[str, set[str]]:
+    """Each node's producers: data inputs and control inputs, by node name."""
+    return {n.name: {parse_ref(ref)[0] for ref in n.inputs} | set(n.control_inputs)
+            for n in g.nodes.values()}
+
+
+def assert_dataflow_trace(stats: fc.RunStats, deps: dict[str, set[str]]) -> None:
+    """`starts` and `finishes` are a consistent trace of the step that `nodes_run` lists: one start
+    and one finish per node, in time order, each node finishing after it started, and starting only
+    after every producer that ran in the step had finished (§3.1: a node is ready when its inputs are)."""
+    assert stats.nodes_run
+    start = dict(stats.starts)
+    finish = dict(stats.finishes)
+    assert len(start) == len(stats.starts) and len(finish) == len(stats.finishes)  # no node twice
+    assert sorted(finish) == sorted(stats.nodes_run) == sorted(start)
+    times = [t for _, t in stats.finishes]
+    assert times == sorted(times)
+    assert [t for _, t in stats.starts] == sorted(t for _, t in stats.starts)
+    for n in stats.nodes_run:
+        assert finish[n] >= start[n], n
+        for p in deps.get(n, ()):
+            if p in finish:  # fed and unneeded producers did not run
+                assert start[n] >= finish[p], (p, n)
+                assert finish[n] >= finish[p], (p, n)
+
+
+def test_dataflow_stats_record_when_each_node_finished(rng):
+    g = fc.Graph()
+    with g.as_default():
+        xs = [fc.placeholder("float64", (4,), name=f"in{i}") for i in range(3)]
+        pool = list(xs)
+        ops = [fc.add, fc.mul, fc.sub, lambda a, b: fc.tanh(a) + b, fc.maximum]
+        for i in range(40):
+            a, b = (pool[j] for j in rng.choice(len(pool), 2))
+            pool.append(ops[i % len(ops)](a, b))
+        with g.control_dependencies([pool[10]]):
+            last = fc.exp(pool[3], name="after_ctrl")
+        fetches = pool[-3:] + [last]
+    feeds = {x: rng.standard_normal(4) for x in xs}
+    s = fc.Session(g, store=fc.ContainerStore(), executor="dataflow")
+    stats = fc.RunStats()
+    s.run(fetches, feeds, stats=stats)
+    assert pool[10].node in graph_deps(g)["after_ctrl"]  # the control edge is checked too
+    assert_dataflow_trace(stats, graph_deps(g))
+    # A second step with the same RunStats replaces the trace rather than appending to it.
+    first_end = stats.finishes[-1][1]
+    s.run(fetches, feeds, stats=stats)
+    assert_dataflow_trace(stats, graph_deps(g))
+    assert stats.starts[0][1] > first_end
+
+
+def test_dataflow_stats_finishes_follow_partial_execution():
+    g, t = two_branch_graph()
+    s = fc.Session(g, store=fc.ContainerStore(), executor="dataflow")
+    stats = fc.RunStats()
+    s.run([t["c"], t["e"]], {t["a"]: np.ones(3), t["x"]: np.ones(3)}, stats=stats)
+    assert {n for n, _ in stats.finishes} == {"b", "c", "d", "abs_d", "e"}  # a was fed: not run
+    assert_dataflow_trace(stats, graph_deps(g))
+    order = [n for n, _ in stats.finishes]
+    assert order.index("b") < order.index("c") and order.index("d") < order.index("abs_d") < order.index("e")
+
+
+def test_compiled_executor_records_no_trace():
+    g, t = two_branch_graph()
+    stats = fc.RunStats()
+    fc.Session(g, store=fc.ContainerStore(), executor="compiled").run(t["c"], {t["x"]: np.ones(3)}, stats=stats)
+    assert stats.nodes_run == ["a", "b", "c"]
+    assert stats.starts == [] and stats.finishes == []
+
+
 def test_a_device_this_machine_lacks_is_a_placement_error_not_a_traceback():
     from flowctl.kernels.backend import gpu_count
 
@@ -227,3 +297,30 @@ def test_a_device_this_machine_lacks_is_a_placement_error_not_a_traceback():
 
     with pytest.raises(fc.PlacementError, match=r"device:gpu:\d is not on this machine"):
         fc.DistributedSession(g, Cluster.from_spec("2xgpu:k40"), {"c": "gpu:1"})
+
+
+def test_a_variable_moves_to_the_device_of_the_kernel_that_reads_it():
+    """The store is shared between sessions on different devices: a read moves the value once to
+    the reading kernel's device and the slot keeps it there (cupy's part is played by a stand-in
+    with cupy's two entry points, `asarray` in and `.get()` out)."""
+    from types import SimpleNamespace
+
+    from flowctl.kernels.state import _resident
+
+    class DeviceArray:
+        def __init__(self, host: np.ndarray) -> None:
+            self.host = host
+
+        def get(self) -> np.ndarray:
+            return self.host.copy()
+
+    device_xp = SimpleNamespace(asarray=DeviceArray)
+    slot = SimpleNamespace(value=np.arange(3.0))
+    moved = _resident(device_xp, slot)
+    assert isinstance(moved, DeviceArray) and slot.value is moved
+    assert _resident(device_xp, slot) is moved  # already there: no second copy
+    back = _resident(np, slot)
+    assert isinstance(back, np.ndarray) and slot.value is back
+    np.testing.assert_array_equal(back, [0.0, 1.0, 2.0])
+    assert _resident(np, slot) is back
+    assert _resident(np, SimpleNamespace(value=None)) is None

@@ -55,6 +55,9 @@ class RunStats:
     # synchronous kernel start and finish are adjacent; for an async one (Recv) they are not, and
     # this is where §5.2 receive scheduling shows.
     starts: list[tuple[str, float]] = field(default_factory=list)
+    # Dataflow executor only: (node, time.perf_counter()) as each node *finished* (an async
+    # kernel: when the executor took its completion), in order. With `starts`, a trace of the step.
+    finishes: list[tuple[str, float]] = field(default_factory=list)
     # A multi-device step: each device's own stats (the fields above then aggregate them).
     devices: dict[str, "RunStats"] = field(default_factory=dict)
 
@@ -270,6 +273,7 @@ class Plan:
         ran: list[str] = []
         timed = stats is not None
         starts: list[tuple[str, float]] = []
+        finishes: list[tuple[str, float]] = []
         # Async completions: appended by continuations on any thread, consumed here only.
         completed: deque[tuple[int, Any, BaseException | None]] = deque()
         cond = threading.Condition()
@@ -280,6 +284,8 @@ class Plan:
                 outstanding -= 1
                 if err is not None:
                     raise self._error(err, i) from err
+                if timed:
+                    finishes.append((self.order[i], time.perf_counter()))
             elif ready:
                 i = ready.popleft()
                 if timed:
@@ -292,6 +298,8 @@ class Plan:
                     out = self.kernels[i](*[values[s] for s in self.in_slots[i]])
                 except Exception as e:  # noqa: BLE001
                     raise self._error(e, i) from e
+                if timed:
+                    finishes.append((self.order[i], time.perf_counter()))
             elif outstanding:
                 with cond:  # nothing to run until some asynchronous kernel completes
                     while not completed:
@@ -336,6 +344,7 @@ class Plan:
             stats.nodes_run = ran
             stats.peak_bytes = peak
             stats.starts = starts
+            stats.finishes = finishes
         return [values[s] for s in self.fetch_slots]
 
     def _start_async(self, i: int, step: "StepContext | None", inputs: tuple[Any, ...],

@@ -165,6 +165,7 @@ class DistributedSession(Session):
             stats.nodes_run = [n for s in per_device.values() for n in s.nodes_run]
             stats.peak_bytes = sum(s.peak_bytes for s in per_device.values())  # an upper bound
             stats.starts = sorted((st for s in per_device.values() for st in s.starts), key=lambda x: x[1])
+            stats.finishes = sorted((st for s in per_device.values() for st in s.finishes), key=lambda x: x[1])
         return self._rebuild(template, iter([to_host(v) for v in values]))
 
     def _run_step(self, sp: StepPlan, feed_vals: list[Any], values: list[Any],
