@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from flowctl.engine import allocator
 from flowctl.engine.container import ContainerStore, RngState, derive_seed, process_store
 from flowctl.engine.devices import CPU0, canonical, device_matches
 from flowctl.engine.dtypes import np_dtype
@@ -39,6 +40,7 @@ class Session:
         (straight-line), "dataflow" (§3.1 ready queue) or "auto"."""
         if executor not in ("auto", "compiled", "dataflow"):
             raise ValueError(f"executor must be auto, compiled or dataflow, not {executor!r}")
+        allocator.tune()  # large step buffers are reused, not faulted in afresh each step
         self.graph = graph
         self.device = canonical(device)
         self.device_type = self.device.rsplit("device:", 1)[1].split(":")[0]
