@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from flowctl.cli.main import cli
@@ -86,3 +89,48 @@ def test_bench_spec_measures_placements_beside_predictions(tmp_path):
         assert p["error"] is None and p["measured_step_s"] > 0 and p["predicted_step_s"] > 0
     assert len(data["placements"]["expert"]["devices_used"]) == 2
     assert data["one_device_all_threads"]["step_s"] > 0
+    # Rounds of timed steps (3 by default), each summarised by its median and a 95% interval.
+    assert data["rounds"] == 3 and data["steps"] == 2
+    base = data["one_device_all_threads"]
+    for name, p in [("one_device_all_threads", base)] + list(data["placements"].items()):
+        assert p["measured_low_s"] <= p["measured_step_s"] <= p["measured_high_s"], name
+        assert [len(r) for r in p["rounds_s"]] == [2, 2, 2], name
+        assert p["measured_step_s"] == pytest.approx(statistics.median(t for r in p["rounds_s"] for t in r)), name
+        assert p["examples_per_s"] == pytest.approx(data["batch"] / p["measured_step_s"]), name
+    assert base["step_s"] == base["measured_step_s"]
+    for alg, p in data["placements"].items():
+        v = p["vs_one_device"]
+        assert v["low"] <= v["high"] and v["faster"] in ("a", "b", None), alg
+        assert v["ratio"] == pytest.approx(p["measured_step_s"] / base["measured_step_s"]), alg
+    # Every pair of placements, the one predicted faster first, with the measured verdict.
+    pred = {a: p["predicted_step_s"] for a, p in data["placements"].items()}
+    assert data["ranking_predicted"] == sorted(pred, key=pred.get)
+    assert len(data["pairs"]) == 3
+    for pair in data["pairs"]:
+        a, b = pair["predicted_faster"], pair["other"]
+        assert pred[a] <= pred[b]
+        assert pair["verdict"] in ("same", "reversed", "tie", "predicted tie", "same placement")
+        if pair["verdict"] == "same placement":  # two placers chose one assignment: one prediction
+            assert pred[a] == pred[b]
+        assert pair["measured_low"] <= pair["measured_high"]
+        assert pair["measured_ratio"] == pytest.approx(data["placements"][a]["measured_step_s"]
+                                                       / data["placements"][b]["measured_step_s"])
+    assert data["same_ranking"] == all(pair["verdict"] != "reversed" for pair in data["pairs"])
+    assert r.stdout.strip().startswith("{")  # --json: the same results on stdout
+
+
+def test_bench_spec_rounds_option(tmp_path):
+    spec = write(tmp_path, TWO_TOWERS)
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(cli, ["bench", str(spec), "--algorithms", "single,greedy", "--steps", "1",
+                                 "--rounds", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["rounds"] == 2 and data["steps"] == 1
+    assert set(data["placements"]) == {"single", "greedy"}
+    for p in [data["one_device_all_threads"], *data["placements"].values()]:
+        assert [len(r) for r in p["rounds_s"]] == [1, 1]
+    assert len(data["pairs"]) == 1
+    text = " ".join(r.output.split())  # rich wraps lines
+    assert "median of 2 rounds x 1 steps, 95% interval" in text
+    assert re.search(r"(single|greedy) predicted [\d.]+x (single|greedy); measured [\d.]+x \[[\d.]+-[\d.]+\]", text)

@@ -22,13 +22,17 @@ SUITES = ("engine", "strategies", "prefetch")
 @click.option("--quick", is_flag=True, help="Smaller sizes, for a smoke test.")
 @click.option("--algorithms", default="single,expert,greedy", show_default=True,
               help="Placers to measure (a spec target).")
-@click.option("--steps", default=5, show_default=True, help="Timed steps per placement (a spec target).")
-def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int) -> None:
+@click.option("--steps", default=5, show_default=True,
+              help="Timed steps per placement and round (a spec target).")
+@click.option("--rounds", default=3, show_default=True,
+              help="Rounds in which the placements take turns (a spec target).")
+def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
+          rounds: int) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     if target == "engine":
         from flowctl.engine.benchmarks import run_engine_suite
 
@@ -54,7 +58,8 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         loaded = load_spec(target)
         algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
         with err.status("benchmarking") as status:
-            results = bench_spec(loaded, algs, steps=steps, progress=lambda m: status.update(m))
+            results = bench_spec(loaded, algs, steps=2 if quick else steps, rounds=1 if quick else rounds,
+                                 progress=lambda m: status.update(m))
         out = out or Path("runs") / f"bench-{results['spec']}.json"
         render = _render_spec
     else:
@@ -81,23 +86,39 @@ def _render_ratios(console: Console, r: dict[str, Any]) -> None:
 
 
 def _render_spec(console: Console, r: dict[str, Any]) -> None:
-    base = r["one_device_all_threads"]
-    t = Table(title=f"{r['spec']}: measured vs predicted step time (batch {r['batch']})")
-    for col in ("placement", "devices", "predicted ms", "measured ms", "error", "examples/s", "vs 1 device"):
+    base = r.get("one_device_all_threads")  # virtual CPU devices only; with a GPU, `single` is the baseline
+    t = Table(title=f"{r['spec']}: measured vs predicted step time (batch {r['batch']}; median of "
+                    f"{r['rounds']} rounds x {r['steps']} steps, 95% interval)")
+    cols = ["placement", "devices", "predicted ms", "measured ms", "error", "examples/s"]
+    for col in cols + (["vs 1 device"] if base else []):
         t.add_column(col, justify="right")
-    t.add_row(f"1 device, {base['threads']} threads", "1", "-", f"{base['step_s'] * 1e3:,.1f}", "-",
-              f"{base['examples_per_s']:,.1f}", "1.00x")
+
+    def measured(p: dict[str, Any]) -> str:
+        lo, med, hi = (p[k] * 1e3 for k in ("measured_low_s", "measured_step_s", "measured_high_s"))
+        return f"{med:,.1f} [{lo:,.1f}-{hi:,.1f}]"
+
+    if base:
+        t.add_row(f"1 device, {base['threads']} threads", "1", "-", measured(base), "-",
+                  f"{base['examples_per_s']:,.1f}", "1.00x")
     for alg, p in r["placements"].items():
         if p.get("error") is not None:
-            t.add_row(alg, "-", "-", "-", "-", "-", str(p["error"])[:40])
+            t.add_row(alg, "-", "-", "-", "-", str(p["error"])[:40], *(["-"] if base else []))
             continue
-        t.add_row(alg, str(len(p["devices_used"])), f"{p['predicted_step_s'] * 1e3:,.1f}",
-                  f"{p['measured_step_s'] * 1e3:,.1f}", f"{100 * p['prediction_error']:+.0f}%",
-                  f"{p['examples_per_s']:,.1f}", f"{base['step_s'] / p['measured_step_s']:.2f}x")
+        t.add_row(alg, str(len(p["devices_used"])), f"{p['predicted_step_s'] * 1e3:,.1f}", measured(p),
+                  f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}",
+                  *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else []))
     console.print(t)
     if "same_ranking" in r:
+        for p in r["pairs"]:
+            what = {"same": "measured in the same order", "reversed": "measured in the OPPOSITE order",
+                    "tie": "a tie: the measurements cannot separate them",
+                    "predicted tie": "predicted even, but the measurements separate them",
+                    "same placement": "the same placement"}[p["verdict"]]
+            console.print(f"  {p['predicted_faster']} predicted {p['predicted_ratio']:.3f}x {p['other']}; measured "
+                          f"{p['measured_ratio']:.3f}x [{p['measured_low']:.3f}-{p['measured_high']:.3f}], "
+                          f"p={p['p']:.3f}: {what}")
         console.print(f"ranking predicted {r['ranking_predicted']}, measured {r['ranking_measured']}: "
-                      f"{'same' if r['same_ranking'] else 'DIFFERENT'}")
+                      f"{'consistent' if r['same_ranking'] else 'DIFFERENT'}")
 
 
 def _render(console: Console, r: dict[str, Any]) -> None:

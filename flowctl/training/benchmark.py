@@ -7,6 +7,7 @@ scheduling), not a roofline guess.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -33,20 +34,139 @@ def _feeds(step: StepGraph, loaded: LoadedSpec, batch: int) -> dict[Any, Any]:
     return feeds
 
 
-def _measure(session: fc.Session, step: StepGraph, feeds: dict[Any, Any], steps: int) -> tuple[float, fc.RunStats]:
-    stats = fc.RunStats()
-    session.run([step.loss, step.train_op], feeds, stats=stats)  # warm-up: plans, allocator, threads
+def _timed_block(session: fc.Session, step: StepGraph, feeds: dict[Any, Any], steps: int) -> list[float]:
+    """One untimed step (after another placement ran, caches and BLAS threads are someone else's),
+    then `steps` timed ones."""
+    session.run([step.loss, step.train_op], feeds)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         session.run([step.loss, step.train_op], feeds)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), stats
+    return times
+
+
+def _measure(session: fc.Session, step: StepGraph, feeds: dict[Any, Any], steps: int) -> tuple[float, fc.RunStats]:
+    stats = fc.RunStats()
+    session.run([step.loss, step.train_op], feeds, stats=stats)  # warm-up: plans, allocator, threads
+    return statistics.median(_timed_block(session, step, feeds, steps)), stats
+
+
+# ---------------------------------------------------------------------------- statistics
+# Step times of one placement come in rounds (blocks measured in turn with the other placements,
+# so every placement sees the machine's drift alike). Confidence intervals resample steps within
+# each round (a stratified bootstrap), which keeps that design: a placement measured in a slow
+# round is compared with the others of the same round, not with a lucky one.
+BOOT = 2000
+LEVEL = 0.95
+MIN_STEPS = 5  # fewer timed steps than this per placement: no pair is called, everything ties
+PREDICTED_TIE = 0.02  # predicted within 2% of each other: the simulator calls the pair even
+
+
+def _pooled(rounds: list[list[float]]) -> np.ndarray:
+    return np.asarray([t for r in rounds for t in r], dtype=np.float64)
+
+
+def _binomial_cdf(k: int, n: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+
+
+def median_ci(rounds: list[list[float]]) -> tuple[float, float, float]:
+    """(median, low, high): the median step time of all rounds and its distribution-free interval
+    of at least 95% (order statistics: the number of steps below the true median is Binomial(n,
+    1/2)), so it is honest however few steps there are; under six it is the whole range."""
+    x = np.sort(_pooled(rounds))
+    n = len(x)
+    # x_(k) lies above the median when at most k steps fall below it, P(X <= k): the largest k with
+    # that at most (1 - LEVEL) / 2 gives the interval [x_(k), x_(n-1-k)].
+    k = 0
+    while k + 1 < n - 1 - k and _binomial_cdf(k + 1, n) <= (1 - LEVEL) / 2:
+        k += 1
+    return float(np.median(x)), float(x[k]), float(x[n - 1 - k])
+
+
+def _rank_sum_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided p-value of the Mann-Whitney U test (normal approximation with tie correction and
+    continuity correction): does one placement's step time tend to be lower than the other's?"""
+    n1, n2 = len(a), len(b)
+    both = np.concatenate([a, b])
+    order = np.argsort(both, kind="mergesort")
+    ranks = np.empty(len(both))
+    ranks[order] = np.arange(1, len(both) + 1)
+    _, inverse, counts = np.unique(both, return_inverse=True, return_counts=True)
+    sums = np.zeros(len(counts))
+    np.add.at(sums, inverse, ranks)
+    ranks = (sums / counts)[inverse]  # ties share their mean rank
+    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2
+    n = n1 + n2
+    var = n1 * n2 / 12 * ((n + 1) - float((counts ** 3 - counts).sum()) / (n * (n - 1)))
+    if var <= 0:
+        return 1.0  # every step took the same time
+    z = max(abs(u - n1 * n2 / 2) - 0.5, 0.0) / math.sqrt(var)
+    return math.erfc(z / math.sqrt(2))
+
+
+def compare(a: list[list[float]], b: list[list[float]], seed: int = 0) -> dict[str, Any]:
+    """The ratio of median step times a/b, its 95% bootstrap interval, and the rank-sum test's
+    p-value. `faster`: "a" or "b" only when the test rejects equal speed at 5% *and* the interval
+    leaves out 1, with at least MIN_STEPS steps each; otherwise None, a tie: this many steps cannot
+    tell them apart. (Either rule alone is too eager with few steps: a bootstrap of 15 steps calls
+    about 8% of equal pairs different.)"""
+    xa, xb = _pooled(a), _pooled(b)
+    rng = np.random.default_rng(seed)
+    ratio = float(np.median(xa) / np.median(xb))
+    boot = (np.median(xa[rng.integers(0, len(xa), (BOOT, len(xa)))], axis=1)
+            / np.median(xb[rng.integers(0, len(xb), (BOOT, len(xb)))], axis=1))
+    q = (1 - LEVEL) / 2
+    lo, hi = float(np.quantile(boot, q)), float(np.quantile(boot, 1 - q))
+    p = _rank_sum_p(xa, xb)
+    faster = None
+    if min(len(xa), len(xb)) >= MIN_STEPS and p < 1 - LEVEL:
+        faster = "a" if hi < 1 else ("b" if lo > 1 else None)
+    return {"ratio": ratio, "low": lo, "high": hi, "p": p, "faster": faster}
+
+
+def ranking(predicted: dict[str, float], measured: dict[str, list[list[float]]],
+            same_placement: Callable[[str, str], bool] = lambda _a, _b: False) -> dict[str, Any]:
+    """Does the simulator order the placements as the measurements do? Every pair is compared:
+    - "same" / "reversed": the measurements separate the pair (see `compare`), in the predicted
+      order or against it;
+    - "tie": the measurements cannot separate the pair, which agrees with either prediction,
+      because there is no order to get wrong;
+    - "predicted tie": the simulator puts the pair within 2% but the measurements separate them:
+      a miss of resolution, reported but not a reversal;
+    - "same placement": two placers chose the same assignment, so there is nothing to rank.
+    `same_ranking` holds when no pair is reversed."""
+    names = sorted(predicted, key=lambda k: predicted[k])
+    pairs = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:  # a is predicted no slower than b
+            c = compare(measured[a], measured[b])
+            pr = predicted[a] / predicted[b]
+            if same_placement(a, b):
+                verdict = "same placement"
+            elif c["faster"] is None:
+                verdict = "tie"
+            elif pr > 1 - PREDICTED_TIE:
+                verdict = "predicted tie"
+            else:
+                verdict = "same" if c["faster"] == "a" else "reversed"
+            pairs.append({"predicted_faster": a, "other": b, "predicted_ratio": pr,
+                          "measured_ratio": c["ratio"], "measured_low": c["low"], "measured_high": c["high"],
+                          "p": c["p"], "verdict": verdict})
+    med = {k: float(np.median(_pooled(v))) for k, v in measured.items()}
+    return {"ranking_predicted": names, "ranking_measured": sorted(med, key=lambda k: med[k]),
+            "pairs": pairs, "same_ranking": all(p["verdict"] != "reversed" for p in pairs),
+            "strict_same_order": names == sorted(med, key=lambda k: med[k])}
 
 
 def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "expert", "greedy"),
-               steps: int = 5, devices: str | None = None,
+               steps: int = 5, devices: str | None = None, rounds: int = 3,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Profile, place with each of `algorithms`, then measure every placement and the one-device
+    baseline in `rounds` rounds of `steps` timed steps each, taking turns (the order rotates each
+    round), so that drift in the machine's speed falls on all of them alike."""
     say = progress or (lambda _m: None)
     batch = loaded.per_replica_batch
     cluster = cluster_for(loaded.spec, devices)
@@ -70,10 +190,16 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     init_session.run(init.node)
     feeds = _feeds(step, loaded, batch)
 
-    say("profiling every op of the step")
     cost = MeasuredCostModel(cluster, batch=batch)
+    profiled: set[str] = set()
+    for d in cluster.devices:  # once per device profile: a GPU's ops are timed on the GPU
+        if d.profile.name in profiled:
+            continue
+        profiled.add(d.profile.name)
+        say(f"profiling every op of the step on {d.name}")
+        s_d = init_session if d is cluster.devices[0] else fc.Session(free, device=d.name, store=store)
+        cost.profile(s_d, [step.loss, step.train_op], feeds, repeat=3, threads=d.threads)
     one = cluster.devices[0]
-    cost.profile(init_session, [step.loss, step.train_op], feeds, repeat=3, threads=one.threads)
     say("calibrating the runtime's per-node cost on one device")
     everything_on_one = {n: one.name for n in g.nodes}
     with blas_limits(cluster), DistributedSession(free, cluster, everything_on_one, store=store) as ds:
@@ -82,46 +208,79 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
 
     dispatch = cost.calibrate(t_one, free, step_nodes(free, [step.train_op.node]), one.name)
 
-    # The same total threads on one device: the baseline model parallelism has to beat.
+    # Virtual CPU devices share one machine's cores: the baseline model parallelism has to beat is
+    # the whole step on one device with all of their threads. (With a GPU, `single` is the baseline.)
+    base = "one_device_all_threads"
     total_threads = sum(d.threads for d in cluster.devices)
-    whole = Cluster.local(1, threads=total_threads)
+    whole = Cluster.local(1, threads=total_threads) if all(d.type == "cpu" for d in cluster.devices) else None
     results: dict[str, Any] = {"spec": loaded.spec.name or loaded.spec.model.name, "batch": batch,
-                               "devices": cluster.describe(), "placements": {}}
-    say(f"one device with all {total_threads} threads")
-    with blas_limits(whole):
-        s = fc.Session(free, device=whole.devices[0].name, store=store)
-        t_whole, st = _measure(s, step, feeds, steps)
-    results["one_device_all_threads"] = {"threads": total_threads, "step_s": t_whole,
-                                         "examples_per_s": batch / t_whole, "peak_bytes": st.peak_bytes}
+                               "devices": cluster.describe(), "rounds": rounds, "steps": steps,
+                               "placements": {}}
     rules = expert_rules(loaded)
     layers = step.model.layer_of()
+    # What gets measured: name -> (session, BLAS limit). Sessions stay open for all rounds.
+    runs: dict[str, tuple[fc.Session, Cluster]] = {}
+    placements: dict[str, Placement] = {}
     for alg in algorithms:
         if alg == "expert" and not rules:
             results["placements"][alg] = {"error": "no rules in the spec"}
             continue
-        say(f"{alg}: placing and measuring")
+        say(f"{alg}: placing")
         try:
-            pl: Placement = place(g, cluster, cost, alg, targets=[step.train_op.node], rules=rules or None,
-                                  layers=layers)
+            placements[alg] = place(g, cluster, cost, alg, targets=[step.train_op.node], rules=rules or None,
+                                    layers=layers)
         except PlacementError as e:
             results["placements"][alg] = {"error": str(e)}
             continue
-        used = sorted(set(pl.assignment[n] for n in pl.simulation.start))
-        with blas_limits(cluster), DistributedSession(g, cluster, pl.assignment, store=store) as ds:
-            t, st = _measure(ds, step, feeds, steps)
-        per_device = {d: s_.peak_bytes for d, s_ in st.devices.items()}
+    peaks: dict[str, fc.RunStats] = {}
+    sessions: list[DistributedSession] = []
+    try:
+        if whole is not None:
+            runs[base] = (fc.Session(free, device=whole.devices[0].name, store=store), whole)
+        for alg, pl in placements.items():
+            sessions.append(DistributedSession(g, cluster, pl.assignment, store=store))
+            runs[alg] = (sessions[-1], cluster)
+        times: dict[str, list[list[float]]] = {name: [] for name in runs}
+        for name, (s, cl) in runs.items():  # plans, allocator, threads; and each one's memory
+            with blas_limits(cl):
+                peaks[name] = fc.RunStats()
+                s.run([step.loss, step.train_op], feeds, stats=peaks[name])
+        order = list(runs)
+        for r in range(rounds):
+            turn = order[r % len(order):] + order[:r % len(order)]
+            for name in turn:
+                say(f"round {r + 1}/{rounds}: {name}")
+                s, cl = runs[name]
+                with blas_limits(cl):
+                    times[name].append(_timed_block(s, step, feeds, steps))
+    finally:
+        for s in sessions:
+            s.close()
+
+    def figures(name: str) -> dict[str, Any]:
+        med, lo, hi = median_ci(times[name])
+        return {"measured_step_s": med, "measured_low_s": lo, "measured_high_s": hi,
+                "examples_per_s": batch / med, "rounds_s": times[name]}
+
+    if whole is not None:
+        b = figures(base)
+        results[base] = {"threads": total_threads, "step_s": b["measured_step_s"], **b,
+                         "peak_bytes": peaks[base].peak_bytes}
+    for alg, pl in placements.items():
+        f = figures(alg)
+        st = peaks[alg]
         results["placements"][alg] = {
-            "predicted_step_s": pl.step_time, "measured_step_s": t, "examples_per_s": batch / t,
-            "error": None, "prediction_error": (pl.step_time - t) / t, "devices_used": used,
-            "peak_bytes_per_device": per_device,
+            "predicted_step_s": pl.step_time, **f, "error": None,
+            "prediction_error": (pl.step_time - f["measured_step_s"]) / f["measured_step_s"],
+            "devices_used": sorted(set(pl.assignment[n] for n in pl.simulation.start)),
+            "peak_bytes_per_device": {d: s_.peak_bytes for d, s_ in st.devices.items()},
             "predicted_busy_s": {d.device: d.busy for d in pl.devices}, "placement_seconds": pl.seconds,
+            "vs_one_device": compare(times[alg], times[base]) if whole is not None else None,
         }
-    ok = {k: v for k, v in results["placements"].items() if v.get("error") is None}
-    if len(ok) > 1:
-        by_pred = sorted(ok, key=lambda k: ok[k]["predicted_step_s"])
-        by_meas = sorted(ok, key=lambda k: ok[k]["measured_step_s"])
-        results["same_ranking"] = by_pred == by_meas
-        results["ranking_predicted"], results["ranking_measured"] = by_pred, by_meas
+    if len(placements) > 1:
+        results.update(ranking({a: pl.step_time for a, pl in placements.items()},
+                               {a: times[a] for a in placements},
+                               lambda a, b: placements[a].assignment == placements[b].assignment))
     results["cost_model_fallbacks"] = len(cost.fallbacks())
     results["dispatch_us_per_node"] = dispatch * 1e6
     return results
