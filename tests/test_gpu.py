@@ -110,3 +110,30 @@ def test_a_spec_on_gpu_0_trains_there_and_matches_the_host(tmp_path):
         losses[dev] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["gpu:0"]) == 20
     np.testing.assert_allclose(losses["gpu:0"], losses["cpu:0"], rtol=1e-4)
+
+
+def test_profiling_on_a_gpu_times_launches_and_kernels_apart():
+    """A big matmul keeps the stream far longer than its launch holds the host; a tiny add is the
+    other way round. Both come from one profile: host time per call, kernel time between events."""
+    from flowctl.engine.placement import MeasuredCostModel
+    from flowctl.engine.placement.cost import STREAM
+    from flowctl.training.strategies import local_cluster
+
+    g = fc.Graph(seed=1)
+    with g.as_default():
+        a = fc.placeholder("float32", (4096, 4096), name="a")
+        big = fc.matmul(a, a, name="big")
+        tiny = fc.add(fc.constant(np.ones(4, np.float32)), fc.constant(np.ones(4, np.float32)), name="tiny")
+    cluster = local_cluster(["gpu:0"])
+    cost = MeasuredCostModel(cluster, batch=1)
+    s = fc.Session(g, device="gpu:0", store=fc.ContainerStore())
+    x = np.ones((4096, 4096), np.float32)
+    cost.profile(s, [big, tiny], {a: x}, repeat=3)
+    dev = cluster.names[0]
+    host_big = cost.records[cost.key_for(g, g.nodes["big"], dev)]
+    kern_big = cost.records[cost.key_for(g, g.nodes["big"], dev) + STREAM]
+    host_tiny = cost.records[cost.key_for(g, g.nodes["tiny"], dev)]
+    kern_tiny = cost.records[cost.key_for(g, g.nodes["tiny"], dev) + STREAM]
+    assert kern_big > 5 * host_big  # 137 GFLOP: milliseconds on any GPU; the launch, microseconds
+    assert kern_tiny < host_tiny
+    assert kern_big < 1.0 and host_tiny < 1e-3

@@ -258,3 +258,96 @@ def test_devices_of_one_process_take_turns_at_the_interpreter():
     assert shared.step_time == pytest.approx(0.032, abs=1e-4)
     one = simulate(g, {n: cluster.names[0] for n in place}, cluster, cost, targets=[a.node, b.node])
     assert one.step_time == pytest.approx(0.056, abs=1e-4)  # one device: 4 ops of 14 ms
+
+
+# ----------------------------------------------------------------------------- asynchronous devices
+G0 = canonical("gpu:0")
+
+
+class StreamCosts(FixedCosts):
+    """A GPU as the measured model describes one: each op's launch holds the device's thread for
+    `issue` seconds, its kernel holds the stream for `kernel` seconds; a CPU is synchronous."""
+
+    def __init__(self, issue: float, kernel: float, cpu: float = 0.0) -> None:
+        super().__init__({})
+        self.issue, self.kernel, self.cpu = issue, kernel, cpu
+
+    def op_time(self, graph: Graph, node: Node, device: str) -> float:
+        if node.op == "Placeholder":
+            return 0.0
+        return self.issue if "gpu" in device else self.cpu
+
+    def stream_time(self, graph: Graph, node: Node, device: str) -> float | None:
+        return None if "gpu" in device and node.op == "Placeholder" else (
+            self.kernel if "gpu" in device else None)
+
+
+def gpu_and_cpu() -> Cluster:
+    gpu = DeviceProfile("gpu_test", "gpu", 1e12, 1e11, 1 << 30, 0.0)
+    cpu = DeviceProfile("test", "cpu", 1e9, 1e9, 1 << 30, 0.0)
+    return Cluster([Device(G0, gpu), Device(D0, cpu)], default_link=Link(BW, LAT))
+
+
+@pytest.mark.parametrize("issue, kernel, expect", [
+    (1e-3, 5e-3, 1e-3 + 3 * 5e-3),   # kernel-bound: the host runs ahead, the stream is the step
+    (5e-3, 1e-3, 3 * 5e-3 + 1e-3),   # launch-bound: the stream waits on the host, then one kernel
+    (2e-3, 2e-3, 2e-3 + 3 * 2e-3),   # even: launches overlap kernels; synchronously it is 12 ms
+])
+def test_a_gpu_overlaps_its_launches_with_its_kernels(issue, kernel, expect):
+    g = chain(3)
+    r = simulate(g, on(g, G0), gpu_and_cpu(), StreamCosts(issue, kernel))
+    assert r.step_time == pytest.approx(expect)
+    assert r.step_time < 3 * (issue + kernel)
+    assert r.device(G0).busy == pytest.approx(3 * kernel)  # the stream's time, not the launches'
+    # r1 launches as soon as r0 is launched (the stream orders them), and is done when its kernel is.
+    assert r.start["r1"] == pytest.approx(issue)
+    assert r.finish["r2"] == pytest.approx(expect)
+
+
+def test_a_transfer_off_a_gpu_waits_for_the_kernel_not_the_launch():
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (250,), name="x")  # 1000 bytes
+        fc.relu(fc.relu(x, name="a"), name="b")
+    r = simulate(g, on(g, G0, x=D0, b=D0), gpu_and_cpu(), StreamCosts(1e-3, 10e-3, cpu=2e-3))
+    xfer = LAT + 1000 / BW
+    assert r.finish["a"] == pytest.approx(xfer + 1e-3 + 10e-3)  # x arrives, a launches, a's kernel runs
+    assert r.start["b"] == pytest.approx(r.finish["a"] + xfer)
+    assert r.step_time == pytest.approx(r.start["b"] + 2e-3)
+
+
+def test_placers_see_an_async_op_cost_as_the_larger_of_launch_and_kernel():
+    from flowctl.engine.placement import step_nodes
+
+    g = chain(2)
+    table = CostTable.build(g, gpu_and_cpu(), StreamCosts(1e-3, 4e-3, cpu=3e-3), step_nodes(g))
+    i = table.index["r0"]
+    assert table.is_async == [True, False]
+    assert table.issue[i] == [1e-3, 3e-3] and table.stream[i] == [4e-3, 0.0]
+    assert table.times[i] == [4e-3, 3e-3]
+    sync = CostTable.build(g, cluster(), FixedCosts({}, 1e-3), step_nodes(g))
+    assert sync.is_async == [] and sync.issue == [] and sync.stream == []
+
+
+def test_calibrating_dispatch_on_a_gpu_solves_the_overlapped_step():
+    """Profiled launches of 10 µs and kernels of 30 µs over 3 nodes take 90 µs at no dispatch; a
+    measured 150 µs step means each node's launch plus dispatch is 50 µs: dispatch 40 µs."""
+    from flowctl.engine.placement import MeasuredCostModel
+
+    g = chain(3)
+    cl = gpu_and_cpu()
+    cost = MeasuredCostModel(cl, batch=1)
+    for n in ("r0", "r1", "r2"):
+        key = cost.key_for(g, g.nodes[n], G0)
+        cost.records[key], cost.records[key + "|stream"] = 10e-6, 30e-6
+    nodes = ["r0", "r1", "r2"]
+    assert cost.calibrate(60e-6, g, nodes, G0) == 0.0  # faster than the kernels: no dispatch to find
+    assert cost.calibrate(150e-6, g, nodes, G0) == pytest.approx(40e-6, rel=1e-6)
+    assert cost.op_time(g, g.nodes["r0"], G0) == pytest.approx(50e-6)
+    assert cost.stream_time(g, g.nodes["r0"], G0) == pytest.approx(30e-6)
+    assert cost.stream_time(g, g.nodes["x"], G0) is None
+    # A synchronous device: the step is the plain sum of kernel + dispatch, as before.
+    c2 = MeasuredCostModel(cluster(), batch=1)
+    for n in nodes:
+        c2.records[c2.key_for(g, g.nodes[n], D0)] = 10e-6
+    assert c2.calibrate(60e-6, g, nodes, D0) == pytest.approx(10e-6, rel=1e-6)

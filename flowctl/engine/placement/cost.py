@@ -32,6 +32,7 @@ from flowctl.engine.ops.registry import CONTROL, SOURCE
 from flowctl.engine.shapes import TensorSpec, concrete
 
 MEASURED_VERSION = 1
+STREAM = "|stream"  # a record key's suffix for the device time of an asynchronous (GPU) kernel
 
 
 class CostModel(Protocol):
@@ -161,6 +162,8 @@ class MeasuredCostModel:
                           self.cluster.device(device).profile.name)
 
     def op_time(self, graph: Graph, node: Node, device: str) -> float:
+        """Seconds the device's thread is busy with the node: kernel and dispatch on a CPU; on a
+        GPU the launch and dispatch alone (the kernel itself runs on the stream: `stream_time`)."""
         t = self.records.get(self.key_for(graph, node, device))
         if t is None:
             if node.op == "Placeholder":  # fed: the step runs no kernel for it
@@ -169,17 +172,37 @@ class MeasuredCostModel:
             return self.static.op_time(graph, node, device)
         return t + self.dispatch
 
+    def stream_time(self, graph: Graph, node: Node, device: str) -> float | None:
+        """Seconds the node's kernels keep an asynchronous device (a GPU stream) busy, measured
+        between CUDA events; None for a synchronous device, or one profiled before streams were."""
+        if node.op == "Placeholder":
+            return None
+        return self.records.get(self.key_for(graph, node, device) + STREAM)
+
     def host_time(self, node: Node) -> float:
         """The part of a node's time spent in the runtime's Python dispatch, which holds the
         interpreter: devices of one process take turns at it (the simulator's host lane)."""
         return 0.0 if node.op == "Placeholder" else self.dispatch
 
     def calibrate(self, step_seconds: float, graph: Graph, nodes: Sequence[str], device: str) -> float:
-        """Set the per-node dispatch cost so that `nodes` (one step, run on `device` alone) add up
-        to the measured `step_seconds`; returns it. Never negative."""
+        """Set the per-node dispatch cost d so that `nodes` (one step, run on `device` alone) take
+        the measured `step_seconds`; returns it (never negative). On a synchronous device the step
+        is the sum of (kernel + d); on a GPU each node costs max(launch + d, kernel), the host and
+        the stream overlapping, so d is found by bisection (the sum grows with d)."""
         self.dispatch = 0.0
-        kernels = sum(self.op_time(graph, graph.nodes[n], device) for n in nodes)
-        self.dispatch = max(0.0, (step_seconds - kernels) / max(1, len(nodes)))
+        issue = [self.op_time(graph, graph.nodes[n], device) for n in nodes]
+        stream = [self.stream_time(graph, graph.nodes[n], device) or 0.0 for n in nodes]
+
+        def step(d: float) -> float:
+            return sum(max(a + d, b) for a, b in zip(issue, stream))
+
+        if step(0.0) >= step_seconds:
+            return 0.0
+        lo, hi = 0.0, step_seconds / max(1, len(nodes))
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if step(mid) < step_seconds else (lo, mid)
+        self.dispatch = (lo + hi) / 2
         return self.dispatch
 
     def tensor_bytes(self, graph: Graph, ref: str) -> int:
@@ -209,17 +232,23 @@ class MeasuredCostModel:
             spec = session.graph.tensor(ref).spec
             values[i] = session.xp.asarray(by_ref[ref], dtype=np_dtype(spec.dtype))
         sync = _synchronizer(plan.device_type)
+        gate = _gate(plan.device_type)
         best = [float("inf")] * len(plan.nodes)
+        best_stream = [float("inf")] * len(plan.nodes)
         with contextlib.ExitStack() as stack:
             if plan.device_type == "cpu":
                 stack.enter_context(_blas_limit(threads if threads is not None else dev.threads))
             for _ in range(max(1, repeat)):
                 for i, k in enumerate(plan.kernels):
                     args = [values[s] for s in plan.in_slots[i]]
-                    t0 = time.perf_counter()
-                    out = k(*args)
-                    sync()
-                    dt = time.perf_counter() - t0
+                    if gate is None:  # synchronous: the call is the kernel
+                        t0 = time.perf_counter()
+                        out = k(*args)
+                        dt = time.perf_counter() - t0
+                    else:  # the host's launch time, and the kernel's own between CUDA events
+                        out, dt, ds = gate(k, args)
+                        if ds < best_stream[i]:
+                            best_stream[i] = ds
                     if dt < best[i]:
                         best[i] = dt
                     outs = plan.out_slots[i]
@@ -227,11 +256,15 @@ class MeasuredCostModel:
                         out = (out,)
                     for s, v in zip(outs, out or ()):
                         values[s] = v
+            sync()
         seen: dict[str, list[float]] = {}
         for i, node in enumerate(plan.nodes):
             ins = [_shape_of(values[s]) for s in plan.in_slots[i]]
             outs = [_shape_of(values[s]) for s in plan.out_slots[i]]
-            seen.setdefault(record_key(node.op, ins, outs, kind), []).append(best[i])
+            key = record_key(node.op, ins, outs, kind)
+            seen.setdefault(key, []).append(best[i])
+            if gate is not None:
+                seen.setdefault(key + STREAM, []).append(best_stream[i])
         added = sum(1 for k in seen if k not in self.records)
         for key, ts in seen.items():
             # Each node's best of `repeat` drops one-off stalls; across the nodes that share a key
@@ -283,6 +316,57 @@ def _synchronizer(device_type: str) -> Any:
     return lambda: None
 
 
+SPIN_CYCLES = 2_000_000  # about a millisecond of a GPU clock: longer than any one node's launches
+
+
+def _gate(device_type: str) -> Any:
+    """For a GPU: a callable timing one kernel call two ways at once. The stream is first held by a
+    spin kernel, so the call's launches queue up behind it and the CUDA events around them measure
+    the kernels alone, not the host's launch gaps; the host's time for the call is its launches.
+    Returns (outputs, host seconds, stream seconds). None for a synchronous device."""
+    if device_type != "gpu":
+        return None
+    from flowctl.kernels.backend import cupy_or_none
+
+    cp = cupy_or_none()
+    if cp is None:
+        return None
+    spin = cp.RawKernel(r"""
+extern "C" __global__ void flowctl_spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}""", "flowctl_spin")
+    stream = cp.cuda.get_current_stream()
+    cycles = cp.int64(SPIN_CYCLES)
+
+    def held(k: Any, args: list[Any]) -> tuple[Any, float, float]:
+        stream.synchronize()
+        spin((1,), (1,), (cycles,))
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        t0 = time.perf_counter()
+        out = k(*args)
+        host = time.perf_counter() - t0
+        end.record(stream)
+        end.synchronize()
+        return out, host, cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    before, after = cp.cuda.Event(), cp.cuda.Event()  # how long the hold lasts
+    before.record(stream)
+    spin((1,), (1,), (cycles,))
+    after.record(stream)
+    after.synchronize()
+    spin_s = max(cp.cuda.get_elapsed_time(before, after) / 1e3, 1e-4)
+
+    def timed(k: Any, args: list[Any]) -> tuple[Any, float, float]:
+        out, host, dev = held(k, args)
+        if host > spin_s / 2:  # the kernel waited for the device (it reads a value back), so its
+            host = dev         # host time is its own device time, not the hold it queued behind
+        return out, host, dev
+
+    return timed
+
+
 def _blas_limit(threads: int) -> contextlib.AbstractContextManager[Any]:
     """Limit BLAS to the device's threads while profiling, so a virtual CPU device is timed as the
     runtime will run it. threadpoolctl is optional: without it the times are the whole machine's."""
@@ -320,6 +404,13 @@ class CostTable:
     # process ("lane"). All zero for models that do not measure it.
     host: list[float] = field(default_factory=list)
     lanes: list[int] = field(default_factory=list)
+    # Asynchronous devices (a GPU with measured stream times): the device's thread is busy only
+    # `issue[i][d]` (dispatch and launch) while the kernels take `stream[i][d]` on the device's
+    # stream, in launch order; `times` then holds max(issue, stream), an op's cost in a busy
+    # pipeline, for the placers. Empty when no device is asynchronous.
+    is_async: list[bool] = field(default_factory=list)
+    issue: list[list[float]] = field(default_factory=list)
+    stream: list[list[float]] = field(default_factory=list)
 
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
@@ -340,6 +431,9 @@ class CostTable:
         if not isinstance(static, StaticCostModel):  # FLOPs for the explanation come from the registry
             static = StaticCostModel(cluster, model.batch)
         times, flops, out_bytes, inputs, controls, resident = [], [], [], [], [], []
+        stream_time = getattr(model, "stream_time", None)
+        streamed: dict[int, bool] = {}
+        stream_rows: list[list[float]] = []
         succ: list[list[int]] = [[] for _ in names]
         for i, name in enumerate(names):
             node = graph.nodes[name]
@@ -348,6 +442,13 @@ class CostTable:
                 per = {r: static.time_of(fl, nb, devices[r]) for r in rep_list}
             else:
                 per = {r: float(model.op_time(graph, node, devices[r])) for r in rep_list}
+                if stream_time is not None:
+                    for r in rep_list:
+                        st = stream_time(graph, node, devices[r])
+                        if st is not None:
+                            streamed[r] = True
+                    stream_rows.append([float(stream_time(graph, node, devices[col[d]]) or 0.0)
+                                        for d in range(len(devices))])
             times.append([per[col[d]] for d in range(len(devices))])
             flops.append(float(fl))
             out_bytes.append([model.tensor_bytes(graph, f"{name}:{p}") for p in range(len(node.outputs))])
@@ -376,5 +477,14 @@ class CostTable:
         host = [float(host_time(graph.nodes[n])) if host_time else 0.0 for n in names]
         procs: dict[tuple[str, int], int] = {}
         lanes = [procs.setdefault((p.job, p.task), len(procs)) for p in map(parse_device, devices)]
+        is_async = [streamed.get(col[d], False) for d in range(len(devices))]
+        issue: list[list[float]] = []
+        stream: list[list[float]] = []
+        if any(is_async):
+            issue = [list(row) for row in times]
+            stream = [[row[d] if is_async[d] else 0.0 for d in range(len(devices))] for row in stream_rows]
+            times = [[max(a, b) for a, b in zip(ri, rs)] for ri, rs in zip(issue, stream)]
+        else:
+            is_async = []
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
-                   host, lanes)
+                   host, lanes, is_async, issue, stream)

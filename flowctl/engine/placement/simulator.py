@@ -220,6 +220,12 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
     host = table.host or [0.0] * n
     lanes = table.lanes or list(range(D))
     host_free = [0.0] * (max(lanes, default=0) + 1)
+    # An asynchronous device (a GPU): its thread is free again once an op is launched, and the
+    # op's kernels run on the device's stream in launch order. Consumers on the same device may
+    # launch at once (the stream orders them); a transfer out waits for the kernel to finish.
+    is_async = table.is_async or [False] * D
+    stream_free = [0.0] * D
+    kernel_end = [0.0] * n
     t = 0.0
     done = 0
     while True:
@@ -234,14 +240,20 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
                     begin = max(t, host_free[lanes[d]])
                     host_free[lanes[d]] = begin + host[i]
                 start[i] = begin
-                dur = times[i][d]
+                s = stats[d]
+                if is_async[d]:
+                    dur = table.issue[i][d]
+                    k0 = max(begin + dur, stream_free[d])
+                    kernel_end[i] = stream_free[d] = k0 + table.stream[i][d]
+                    s.busy += table.stream[i][d]
+                else:
+                    dur = times[i][d]
+                    s.busy += dur
                 if not resident[i]:
                     mem[d] += sum(out_bytes[i])
                     if mem[d] > peak[d]:
                         peak[d] = mem[d]
-                s = stats[d]
                 s.ops += 1
-                s.busy += dur
                 s.flops += table.flops[i]
                 seq += 1
                 heapq.heappush(events, (begin + dur, seq, 0, i))
@@ -254,7 +266,7 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
                 i = payload
                 d = dev[i]
                 running[d] = -1
-                finish[i] = t
+                finish[i] = max(t, kernel_end[i]) if is_async[d] else t  # when the output exists
                 done += 1
                 for j, p in inputs[i]:
                     if dev[j] == d:
@@ -275,7 +287,7 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
                 for p, dd in out_xfers[i]:
                     nbytes = out_bytes[i][p] if p >= 0 else 0
                     lk = (d, dd)
-                    begin = max(t, link_free.get(lk, 0.0))
+                    begin = max(finish[i], link_free.get(lk, 0.0))
                     dur = table.transfer(nbytes, d, dd)
                     link_free[lk] = begin + dur
                     ls = links.get(lk)
