@@ -200,3 +200,27 @@ def test_ranking_of_two_placements_has_one_pair():
     p = r["pairs"][0]
     assert (p["predicted_faster"], p["other"], p["verdict"]) == ("greedy", "single", "same")
     assert r["same_ranking"] is True and r["strict_same_order"] is True
+
+
+# ----------------------------------------------------------------------------- measured links
+def test_links_are_measured_through_the_runtime_and_cost_transfers(tmp_path):
+    from flowctl.engine.cluster import Cluster
+    from flowctl.engine.placement import MeasuredCostModel
+    from flowctl.training.benchmark import measure_links
+
+    cluster = Cluster.local(3, threads=3)
+    links = measure_links(cluster, crossings=10, repeat=3)
+    a, b, c = cluster.names
+    assert set(links) == {(a, b), (a, c), (b, c)}
+    for lk in links.values():
+        # A crossing is a Send, a rendezvous hand-over and a Recv on another thread: microseconds
+        # to a few milliseconds on any machine, never free.
+        assert 1e-6 < lk.latency < 5e-2 and lk.bandwidth > 0
+    cost = MeasuredCostModel(cluster, batch=1)
+    static = cost.transfer_time(1000, a, b)
+    cost.links = links
+    assert cost.transfer_time(1000, b, a) == pytest.approx(links[(a, b)].latency + 1000 / links[(a, b)].bandwidth)
+    assert cost.transfer_time(1000, a, a) == 0.0
+    assert static == pytest.approx(cluster.link(a, b).latency + 1000 / cluster.link(a, b).bandwidth)
+    cost.save(tmp_path / "m.json")
+    assert MeasuredCostModel.load(tmp_path / "m.json", cluster).links == links

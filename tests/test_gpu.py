@@ -137,3 +137,19 @@ def test_profiling_on_a_gpu_times_launches_and_kernels_apart():
     assert kern_big > 5 * host_big  # 137 GFLOP: milliseconds on any GPU; the launch, microseconds
     assert kern_tiny < host_tiny
     assert kern_big < 1.0 and host_tiny < 1e-3
+
+
+def test_a_spec_gpu_is_planned_as_the_gpu_this_machine_has():
+    from flowctl.engine.cluster import detected_gpu_profile
+    from flowctl.kernels.backend import cupy_or_none
+    from flowctl.spec.cluster import cluster_for
+
+    cp = cupy_or_none()
+    found = detected_gpu_profile(0)
+    assert found is not None and found.type == "gpu"
+    assert found.memory == cp.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"]
+    assert 1e12 < found.peak_flops < 1e15 and 1e11 < found.mem_bandwidth < 1e14
+    spec = load_text((ROOT / "specs" / "demo.yaml").read_text() + "devices: [gpu:0, gpu:7]\n", filename="d.yaml")
+    planned = cluster_for(spec.spec)
+    assert planned.devices[0].profile == found
+    assert planned.devices[1].profile.name == "k40"  # no eighth GPU here: the documented default

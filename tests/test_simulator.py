@@ -351,3 +351,45 @@ def test_calibrating_dispatch_on_a_gpu_solves_the_overlapped_step():
     for n in nodes:
         c2.records[c2.key_for(g, g.nodes[n], D0)] = 10e-6
     assert c2.calibrate(60e-6, g, nodes, D0) == pytest.approx(10e-6, rel=1e-6)
+
+
+def test_gpu_launches_and_cpu_dispatch_take_turns_at_the_interpreter():
+    """Launching is Python end to end, so a GPU's launches hold the process's lane as a CPU op's
+    dispatch does: two 3-op chains of 1 ms each side, on a GPU and a CPU of one process, cannot
+    overlap at all, however short the GPU's kernels."""
+    class Shared(StreamCosts):
+        def host_time(self, node: Node) -> float:
+            return 0.0 if node.op == "Placeholder" else 1e-3
+
+    g = two_branches()
+    place = on(g, D0, a0=G0, a1=G0)
+    r = simulate(g, place, gpu_and_cpu(), Shared(1e-3, 0.1e-3, cpu=1e-3), targets=["a1", "b1"])
+    # x crosses to the GPU (1.04 ms) while the CPU dispatches b0, b1 (0-2 ms); the GPU's launches
+    # wait for the lane (2-4 ms), then the last kernel (0.1 ms).
+    assert r.step_time == pytest.approx(4.1e-3)
+    alone = simulate(g, place, gpu_and_cpu(), StreamCosts(1e-3, 0.1e-3, cpu=1e-3), targets=["a1", "b1"])
+    assert alone.step_time == pytest.approx(LAT + 40 / BW + 2e-3 + 0.1e-3)  # no lane: launches at once
+
+
+@pytest.mark.parametrize("props, expect", [
+    (None, None),  # no such GPU
+    ({"name": "NVIDIA H100 80GB HBM3", "memory": 85 << 30, "multiprocessors": 132, "capability": (9, 0),
+      "clock_khz": 1_980_000, "memory_clock_khz": 2_619_000, "bus_bits": 5120},
+     ("nvidia_h100_80gb_hbm3", 132 * 128 * 2 * 1.98e9, 2 * 2.619e9 * 640, 85 << 30)),
+    ({"name": "Tesla V100-SXM2-16GB", "memory": 16 << 30, "multiprocessors": 80, "capability": (7, 0),
+      "clock_khz": 0, "memory_clock_khz": 0, "bus_bits": 0},  # no clocks: the published figures
+     ("tesla_v100_sxm2_16gb", 15.7e12, 900e9, 16 << 30)),
+    ({"name": "Mystery GPU", "memory": 1 << 30, "multiprocessors": 8, "capability": (9, 9),
+      "clock_khz": 0, "memory_clock_khz": 0, "bus_bits": 0}, None),  # nothing to go on
+])
+def test_a_detected_gpu_profile_comes_from_the_driver(monkeypatch, props, expect):
+    from flowctl.engine.cluster import detected_gpu_profile
+    from flowctl.kernels import backend
+
+    monkeypatch.setattr(backend, "gpu_properties", lambda index: props)
+    p = detected_gpu_profile(0)
+    if expect is None:
+        assert p is None
+        return
+    assert (p.name, p.type, p.memory) == (expect[0], "gpu", expect[3])
+    assert p.peak_flops == pytest.approx(expect[1]) and p.mem_bandwidth == pytest.approx(expect[2])

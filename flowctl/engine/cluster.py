@@ -30,6 +30,28 @@ class DeviceProfile:
     op_overhead: float = 5e-6  # s per op: kernel launch or Python dispatch
 
 
+def detected_gpu_profile(index: int) -> DeviceProfile | None:
+    """The profile of this machine's GPU `index`, or None where there is none. Peak float32 FLOP/s
+    is multiprocessors x float32 lanes x 2 x clock, memory bandwidth 2 x memory clock x bus width;
+    where the runtime reports no clocks, the published figures of a known model by name."""
+    from flowctl.kernels.backend import gpu_properties
+
+    p = gpu_properties(index)
+    if p is None:
+        return None
+    known = next((k for k in PROFILES if PROFILES[k].type == "gpu" and k in p["name"].lower()), None)
+    lanes = 64 if p["capability"] in ((6, 0), (7, 0), (7, 5), (8, 0)) else 128
+    flops = p["multiprocessors"] * lanes * 2 * p["clock_khz"] * 1e3
+    bandwidth = 2 * p["memory_clock_khz"] * 1e3 * p["bus_bits"] / 8
+    if known is not None:
+        flops = flops or PROFILES[known].peak_flops
+        bandwidth = bandwidth or PROFILES[known].mem_bandwidth
+    elif not flops or not bandwidth:
+        return None  # an unknown model with no clocks: better the documented default than a guess
+    slug = re.sub(r"[^a-z0-9]+", "_", p["name"].lower()).strip("_")
+    return DeviceProfile(slug, "gpu", float(flops), float(bandwidth), p["memory"] or 16 * GiB, 5e-6)
+
+
 @dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes/s

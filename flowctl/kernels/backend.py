@@ -1,8 +1,10 @@
 """Array modules per device type: numpy for `cpu`, cupy for `gpu`, imported only when asked for."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,6 +32,30 @@ def gpu_count() -> int:
     return 0 if cp is None else int(cp.cuda.runtime.getDeviceCount())
 
 
+def gpu_properties(index: int) -> dict[str, Any] | None:
+    """What the driver says of GPU `index` (name, memory, multiprocessors, compute capability,
+    clocks where the runtime still reports them), or None without such a GPU."""
+    cp = cupy_or_none()
+    if cp is None or index >= gpu_count():
+        return None
+    rt = cp.cuda.runtime
+    props = rt.getDeviceProperties(index)
+    name = props.get("name", b"gpu")
+    out: dict[str, Any] = {"name": name.decode() if isinstance(name, bytes) else str(name),
+                           "memory": int(props.get("totalGlobalMem", 0)),
+                           "multiprocessors": int(props.get("multiProcessorCount", 0)),
+                           "capability": (int(props.get("major", 0)), int(props.get("minor", 0)))}
+    # Clocks left cudaDeviceProp in CUDA 13; the attribute queries remain (13: SM clock kHz,
+    # 36: memory clock kHz, 37: bus width bits).
+    for key, attr in (("clock_khz", 13), ("memory_clock_khz", 36), ("bus_bits", 37)):
+        try:
+            out[key] = int(rt.deviceGetAttribute(attr, index))
+        except Exception:  # noqa: BLE001 -- an attribute this runtime no longer has
+            out[key] = int(props.get({"clock_khz": "clockRate", "memory_clock_khz": "memoryClockRate",
+                                      "bus_bits": "memoryBusWidth"}[key], 0))
+    return out
+
+
 def array_module(device_type: str) -> Any:
     if device_type == "cpu":
         return np
@@ -47,3 +73,82 @@ def to_host(x: Any) -> Any:
     if get is not None and not isinstance(x, np.ndarray):
         return get()
     return x
+
+
+# ---------------------------------------------------------------------------- copies between devices
+# A GPU's kernels run asynchronously on its stream. A plain copy off the device (`.get()`) or onto
+# it (`cupy.asarray`) uses the legacy default stream, so it first waits for *everything* launched
+# so far, and the thread making it stalls: a CPU reading one GPU tensor would wait for all the
+# kernels the GPU launched after it, and a GPU receiving from the CPU would drain its own queue
+# before every copy. As TensorFlow does, copies go on their own stream instead, ordered by events:
+# a GPU tensor leaves its device with the event that marks it computed (`ready`), the copy to the
+# host waits for that event alone on a copy thread, and a copy onto the GPU is made on the copy
+# stream and the compute stream waits for it on the device, not on the host.
+
+
+class Ready:
+    """A GPU array on its way to another device, with the CUDA event recorded after its producer."""
+
+    __slots__ = ("array", "event")
+
+    def __init__(self, array: Any, event: Any) -> None:
+        self.array = array
+        self.event = event
+
+
+_copies: dict[str, Any] = {}
+_copies_lock = threading.Lock()
+
+
+def _copy_stream() -> Any:
+    with _copies_lock:
+        if "stream" not in _copies:
+            cp = cupy_or_none()
+            assert cp is not None
+            _copies["stream"] = cp.cuda.Stream(non_blocking=True)
+            _copies["pool"] = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flowctl-d2h")
+        return _copies["stream"]
+
+
+def mark_ready(x: Any) -> Any:
+    """What a Send hands over: a GPU array with its completion event; anything else as it is."""
+    cp = cupy_or_none()
+    if cp is None or not isinstance(x, cp.ndarray):
+        return x
+    event = cp.cuda.Event(block=False, disable_timing=True)
+    event.record()
+    return Ready(x, event)
+
+
+def receive(value: Any, on_host: bool, xp: Any, done: Callable[[Any, "BaseException | None"], None]) -> None:
+    """Deliver `value` (possibly `Ready`) to a Recv on a host (`on_host`) or GPU (`xp`) device by
+    calling done(array, None), or done(None, error). A GPU -> host copy runs on a copy thread, so
+    neither the sending nor the receiving device's thread waits for the GPU."""
+    if isinstance(value, Ready):
+        if not on_host:  # the same GPU: the stream already orders the reader after the producer
+            done(value.array, None)
+            return
+        stream = _copy_stream()
+
+        def copy() -> None:
+            try:
+                value.event.synchronize()
+                host = value.array.get(stream=stream)  # blocking: waits for this copy stream only
+                done(host, None)
+            except Exception as e:  # noqa: BLE001 -- reported as the Recv's failure
+                done(None, e)
+
+        _copies["pool"].submit(copy)
+        return
+    if on_host:
+        done(to_host(value), None)
+        return
+    cp = cupy_or_none()
+    if cp is None or xp is not cp or isinstance(value, cp.ndarray):
+        done(xp.asarray(value), None)
+        return
+    stream = _copy_stream()
+    with stream:
+        arr = cp.asarray(value)  # host -> device on the copy stream: no wait for queued kernels
+    cp.cuda.get_current_stream().wait_event(stream.record())
+    done(arr, None)

@@ -6,14 +6,15 @@ Both are asynchronous kernels: the factory returns `start(step, inputs, done)`. 
 
 Within one process a tensor is handed over by reference: kernels never mutate their inputs and
 assignments replace a variable's array, so the receiving device may share the sender's buffer.
-A Recv on a device whose array module differs from the sender's moves the array (to the host for
-cpu, `xp.asarray` onto the current GPU for gpu).
+A Recv on a device whose array module differs from the sender's moves the array: off a GPU on a
+copy thread once the producer's CUDA event fires, onto a GPU on a copy stream the compute stream
+waits for (`backend.receive`), so neither device's thread waits for the other's queue.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from flowctl.kernels.backend import to_host
+from flowctl.kernels.backend import mark_ready, receive
 from flowctl.kernels.registry import kernel
 
 Done = Callable[[Any, "BaseException | None"], None]
@@ -44,7 +45,7 @@ def send(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done
 
     def start(step: Any, inputs: tuple[Any, ...], done: Done) -> None:
         value = narrow(xp, inputs[0]) if compress else inputs[0]
-        step.rendezvous.send(step.key(src, dst, name), value)
+        step.rendezvous.send(step.key(src, dst, name), mark_ready(value))
         done(None, None)  # a local Send never waits: the rendezvous buffers until the Recv comes
 
     return start
@@ -57,13 +58,21 @@ def recv(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done
     on_host = xp.__name__ == "numpy"
 
     def start(step: Any, inputs: tuple[Any, ...], done: Done) -> None:
+        def moved(value: Any, err: BaseException | None) -> None:
+            if err is not None:
+                done(None, err)
+                return
+            try:
+                done(widen(xp, value) if compress else value, None)
+            except Exception as e:  # noqa: BLE001 -- reported as this Recv's failure
+                done(None, e)
+
         def arrived(value: Any, err: BaseException | None) -> None:
             if err is not None:
                 done(None, err)
                 return
             try:
-                value = to_host(value) if on_host else xp.asarray(value)
-                done(widen(xp, value) if compress else value, None)
+                receive(value, on_host, xp, moved)
             except Exception as e:  # noqa: BLE001 -- reported as this Recv's failure
                 done(None, e)
 

@@ -1,14 +1,23 @@
 """The spec's `devices:` as an engine `Cluster`, or a what-if cluster from profiles (`4xgpu:k40`).
 
 CPU devices listed without a profile are *virtual* CPU devices of this machine: the cores are split
-evenly between them (Cluster.local). GPU devices without a profile are planned as K40s, the GPU of
+evenly between them (Cluster.local). A GPU device without a profile is this machine's GPU of that
+index, as the driver describes it, where there is one; otherwise it is planned as a K40, the GPU of
 the learned-placement paper.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile, Link
+from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile, Link, detected_gpu_profile
+from flowctl.engine.devices import parse_device
+
+
+def _gpu_profile(name: str) -> DeviceProfile:
+    """This machine's GPU of that index where it has one (local devices only), else a K40."""
+    d = parse_device(name)
+    found = detected_gpu_profile(d.index) if (d.job, d.task) == ("localhost", 0) else None
+    return found or PROFILES["k40"]
 
 
 def cluster_for(spec: Any, devices: str | None = None) -> Cluster:
@@ -23,7 +32,7 @@ def cluster_for(spec: Any, devices: str | None = None) -> Cluster:
     links: dict[tuple[str, str], Link] = {}
     for e in entries:
         is_gpu = "device:gpu" in e.name
-        base = PROFILES["k40"] if is_gpu else local_cpu
+        base = (_gpu_profile(e.name) if is_gpu else local_cpu)
         p = e.profile
         prof = base if p is None else DeviceProfile(
             name=f"{base.name}*", type=base.type, peak_flops=p.peak_flops or base.peak_flops,

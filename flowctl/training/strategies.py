@@ -29,7 +29,7 @@ import numpy as np
 import flowctl as fc
 from flowctl.data import DataSource, InputSpec, make_source
 from flowctl.engine import strategies as st
-from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile
+from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile, detected_gpu_profile
 from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.errors import SpecError
 from flowctl.engine.optimizers import (
@@ -77,7 +77,8 @@ def gradient_process(spec: Any) -> st.GradientProcess | None:
 
 def local_cluster(devices: Sequence[str]) -> Cluster:
     """This process's devices named by the spec: CPUs split the machine's cores evenly (as
-    `Cluster.local`), GPUs by type only. Remote jobs need the Ray engine, which is not here yet."""
+    `Cluster.local`), GPUs as the driver describes them (a K40 where it describes none). Remote
+    jobs need the Ray engine, which is not here yet."""
     names = list(dict.fromkeys(canonical(d) for d in devices))
     cpus = [d for d in names if parse_device(d).type == "cpu"]
     per = max(1, (os.cpu_count() or 1) // max(1, len(cpus)))
@@ -93,7 +94,7 @@ def local_cluster(devices: Sequence[str]) -> Cluster:
                                  core.op_overhead)
             out.append(Device(name, prof, threads=per))
         else:
-            out.append(Device(name, PROFILES["k40"]))
+            out.append(Device(name, detected_gpu_profile(d.index) or PROFILES["k40"]))
     return Cluster(out)
 
 

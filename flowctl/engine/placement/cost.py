@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flowctl.engine.cluster import Cluster
+from flowctl.engine.cluster import Cluster, Link
 from flowctl.engine.dtypes import itemsize, np_dtype
 from flowctl.engine.devices import parse_device
 from flowctl.engine.graph import Graph, Node, parse_ref
@@ -153,6 +153,7 @@ class MeasuredCostModel:
         # Seconds the runtime spends per node beyond its kernel (executor bookkeeping, Python
         # dispatch): profiling times kernels alone, so `calibrate` measures this once per step.
         self.dispatch = 0.0
+        self.links: dict[tuple[str, str], Link] = {}  # measured, by (src, dst) device name
 
     # ------------------------------------------------------------------ the interface
     def key_for(self, graph: Graph, node: Node, device: str) -> str:
@@ -209,8 +210,14 @@ class MeasuredCostModel:
         return self.static.tensor_bytes(graph, ref)
 
     def transfer_time(self, nbytes: int, src: str, dst: str) -> float:
-        # Links are not profiled: a transfer costs latency + bytes / bandwidth from the cluster.
-        return self.static.transfer_time(nbytes, src, dst)
+        """latency + bytes / bandwidth, of the link as measured through the runtime's Send/Recv
+        where `links` has it (see training.benchmark.measure_links), else the cluster's figures."""
+        if src == dst:
+            return 0.0
+        link = self.links.get((src, dst)) or self.links.get((dst, src))
+        if link is None:
+            return self.static.transfer_time(nbytes, src, dst)
+        return link.latency + nbytes / link.bandwidth
 
     def fallbacks(self) -> list[str]:
         """Nodes asked about so far that had no measurement and were costed statically."""
@@ -276,6 +283,7 @@ class MeasuredCostModel:
     # ------------------------------------------------------------------ the run dir cache
     def save(self, path: str | os.PathLike[str]) -> None:
         data = {"version": MEASURED_VERSION, "batch": self.batch, "dispatch": self.dispatch,
+                "links": [[a, b, lk.bandwidth, lk.latency] for (a, b), lk in sorted(self.links.items())],
                 "records": dict(sorted(self.records.items()))}
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:
@@ -297,6 +305,7 @@ class MeasuredCostModel:
         model = cls(cluster, int(batch if batch is not None else data.get("batch", 1)),
                     {str(k): float(v) for k, v in data["records"].items()})
         model.dispatch = float(data.get("dispatch", 0.0))
+        model.links = {(str(a), str(b)): Link(float(bw), float(lat)) for a, b, bw, lat in data.get("links", [])}
         return model
 
 

@@ -236,9 +236,11 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
                 _, i = heapq.heappop(queues[d])
                 running[d] = i
                 begin = t
-                if host[i]:
+                # A GPU launch is Python and driver calls end to end: all of it holds the lane.
+                h = table.issue[i][d] if is_async[d] else host[i]
+                if h:
                     begin = max(t, host_free[lanes[d]])
-                    host_free[lanes[d]] = begin + host[i]
+                    host_free[lanes[d]] = begin + h
                 start[i] = begin
                 s = stats[d]
                 if is_async[d]:
