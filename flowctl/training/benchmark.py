@@ -229,26 +229,31 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     feeds = _feeds(step, loaded, batch)
 
     cost = MeasuredCostModel(cluster, batch=batch)
-    profiled: set[str] = set()
-    for d in cluster.devices:  # once per device profile: a GPU's ops are timed on the GPU
-        if d.profile.name in profiled:
-            continue
-        profiled.add(d.profile.name)
+    reps: dict[str, Any] = {}  # one device per profile: where its ops are profiled and calibrated
+    for d in cluster.devices:
+        reps.setdefault(d.profile.name, d)
+    for d in reps.values():
         say(f"profiling every op of the step on {d.name}")
         s_d = init_session if d is cluster.devices[0] else fc.Session(free, device=d.name, store=store)
         cost.profile(s_d, [step.loss, step.train_op], feeds, repeat=3, threads=d.threads)
-    one = cluster.devices[0]
-    say("calibrating the runtime's per-node cost on one device")
-    everything_on_one = {n: one.name for n in g.nodes}
-    with blas_limits(cluster), DistributedSession(free, cluster, everything_on_one, store=store) as ds:
-        t_one, _ = _measure(ds, step, feeds, max(steps, 8))
+    from flowctl.engine.placement import simulate, step_nodes
+
+    nodes = step_nodes(free, [step.train_op.node])
+    # The runtime's per-node cost beyond the kernels, per profile, from the whole step run on one
+    # device of it: first from a short run, for the placers; then again from the same runs measured
+    # in the rounds beside the placements (so it sees the machine as they do), for the predictions.
+    calibrations: dict[str, tuple[DistributedSession, Any]] = {}
+    for prof, d in reps.items():
+        say(f"calibrating the runtime's per-node cost on {d.name}")
+        ds = DistributedSession(free, cluster, {n: d.name for n in g.nodes}, store=store)
+        calibrations[prof] = (ds, d)
+        with blas_limits(cluster):
+            t_one, _ = _measure(ds, step, feeds, max(steps, 8))
+        cost.calibrate(t_one, free, nodes, d.name)
     if len(cluster.devices) > 1:
         say("measuring the links between devices")
         with blas_limits(cluster):
             cost.links = measure_links(cluster)
-    from flowctl.engine.placement import step_nodes
-
-    dispatch = cost.calibrate(t_one, free, step_nodes(free, [step.train_op.node]), one.name)
 
     # Virtual CPU devices share one machine's cores: the baseline model parallelism has to beat is
     # the whole step on one device with all of their threads. (With a GPU, `single` is the baseline.)
@@ -275,8 +280,10 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
             results["placements"][alg] = {"error": str(e)}
             continue
     peaks: dict[str, fc.RunStats] = {}
-    sessions: list[DistributedSession] = []
+    sessions: list[DistributedSession] = [ds for ds, _ in calibrations.values()]
     try:
+        for prof, (ds, _) in calibrations.items():
+            runs[f"calibration:{prof}"] = (ds, cluster)
         if whole is not None:
             runs[base] = (fc.Session(free, device=whole.devices[0].name, store=store), whole)
         for alg, pl in placements.items():
@@ -304,6 +311,14 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
         return {"measured_step_s": med, "measured_low_s": lo, "measured_high_s": hi,
                 "examples_per_s": batch / med, "rounds_s": times[name]}
 
+    for prof, (_, d) in calibrations.items():
+        cost.calibrate(statistics.median(t for r in times[f"calibration:{prof}"] for t in r), free, nodes, d.name)
+    results["calibration"] = {d.name: {"profile": prof, **figures(f"calibration:{prof}"),
+                                       "dispatch_us_per_node": cost.dispatch_by[prof] * 1e6}
+                              for prof, (_, d) in calibrations.items()}
+    # Predictions with the final calibration; `placed_step_s` is what the placer saw when it chose.
+    predicted = {alg: simulate(g, pl.assignment, cluster, cost, targets=[step.train_op.node]).step_time
+                 for alg, pl in placements.items()}
     if whole is not None:
         b = figures(base)
         results[base] = {"threads": total_threads, "step_s": b["measured_step_s"], **b,
@@ -312,19 +327,19 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
         f = figures(alg)
         st = peaks[alg]
         results["placements"][alg] = {
-            "predicted_step_s": pl.step_time, **f, "error": None,
-            "prediction_error": (pl.step_time - f["measured_step_s"]) / f["measured_step_s"],
+            "predicted_step_s": predicted[alg], "placed_step_s": pl.step_time, **f, "error": None,
+            "prediction_error": (predicted[alg] - f["measured_step_s"]) / f["measured_step_s"],
             "devices_used": sorted(set(pl.assignment[n] for n in pl.simulation.start)),
             "peak_bytes_per_device": {d: s_.peak_bytes for d, s_ in st.devices.items()},
             "predicted_busy_s": {d.device: d.busy for d in pl.devices}, "placement_seconds": pl.seconds,
             "vs_one_device": compare(times[alg], times[base]) if whole is not None else None,
         }
     if len(placements) > 1:
-        results.update(ranking({a: pl.step_time for a, pl in placements.items()},
+        results.update(ranking(predicted,
                                {a: times[a] for a in placements},
                                lambda a, b: placements[a].assignment == placements[b].assignment))
     results["cost_model_fallbacks"] = len(cost.fallbacks())
-    results["dispatch_us_per_node"] = dispatch * 1e6
+    results["dispatch_us_per_node"] = cost.dispatch * 1e6
     results["links"] = [{"between": [a, b], "latency_us": lk.latency * 1e6, "bandwidth_gb_s": lk.bandwidth / 1e9}
                         for (a, b), lk in cost.links.items()]
     return results

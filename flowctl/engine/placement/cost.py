@@ -153,6 +153,9 @@ class MeasuredCostModel:
         # Seconds the runtime spends per node beyond its kernel (executor bookkeeping, Python
         # dispatch): profiling times kernels alone, so `calibrate` measures this once per step.
         self.dispatch = 0.0
+        # The same, calibrated per device profile where it was (a GPU's launches and a CPU's
+        # kernels leave different runtime overheads); `dispatch` serves the others.
+        self.dispatch_by: dict[str, float] = {}
         self.links: dict[tuple[str, str], Link] = {}  # measured, by (src, dst) device name
 
     # ------------------------------------------------------------------ the interface
@@ -171,7 +174,7 @@ class MeasuredCostModel:
                 return 0.0
             self._missed[node.name] = None
             return self.static.op_time(graph, node, device)
-        return t + self.dispatch
+        return t + self.dispatch_by.get(self.cluster.device(device).profile.name, self.dispatch)
 
     def stream_time(self, graph: Graph, node: Node, device: str) -> float | None:
         """Seconds the node's kernels keep an asynchronous device (a GPU stream) busy, measured
@@ -190,21 +193,25 @@ class MeasuredCostModel:
         the measured `step_seconds`; returns it (never negative). On a synchronous device the step
         is the sum of (kernel + d); on a GPU each node costs max(launch + d, kernel), the host and
         the stream overlapping, so d is found by bisection (the sum grows with d)."""
-        self.dispatch = 0.0
+        profile = self.cluster.device(device).profile.name
+        self.dispatch_by[profile] = 0.0
         issue = [self.op_time(graph, graph.nodes[n], device) for n in nodes]
         stream = [self.stream_time(graph, graph.nodes[n], device) or 0.0 for n in nodes]
 
         def step(d: float) -> float:
             return sum(max(a + d, b) for a, b in zip(issue, stream))
 
-        if step(0.0) >= step_seconds:
-            return 0.0
-        lo, hi = 0.0, step_seconds / max(1, len(nodes))
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if step(mid) < step_seconds else (lo, mid)
-        self.dispatch = (lo + hi) / 2
-        return self.dispatch
+        d = 0.0
+        if step(0.0) < step_seconds:
+            lo, hi = 0.0, step_seconds / max(1, len(nodes))
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if step(mid) < step_seconds else (lo, mid)
+            d = (lo + hi) / 2
+        self.dispatch_by[profile] = d
+        if len(self.dispatch_by) == 1 or self.cluster.device(device).type == "cpu":
+            self.dispatch = d  # the host lane's share, and the default: a CPU's where there is one
+        return d
 
     def tensor_bytes(self, graph: Graph, ref: str) -> int:
         return self.static.tensor_bytes(graph, ref)
@@ -283,6 +290,7 @@ class MeasuredCostModel:
     # ------------------------------------------------------------------ the run dir cache
     def save(self, path: str | os.PathLike[str]) -> None:
         data = {"version": MEASURED_VERSION, "batch": self.batch, "dispatch": self.dispatch,
+                "dispatch_by": dict(sorted(self.dispatch_by.items())),
                 "links": [[a, b, lk.bandwidth, lk.latency] for (a, b), lk in sorted(self.links.items())],
                 "records": dict(sorted(self.records.items()))}
         tmp = f"{os.fspath(path)}.tmp"
@@ -305,6 +313,7 @@ class MeasuredCostModel:
         model = cls(cluster, int(batch if batch is not None else data.get("batch", 1)),
                     {str(k): float(v) for k, v in data["records"].items()})
         model.dispatch = float(data.get("dispatch", 0.0))
+        model.dispatch_by = {str(k): float(v) for k, v in data.get("dispatch_by", {}).items()}
         model.links = {(str(a), str(b)): Link(float(bw), float(lat)) for a, b, bw, lat in data.get("links", [])}
         return model
 
