@@ -280,6 +280,29 @@ def test_a_waiting_recv_does_not_block_its_device():
     assert order.index(recv) < order.index("busy0") < order.index("open_gate") < order.index("waiting_consumer")
 
 
+def test_a_send_starts_before_compute_already_queued_on_its_device():
+    """cpu:0 has a backlog of independent ops queued when `produced` finishes; its Send to cpu:1
+    must go next (the simulator starts a transfer when its producer ends), not behind the backlog.
+    The FIFO the executor had before ran all eight `backlog` ops first."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.constant(np.arange(4, dtype=np.float32), name="x")
+        produced = fc.exp(x, name="produced")
+        for k in range(8):
+            fc.tanh(x, name=f"backlog{k}")
+        fc.tanh(produced, name="remote")
+    pl = {n: canonical("cpu:0") for n in g.nodes}
+    pl["remote"] = canonical("cpu:1")
+    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
+        st = fc.RunStats()
+        out = s.run(["remote:0"] + [f"backlog{k}:0" for k in range(8)], stats=st)
+    np.testing.assert_allclose(out[0], np.tanh(np.exp(np.arange(4))), rtol=1e-6)
+    order = [n for n, _ in st.devices[canonical("cpu:0")].starts]
+    send = next(n for n in order if n.startswith("_send/"))
+    assert order.index(send) == order.index("produced") + 1, order
+    assert all(order.index(send) < order.index(f"backlog{k}") for k in range(1, 8)), order
+
+
 def test_step_trace_records_every_finish_on_both_devices_in_dataflow_order():
     g, t = build_mlp()
     placement = layer_wise(g, 2)

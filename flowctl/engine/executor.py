@@ -267,7 +267,8 @@ class Plan:
             values[i] = v
         uses = list(self.slot_uses)
         pending = list(self.pending0)
-        ready = deque(i for i, p in enumerate(pending) if p == 0)
+        ready = deque(i for i, p in enumerate(pending) if p == 0 and self.is_async[i])
+        ready.extend(i for i, p in enumerate(pending) if p == 0 and not self.is_async[i])
         keep = set(self.fetch_slots) | set(range(len(self.feeds)))
         live = peak = 0
         ran: list[str] = []
@@ -336,7 +337,13 @@ class Plan:
             for c in self.succ[i]:
                 pending[c] -= 1
                 if pending[c] == 0:
-                    ready.append(c)
+                    if self.is_async[c]:
+                        # A Send (or Recv, or queue op) only hands a tensor over or registers a
+                        # callback: start it before the queued compute, so another device is not
+                        # kept waiting behind this one's backlog (TF runs such cheap kernels inline).
+                        ready.appendleft(c)
+                    else:
+                        ready.append(c)
         if len(ran) != len(self.nodes):
             raise ExecutionError(f"step on {self.device} stopped with {len(self.nodes) - len(ran)} node(s) "
                                  f"never ready", device=self.device)
