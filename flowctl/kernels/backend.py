@@ -107,6 +107,7 @@ def _copy_stream() -> Any:
             assert cp is not None
             _copies["stream"] = cp.cuda.Stream(non_blocking=True)
             _copies["pool"] = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flowctl-d2h")
+            _copies["h2d"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowctl-h2d")
         return _copies["stream"]
 
 
@@ -122,8 +123,8 @@ def mark_ready(x: Any) -> Any:
 
 def receive(value: Any, on_host: bool, xp: Any, done: Callable[[Any, "BaseException | None"], None]) -> None:
     """Deliver `value` (possibly `Ready`) to a Recv on a host (`on_host`) or GPU (`xp`) device by
-    calling done(array, None), or done(None, error). A GPU -> host copy runs on a copy thread, so
-    neither the sending nor the receiving device's thread waits for the GPU."""
+    calling done(array, None), or done(None, error). Copies between host and GPU run on copy
+    threads (one each way), so neither the sending nor the receiving device's thread waits for them."""
     if isinstance(value, Ready):
         if not on_host:  # the same GPU: the stream already orders the reader after the producer
             done(value.array, None)
@@ -148,7 +149,16 @@ def receive(value: Any, on_host: bool, xp: Any, done: Callable[[Any, "BaseExcept
         done(xp.asarray(value), None)
         return
     stream = _copy_stream()
-    with stream:
-        arr = cp.asarray(value)  # host -> device on the copy stream: no wait for queued kernels
-    cp.cuda.get_current_stream().wait_event(stream.record())
-    done(arr, None)
+
+    def upload() -> None:
+        try:
+            with stream:
+                arr = cp.asarray(value)  # host -> device on the copy stream: no wait for queued kernels
+            cp.cuda.Stream.null.wait_event(stream.record())  # the compute stream reads it after the copy
+            done(arr, None)
+        except Exception as e:  # noqa: BLE001 -- reported as the Recv's failure
+            done(None, e)
+
+    # On a copy thread, like the copy off a GPU: the sender's thread (whoever delivered the value)
+    # goes on at once; a pageable host -> device copy holds its calling thread until it is done.
+    _copies["h2d"].submit(upload)
