@@ -303,6 +303,28 @@ def test_a_send_starts_before_compute_already_queued_on_its_device():
     assert all(order.index(send) < order.index(f"backlog{k}") for k in range(1, 8)), order
 
 
+def test_a_value_that_arrives_during_a_kernel_queues_before_that_kernels_successors():
+    """cpu:1 sleeps 300 ms in `slow`; cpu:0's value arrives after about 50 ms. The consumer of the
+    arrival was ready first, so it runs before `slow`'s own successor (ready-time order, which the
+    simulator assumes); a plain FIFO ran `local_next` first."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.constant(np.arange(4, dtype=np.float32), name="x")
+        sent = _test_op("TestSleep", x, "sent", seconds=0.05)
+        h = fc.constant(np.ones(4, np.float32), name="h")
+        slow = _test_op("TestSleep", h, "slow", seconds=0.3)
+        fc.tanh(slow, name="local_next")
+        fc.exp(sent, name="remote_next")
+    pl = {n: canonical("cpu:1") for n in g.nodes}
+    pl.update({"x": canonical("cpu:0"), "sent": canonical("cpu:0")})
+    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
+        st = fc.RunStats()
+        out = s.run(["local_next:0", "remote_next:0"], stats=st)
+    np.testing.assert_allclose(out[1], np.exp(np.arange(4)), rtol=1e-6)
+    order = [n for n, _ in st.devices[canonical("cpu:1")].starts]
+    assert order.index("slow") < order.index("remote_next") < order.index("local_next"), order
+
+
 def test_step_trace_records_every_finish_on_both_devices_in_dataflow_order():
     g, t = build_mlp()
     placement = layer_wise(g, 2)

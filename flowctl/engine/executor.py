@@ -22,6 +22,10 @@ Send/Recv, which meet in a rendezvous, cannot run), `inputs` the tuple of input 
 and only waits (on a condition) when nothing is ready and async work is outstanding. All executor
 bookkeeping (values, pending counts) stays on the executor's own thread: a continuation only
 appends to a completion queue.
+
+Order, as the simulator assumes it: ready nodes run in the order they became ready, a value that
+arrived while a kernel ran counting as ready before that kernel's outputs; an asynchronous kernel
+(a Send above all) starts ahead of the queue, so a transfer leaves when its producer finishes.
 """
 from __future__ import annotations
 
@@ -279,6 +283,7 @@ class Plan:
         completed: deque[tuple[int, Any, BaseException | None]] = deque()
         cond = threading.Condition()
         outstanding = 0
+        deferred: tuple[int, Any] | None = None  # a finished kernel whose successors wait their turn
         while True:
             if completed:  # a continuation fired: finish that node before starting another
                 i, out, err = completed.popleft()
@@ -287,6 +292,8 @@ class Plan:
                     raise self._error(err, i) from err
                 if timed:
                     finishes.append((self.order[i], time.perf_counter()))
+            elif deferred is not None:
+                (i, out), deferred = deferred, None
             elif ready:
                 i = ready.popleft()
                 if timed:
@@ -301,6 +308,11 @@ class Plan:
                     raise self._error(e, i) from e
                 if timed:
                     finishes.append((self.order[i], time.perf_counter()))
+                if completed:
+                    # Values that arrived while the kernel ran were ready before its outputs:
+                    # their consumers queue first (ready-time order, as the simulator has it).
+                    deferred = (i, out)
+                    continue
             elif outstanding:
                 with cond:  # nothing to run until some asynchronous kernel completes
                     while not completed:
