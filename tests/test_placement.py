@@ -452,6 +452,14 @@ def test_measured_cost_model_profiles_saves_loads_and_reports_fallbacks(tmp_path
     t = loaded.op_time(g, g.nodes["mm"], CPU0)
     assert t == m.records[loaded.key_for(g, g.nodes["mm"], CPU0)] and 0 < t < 1
     assert loaded.fallbacks() == []
+    # A calibration (dispatch, or the profile's scale when the step ran faster) survives the cache.
+    mm_time = m.records[m.key_for(g, g.nodes["mm"], CPU0)]
+    prof = cl.devices[0].profile.name
+    m.dispatch_by, m.scale_by = {prof: 2e-6}, {prof: 0.5}
+    m.save(path)
+    again = MeasuredCostModel.load(path, cl)
+    assert again.dispatch_by == m.dispatch_by and again.scale_by == m.scale_by
+    assert again.op_time(g, g.nodes["mm"], CPU0) == pytest.approx(mm_time * 0.5 + 2e-6)
     loaded.op_time(g, g.nodes["unprofiled"], CPU0)
     assert loaded.fallbacks() == ["unprofiled"]
     pl = place(g, cl, loaded, "single")

@@ -341,8 +341,16 @@ def test_calibrating_dispatch_on_a_gpu_solves_the_overlapped_step():
         key = cost.key_for(g, g.nodes[n], G0)
         cost.records[key], cost.records[key + "|stream"] = 10e-6, 30e-6
     nodes = ["r0", "r1", "r2"]
-    assert cost.calibrate(60e-6, g, nodes, G0) == 0.0  # faster than the kernels: no dispatch to find
+    # Faster than the kernels profiled (90 µs): no dispatch to find; the profile scales to 60 µs.
+    assert cost.calibrate(60e-6, g, nodes, G0) == 0.0
+    assert cost.scale_by[cl.device(G0).profile.name] == pytest.approx(2 / 3)
+    assert cost.op_time(g, g.nodes["r0"], G0) == pytest.approx(10e-6 * 2 / 3)
+    assert cost.stream_time(g, g.nodes["r0"], G0) == pytest.approx(20e-6)
+    # The simulated step: the first launch, then the three kernels back to back on the stream.
+    sim = simulate(g, {n: G0 for n in g.nodes}, cl, cost, targets=nodes)
+    assert sim.step_time == pytest.approx(10e-6 * 2 / 3 + 60e-6)
     assert cost.calibrate(150e-6, g, nodes, G0) == pytest.approx(40e-6, rel=1e-6)
+    assert cost.scale_by[cl.device(G0).profile.name] == 1.0  # a later calibration starts afresh
     assert cost.op_time(g, g.nodes["r0"], G0) == pytest.approx(50e-6)
     assert cost.stream_time(g, g.nodes["r0"], G0) == pytest.approx(30e-6)
     assert cost.stream_time(g, g.nodes["x"], G0) is None
@@ -351,6 +359,8 @@ def test_calibrating_dispatch_on_a_gpu_solves_the_overlapped_step():
     for n in nodes:
         c2.records[c2.key_for(g, g.nodes[n], D0)] = 10e-6
     assert c2.calibrate(60e-6, g, nodes, D0) == pytest.approx(10e-6, rel=1e-6)
+    assert c2.calibrate(15e-6, g, nodes, D0) == 0.0
+    assert c2.op_time(g, g.nodes["r1"], D0) == pytest.approx(5e-6)
 
 
 def test_gpu_launches_and_cpu_dispatch_take_turns_at_the_interpreter():

@@ -314,7 +314,8 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     for prof, (_, d) in calibrations.items():
         cost.calibrate(statistics.median(t for r in times[f"calibration:{prof}"] for t in r), free, nodes, d.name)
     results["calibration"] = {d.name: {"profile": prof, **figures(f"calibration:{prof}"),
-                                       "dispatch_us_per_node": cost.dispatch_by[prof] * 1e6}
+                                       "dispatch_us_per_node": cost.dispatch_by[prof] * 1e6,
+                                       "profile_scale": cost.scale_by.get(prof, 1.0)}
                               for prof, (_, d) in calibrations.items()}
     # Predictions with the final calibration; `placed_step_s` is what the placer saw when it chose.
     predicted = {alg: simulate(g, pl.assignment, cluster, cost, targets=[step.train_op.node]).step_time

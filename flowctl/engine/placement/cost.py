@@ -157,6 +157,10 @@ class MeasuredCostModel:
         # kernels leave different runtime overheads); `dispatch` serves the others.
         self.dispatch_by: dict[str, float] = {}
         self.links: dict[tuple[str, str], Link] = {}  # measured, by (src, dst) device name
+        # Per profile, a factor on the profiled times, below 1 only where the step ran faster than
+        # its kernels profiled one at a time (the machine sped up, or timing one op at a time cost
+        # more than running it): `calibrate` scales them to the step as measured.
+        self.scale_by: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the interface
     def key_for(self, graph: Graph, node: Node, device: str) -> str:
@@ -174,14 +178,16 @@ class MeasuredCostModel:
                 return 0.0
             self._missed[node.name] = None
             return self.static.op_time(graph, node, device)
-        return t + self.dispatch_by.get(self.cluster.device(device).profile.name, self.dispatch)
+        prof = self.cluster.device(device).profile.name
+        return t * self.scale_by.get(prof, 1.0) + self.dispatch_by.get(prof, self.dispatch)
 
     def stream_time(self, graph: Graph, node: Node, device: str) -> float | None:
         """Seconds the node's kernels keep an asynchronous device (a GPU stream) busy, measured
         between CUDA events; None for a synchronous device, or one profiled before streams were."""
         if node.op == "Placeholder":
             return None
-        return self.records.get(self.key_for(graph, node, device) + STREAM)
+        t = self.records.get(self.key_for(graph, node, device) + STREAM)
+        return None if t is None else t * self.scale_by.get(self.cluster.device(device).profile.name, 1.0)
 
     def host_time(self, node: Node) -> float:
         """The part of a node's time spent in the runtime's Python dispatch, which holds the
@@ -192,9 +198,12 @@ class MeasuredCostModel:
         """Set the per-node dispatch cost d so that `nodes` (one step, run on `device` alone) take
         the measured `step_seconds`; returns it (never negative). On a synchronous device the step
         is the sum of (kernel + d); on a GPU each node costs max(launch + d, kernel), the host and
-        the stream overlapping, so d is found by bisection (the sum grows with d)."""
+        the stream overlapping, so d is found by bisection (the sum grows with d). A step faster
+        than its profiled kernels leaves d at 0 and scales the profile's times down to it instead
+        (`scale_by`), so one device's predicted step is the measured one either way."""
         profile = self.cluster.device(device).profile.name
         self.dispatch_by[profile] = 0.0
+        self.scale_by[profile] = 1.0
         issue = [self.op_time(graph, graph.nodes[n], device) for n in nodes]
         stream = [self.stream_time(graph, graph.nodes[n], device) or 0.0 for n in nodes]
 
@@ -208,6 +217,8 @@ class MeasuredCostModel:
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if step(mid) < step_seconds else (lo, mid)
             d = (lo + hi) / 2
+        elif step_seconds > 0 and step(0.0) > step_seconds:
+            self.scale_by[profile] = step_seconds / step(0.0)  # max(s*a, s*b) = s*max(a, b)
         self.dispatch_by[profile] = d
         if len(self.dispatch_by) == 1 or self.cluster.device(device).type == "cpu":
             self.dispatch = d  # the host lane's share, and the default: a CPU's where there is one
@@ -291,6 +302,7 @@ class MeasuredCostModel:
     def save(self, path: str | os.PathLike[str]) -> None:
         data = {"version": MEASURED_VERSION, "batch": self.batch, "dispatch": self.dispatch,
                 "dispatch_by": dict(sorted(self.dispatch_by.items())),
+                "scale_by": dict(sorted(self.scale_by.items())),
                 "links": [[a, b, lk.bandwidth, lk.latency] for (a, b), lk in sorted(self.links.items())],
                 "records": dict(sorted(self.records.items()))}
         tmp = f"{os.fspath(path)}.tmp"
@@ -314,6 +326,7 @@ class MeasuredCostModel:
                     {str(k): float(v) for k, v in data["records"].items()})
         model.dispatch = float(data.get("dispatch", 0.0))
         model.dispatch_by = {str(k): float(v) for k, v in data.get("dispatch_by", {}).items()}
+        model.scale_by = {str(k): float(v) for k, v in data.get("scale_by", {}).items()}
         model.links = {(str(a), str(b)): Link(float(bw), float(lat)) for a, b, bw, lat in data.get("links", [])}
         return model
 
