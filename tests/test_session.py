@@ -194,15 +194,22 @@ def test_session_refuses_a_node_pinned_elsewhere():
         fc.Session(g, store=fc.ContainerStore()).run(x)
 
 
+def random_graph(g: fc.Graph, rng: np.random.Generator, size: int) -> tuple[list[fc.Tensor], list[fc.Tensor]]:
+    """Three float64 placeholders and `size` binary ops on random earlier tensors, in `g`'s
+    default scope: (the placeholders, every tensor in creation order)."""
+    xs = [fc.placeholder("float64", (4,), name=f"in{i}") for i in range(3)]
+    pool = list(xs)
+    ops = [fc.add, fc.mul, fc.sub, lambda a, b: fc.tanh(a) + b, fc.maximum]
+    for i in range(size):
+        a, b = (pool[j] for j in rng.choice(len(pool), 2))
+        pool.append(ops[i % len(ops)](a, b))
+    return xs, pool
+
+
 def test_both_executors_agree_on_a_random_graph(rng):
     g = fc.Graph()
     with g.as_default():
-        xs = [fc.placeholder("float64", (4,), name=f"in{i}") for i in range(3)]
-        pool = list(xs)
-        ops = [fc.add, fc.mul, fc.sub, lambda a, b: fc.tanh(a) + b, fc.maximum]
-        for i in range(60):
-            a, b = (pool[j] for j in rng.choice(len(pool), 2))
-            pool.append(ops[i % len(ops)](a, b))
+        xs, pool = random_graph(g, rng, 60)
         fetches = pool[-5:]
     feeds = {x: rng.standard_normal(4) for x in xs}
     st_a, st_b = fc.RunStats(), fc.RunStats()
@@ -242,12 +249,7 @@ def assert_dataflow_trace(stats: fc.RunStats, deps: dict[str, set[str]]) -> None
 def test_dataflow_stats_record_when_each_node_finished(rng):
     g = fc.Graph()
     with g.as_default():
-        xs = [fc.placeholder("float64", (4,), name=f"in{i}") for i in range(3)]
-        pool = list(xs)
-        ops = [fc.add, fc.mul, fc.sub, lambda a, b: fc.tanh(a) + b, fc.maximum]
-        for i in range(40):
-            a, b = (pool[j] for j in rng.choice(len(pool), 2))
-            pool.append(ops[i % len(ops)](a, b))
+        xs, pool = random_graph(g, rng, 40)
         with g.control_dependencies([pool[10]]):
             last = fc.exp(pool[3], name="after_ctrl")
         fetches = pool[-3:] + [last]
