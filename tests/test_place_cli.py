@@ -98,6 +98,10 @@ def test_bench_spec_measures_placements_beside_predictions(tmp_path):
         assert p["measured_step_s"] == pytest.approx(statistics.median(t for r in p["rounds_s"] for t in r)), name
         assert p["examples_per_s"] == pytest.approx(data["batch"] / p["measured_step_s"]), name
     assert base["step_s"] == base["measured_step_s"]
+    # Two virtual CPU devices of one process: the step on both at once against alone, and the
+    # simulator's contention factor solved from that ratio (never below 1).
+    c = data["contention"]
+    assert c["ratio"] == pytest.approx(c["together_s"] / c["alone_s"]) and c["factor"] >= 1.0
     for alg, p in data["placements"].items():
         v = p["vs_one_device"]
         assert v["low"] <= v["high"] and v["faster"] in ("a", "b", None), alg

@@ -14,7 +14,7 @@ import flowctl as fc
 from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link
 from flowctl.engine.devices import canonical
 from flowctl.engine.graph import Graph, Node
-from flowctl.engine.placement import StaticCostModel, simulate
+from flowctl.engine.placement import StaticCostModel, simulate, step_nodes
 from flowctl.engine.placement.cost import CostTable
 
 D0, D1 = canonical("cpu:0"), canonical("cpu:1")
@@ -403,3 +403,50 @@ def test_a_detected_gpu_profile_comes_from_the_driver(monkeypatch, props, expect
         return
     assert (p.name, p.type, p.memory) == (expect[0], "gpu", expect[3])
     assert p.peak_flops == pytest.approx(expect[1]) and p.mem_bandwidth == pytest.approx(expect[2])
+
+
+def test_devices_of_one_process_slow_each_other_while_both_run():
+    """Contention 1.2 (processor sharing): a 10 ms op on cpu:0 and a 5 ms op on cpu:1 start
+    together. While both run each does 1/1.2 of its work per second, so the short one ends at
+    6 ms, having slowed the long one to 5 ms of work done; the long one finishes its last 5 ms
+    alone at full speed: 11 ms. A chain alone on one device is not slowed."""
+    g = fc.Graph()
+    with g.as_default():
+        fc.constant(np.ones(4, np.float32), name="long")
+        fc.constant(np.ones(4, np.float32), name="short")
+    cost = FixedCosts({"long": 10e-3, "short": 5e-3})
+    placement = on(g, D0, short=D1)
+    assert simulate(g, placement, cluster(), cost).step_time == pytest.approx(10e-3)
+    cost.contention = 1.2
+    r = simulate(g, placement, cluster(), cost)
+    assert r.finish["short"] == pytest.approx(6e-3)
+    assert r.finish["long"] == r.step_time == pytest.approx(11e-3)
+    assert r.device(D1).busy == pytest.approx(6e-3) and r.device(D0).busy == pytest.approx(11e-3)
+    alone = simulate(g, on(g, D0), cluster(), cost)  # one device: nothing to share with
+    assert alone.step_time == pytest.approx(15e-3)
+    # Two chains of 3 x 2 ms, one per device, overlap the whole way: 6 ms x 1.2.
+    g2 = fc.Graph()
+    with g2.as_default():
+        for side in ("a", "b"):
+            h = fc.constant(np.ones(4, np.float32), name=f"{side}0")
+            for k in range(1, 3):
+                h = fc.tanh(h, name=f"{side}{k}")
+    cost2 = FixedCosts({}, 2e-3)
+    cost2.contention = 1.2
+    both = simulate(g2, {n: D0 if n.startswith("a") else D1 for n in g2.nodes}, cluster(), cost2)
+    assert both.step_time == pytest.approx(7.2e-3)
+
+
+def test_contention_is_solved_from_the_step_run_twice_at_once():
+    """A 3 x 2 ms chain run on cpu:0 and cpu:1 at once, each on its own state, overlaps the whole
+    way, so a measured 1.25x its time alone means each device ran at 1/1.25. A measurement the
+    simulator already explains (<= 1x) is no contention."""
+    from flowctl.engine.placement.cost import CostTable
+    from flowctl.engine.placement.simulator import contention_for
+
+    g = chain(3)
+    cl = cluster()
+    table = CostTable.build(g, cl, FixedCosts({}, 2e-3), step_nodes(g))
+    assert contention_for(table, 0, 1, 1.25, cl) == pytest.approx(1.25, rel=1e-6)
+    assert contention_for(table, 0, 1, 0.95, cl) == 1.0
+    assert table.contention == 1.0  # the table asked about is left as it was

@@ -108,6 +108,11 @@ def _render_spec(console: Console, r: dict[str, Any]) -> None:
                   f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}",
                   *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else []))
     console.print(t)
+    c = r.get("contention")
+    if c:
+        console.print(f"  contention: the step on 2 devices at once took {c['ratio']:.2f}x its time alone "
+                      f"({c['together_s'] * 1e3:,.1f} vs {c['alone_s'] * 1e3:,.1f} ms); simulated as a "
+                      f"{c['factor']:.2f}x slowdown while devices of one process compute together")
     if "same_ranking" in r:
         for p in r["pairs"]:
             what = {"same": "measured in the same order", "reversed": "measured in the OPPOSITE order",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from typing import Any, Callable
 
@@ -19,7 +20,8 @@ from flowctl.data import make_source
 from flowctl.engine.cluster import Cluster, Link
 from flowctl.engine.container import ContainerStore
 from flowctl.engine.errors import PlacementError
-from flowctl.engine.placement import MeasuredCostModel, Placement, place
+from flowctl.engine.placement import CostTable, MeasuredCostModel, Placement, place
+from flowctl.engine.placement.simulator import contention_for
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.cluster import cluster_for
@@ -50,6 +52,53 @@ def _measure(session: fc.Session, step: StepGraph, feeds: dict[Any, Any], steps:
     stats = fc.RunStats()
     session.run([step.loss, step.train_op], feeds, stats=stats)  # warm-up: plans, allocator, threads
     return statistics.median(_timed_block(session, step, feeds, steps)), stats
+
+
+def measure_concurrency(graph: fc.Graph, init: str, cluster: Cluster, devices: tuple[Any, Any], step: StepGraph,
+                        feeds: dict[Any, Any], steps: int) -> dict[str, Any]:
+    """The whole step on each of two devices alone, then on both at the same time, each with its
+    own copy of the state (a split model's devices hold different weights, so they share no
+    cache lines). `together / alone` is what contention costs this process; the simulator's
+    factor is solved from it (`contention_for`)."""
+    sessions = []
+    try:
+        for d in devices:
+            s = DistributedSession(graph, cluster, {n: d.name for n in graph.nodes}, store=ContainerStore())
+            sessions.append(s)
+            s.run(init)
+        with blas_limits(cluster):
+            alone: list[float] = []
+            for s in sessions:
+                s.run([step.loss, step.train_op], feeds)  # warm-up: plans, allocator, threads
+                alone += _timed_block(s, step, feeds, steps)
+            together: list[list[float]] = [[], []]
+            errors: list[BaseException] = []
+
+            def worker(k: int) -> None:
+                try:
+                    together[k] = _timed_block(sessions[k], step, feeds, steps)
+                except BaseException as e:  # noqa: BLE001 -- re-raised on the calling thread
+                    errors.append(e)
+
+            threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if errors:
+                raise errors[0]
+    finally:
+        for s in sessions:
+            s.close()
+    a, t = statistics.median(alone), statistics.median(together[0] + together[1])
+    return {"devices": [d.name for d in devices], "alone_s": a, "together_s": t, "ratio": t / a}
+
+
+def _set_contention(cost: MeasuredCostModel, graph: fc.Graph, nodes: list[str], cluster: Cluster,
+                    cpus: list[Any], ratio: float) -> None:
+    table = CostTable.build(graph, cluster, cost, nodes)
+    names = cluster.names
+    cost.contention = contention_for(table, names.index(cpus[0].name), names.index(cpus[1].name), ratio, cluster)
 
 
 def measure_links(cluster: Cluster, crossings: int = 40, repeat: int = 7) -> dict[tuple[str, str], Link]:
@@ -254,6 +303,14 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
         say("measuring the links between devices")
         with blas_limits(cluster):
             cost.links = measure_links(cluster)
+    # Virtual CPU devices of this process share its caches and memory bandwidth: how much they
+    # slow each other, from the step run on two of them at once, for the simulator.
+    cpus = [d for d in cluster.devices if d.type == "cpu"]
+    concurrency: dict[str, Any] | None = None
+    if len(cpus) > 1:
+        say(f"measuring contention: the step on {cpus[0].name} and {cpus[1].name} at once")
+        concurrency = measure_concurrency(free, init.node, cluster, (cpus[0], cpus[1]), step, feeds, max(steps, 4))
+        _set_contention(cost, free, nodes, cluster, cpus, concurrency["ratio"])
 
     # Virtual CPU devices share one machine's cores: the baseline model parallelism has to beat is
     # the whole step on one device with all of their threads. (With a GPU, `single` is the baseline.)
@@ -317,6 +374,9 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
                                        "dispatch_us_per_node": cost.dispatch_by[prof] * 1e6,
                                        "profile_scale": cost.scale_by.get(prof, 1.0)}
                               for prof, (_, d) in calibrations.items()}
+    if concurrency is not None:  # again, over the final calibration
+        _set_contention(cost, free, nodes, cluster, cpus, concurrency["ratio"])
+        results["contention"] = {**concurrency, "factor": cost.contention}
     # Predictions with the final calibration; `placed_step_s` is what the placer saw when it chose.
     predicted = {alg: simulate(g, pl.assignment, cluster, cost, targets=[step.train_op.node]).step_time
                  for alg, pl in placements.items()}

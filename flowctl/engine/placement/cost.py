@@ -161,6 +161,9 @@ class MeasuredCostModel:
         # its kernels profiled one at a time (the machine sped up, or timing one op at a time cost
         # more than running it): `calibrate` scales them to the step as measured.
         self.scale_by: dict[str, float] = {}
+        # Synchronous devices of one process slow each other while both compute (shared caches
+        # and memory bandwidth): the simulator's processor-sharing factor (see simulator.py).
+        self.contention = 1.0
 
     # ------------------------------------------------------------------ the interface
     def key_for(self, graph: Graph, node: Node, device: str) -> str:
@@ -302,7 +305,7 @@ class MeasuredCostModel:
     def save(self, path: str | os.PathLike[str]) -> None:
         data = {"version": MEASURED_VERSION, "batch": self.batch, "dispatch": self.dispatch,
                 "dispatch_by": dict(sorted(self.dispatch_by.items())),
-                "scale_by": dict(sorted(self.scale_by.items())),
+                "scale_by": dict(sorted(self.scale_by.items())), "contention": self.contention,
                 "links": [[a, b, lk.bandwidth, lk.latency] for (a, b), lk in sorted(self.links.items())],
                 "records": dict(sorted(self.records.items()))}
         tmp = f"{os.fspath(path)}.tmp"
@@ -327,6 +330,7 @@ class MeasuredCostModel:
         model.dispatch = float(data.get("dispatch", 0.0))
         model.dispatch_by = {str(k): float(v) for k, v in data.get("dispatch_by", {}).items()}
         model.scale_by = {str(k): float(v) for k, v in data.get("scale_by", {}).items()}
+        model.contention = float(data.get("contention", 1.0))
         model.links = {(str(a), str(b)): Link(float(bw), float(lat)) for a, b, bw, lat in data.get("links", [])}
         return model
 
@@ -442,6 +446,9 @@ class CostTable:
     is_async: list[bool] = field(default_factory=list)
     issue: list[list[float]] = field(default_factory=list)
     stream: list[list[float]] = field(default_factory=list)
+    # Synchronous devices of one process share its caches and memory bandwidth: while two or
+    # more of them run ops at once, each runs at 1/contention of its measured speed (1: no effect).
+    contention: float = 1.0
 
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
@@ -518,4 +525,4 @@ class CostTable:
         else:
             is_async = []
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
-                   host, lanes, is_async, issue, stream)
+                   host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)))

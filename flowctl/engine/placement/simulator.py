@@ -15,9 +15,13 @@ The model, chosen to match what the runtime does:
   producer's device, once its outgoing transfers are done). Outputs of Variables, Consts and fed
   Placeholders are resident for the whole step. A device whose peak exceeds its memory makes the
   placement invalid: `SimResult.valid` is false and `check()` raises `PlacementError`.
+- Contention: synchronous devices of one process (virtual CPU devices) share caches and memory
+  bandwidth. While two or more of them run ops, each progresses at 1/`contention` of its measured
+  speed (processor sharing; the cost model's `contention`, 1 by default, measured by `bench`).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -226,6 +230,45 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
     is_async = table.is_async or [False] * D
     stream_free = [0.0] * D
     kernel_end = [0.0] * n
+    # Contention (processor sharing): synchronous devices of one process that run ops at the same
+    # time each progress at 1/contention of full speed. A running op keeps its remaining work at
+    # full speed; whenever the number of busy devices in its process changes, its finish moves.
+    shared: list[list[int]] = []
+    if table.contention != 1.0:
+        by_lane: dict[int, list[int]] = {}
+        for d in range(D):
+            if not is_async[d]:
+                by_lane.setdefault(lanes[d], []).append(d)
+        shared = [ds for ds in by_lane.values() if len(ds) > 1]
+    contended = [False] * D
+    for ds in shared:
+        for d in ds:
+            contended[d] = True
+    work_left = [0.0] * D  # full-speed seconds left of the op running on d
+    work_since = [0.0] * D  # when work_left was last brought up to date (or the op's start)
+    rate = [1.0] * D
+    began = [0.0] * D
+    live = [-1] * n  # the seq of node i's current finish event; older ones are stale
+    slow = 1.0 / table.contention if table.contention > 0 else 1.0
+
+    def reshare(now: float) -> None:
+        nonlocal seq
+        for ds in shared:
+            busy_n = sum(1 for d in ds if running[d] >= 0)
+            r = slow if busy_n > 1 else 1.0
+            for d in ds:
+                i = running[d]
+                if i < 0:
+                    continue
+                if now > work_since[d]:
+                    work_left[d] -= (now - work_since[d]) * rate[d]
+                    work_since[d] = now
+                if r != rate[d] or live[i] < 0:
+                    rate[d] = r
+                    seq += 1
+                    live[i] = seq
+                    heapq.heappush(events, (work_since[d] + max(0.0, work_left[d]) / r, seq, 0, i))
+
     t = 0.0
     done = 0
     while True:
@@ -257,17 +300,28 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
                         peak[d] = mem[d]
                 s.ops += 1
                 s.flops += table.flops[i]
+                if contended[d]:  # scheduled by reshare, at the speed the process allows now
+                    work_left[d], work_since[d], began[d], live[i] = dur, begin, begin, -1
+                    continue
                 seq += 1
+                live[i] = seq
                 heapq.heappush(events, (begin + dur, seq, 0, i))
+        if shared:
+            reshare(t)
         if not events:
             break
         t = events[0][0]
         while events and events[0][0] == t:
-            _, _, kind, payload = heapq.heappop(events)
+            _, ev_seq, kind, payload = heapq.heappop(events)
             if kind == 0:  # op finished
                 i = payload
+                if ev_seq != live[i]:
+                    continue  # rescheduled since: the process's contention changed
                 d = dev[i]
                 running[d] = -1
+                if contended[d]:
+                    stats[d].busy += (t - began[d]) - times[i][d]  # the time it really held d
+                    rate[d] = 1.0
                 finish[i] = max(t, kernel_end[i]) if is_async[d] else t  # when the output exists
                 done += 1
                 for j, p in inputs[i]:
@@ -329,3 +383,39 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
         links=[links[k] for k in sorted(links)],
         start=dict(zip(names, start)), finish=dict(zip(names, finish)),
         device_of={names[i]: table.devices[dev[i]] for i in range(n)}, problems=problems)
+
+
+def contention_for(table: CostTable, a: int, b: int, ratio: float, cluster: Cluster) -> float:
+    """The contention factor under which the simulator reproduces a measurement: the whole step
+    run on devices `a` and `b` (indices into `table.devices`, of one process) at the same time,
+    each on its own copy of the state, took `ratio` times the step run on `a` alone. Found by
+    bisection over [1, 8] (the simulated ratio grows with the factor); 1 where even no
+    contention simulates slower than measured (the process's interpreter, the host lane, already
+    explains it)."""
+    n = len(table.names)
+    alone = simulate_table(dataclasses.replace(table, contention=1.0), [a] * n, cluster).step_time
+    if alone <= 0:
+        return 1.0
+    twice = dataclasses.replace(
+        table, names=[f"{x}@{k}" for k in (0, 1) for x in table.names],
+        index={f"{x}@{k}": i + k * n for k in (0, 1) for i, x in enumerate(table.names)},
+        times=table.times * 2, flops=table.flops * 2, out_bytes=table.out_bytes * 2,
+        inputs=table.inputs + [[(j + n, p) for j, p in ins] for ins in table.inputs],
+        controls=table.controls + [[j + n for j in c] for c in table.controls],
+        succ=table.succ + [[j + n for j in c] for c in table.succ],
+        resident=table.resident * 2, host=(table.host * 2) if table.host else [],
+        issue=table.issue * 2 if table.issue else [], stream=table.stream * 2 if table.stream else [])
+    dev = [a] * n + [b] * n
+
+    def simulated(k: float) -> float:
+        return simulate_table(dataclasses.replace(twice, contention=k), dev, cluster).step_time / alone
+
+    if simulated(1.0) >= ratio:
+        return 1.0
+    lo, hi = 1.0, 8.0
+    if simulated(hi) < ratio:
+        return hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < ratio else (lo, mid)
+    return (lo + hi) / 2
