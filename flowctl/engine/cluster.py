@@ -70,6 +70,17 @@ PROFILES: dict[str, DeviceProfile] = {
     # One modern server core with AVX2 FMA: 2 FMA units x 8 float32 lanes x 2 FLOP x ~3 GHz.
     "cpu_core": DeviceProfile("cpu_core", "cpu", 96e9, 10e9, 8 * GiB, 3e-6),
 }
+
+
+def gpu_profile_for(name: str) -> DeviceProfile:
+    """The profile a spec's GPU device without one is planned with: this machine's GPU of that
+    index as the driver describes it, for a device of this process; otherwise a K40, the GPU of
+    the learned-placement paper."""
+    d = parse_device(name)
+    found = detected_gpu_profile(d.index) if (d.job, d.task) == ("localhost", 0) else None
+    return found or PROFILES["k40"]
+
+
 LINKS: dict[str, Link] = {
     "pcie3": Link(12e9, 10e-6),
     "nvlink": Link(25e9, 5e-6),

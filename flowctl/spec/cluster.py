@@ -9,15 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile, Link, detected_gpu_profile
-from flowctl.engine.devices import parse_device
-
-
-def _gpu_profile(name: str) -> DeviceProfile:
-    """This machine's GPU of that index where it has one (local devices only), else a K40."""
-    d = parse_device(name)
-    found = detected_gpu_profile(d.index) if (d.job, d.task) == ("localhost", 0) else None
-    return found or PROFILES["k40"]
+from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, gpu_profile_for
 
 
 def cluster_for(spec: Any, devices: str | None = None) -> Cluster:
@@ -32,7 +24,7 @@ def cluster_for(spec: Any, devices: str | None = None) -> Cluster:
     links: dict[tuple[str, str], Link] = {}
     for e in entries:
         is_gpu = "device:gpu" in e.name
-        base = (_gpu_profile(e.name) if is_gpu else local_cpu)
+        base = gpu_profile_for(e.name) if is_gpu else local_cpu
         p = e.profile
         prof = base if p is None else DeviceProfile(
             name=f"{base.name}*", type=base.type, peak_flops=p.peak_flops or base.peak_flops,

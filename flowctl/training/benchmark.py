@@ -68,8 +68,7 @@ def measure_concurrency(graph: fc.Graph, init: str, cluster: Cluster, devices: t
             s.run(init)
         with blas_limits(cluster):
             alone: list[float] = []
-            for s in sessions:
-                s.run([step.loss, step.train_op], feeds)  # warm-up: plans, allocator, threads
+            for s in sessions:  # each block's untimed first step compiles the plans
                 alone += _timed_block(s, step, feeds, steps)
             together: list[list[float]] = [[], []]
             errors: list[BaseException] = []

@@ -29,7 +29,7 @@ import numpy as np
 import flowctl as fc
 from flowctl.data import DataSource, InputSpec, make_source
 from flowctl.engine import strategies as st
-from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile, detected_gpu_profile
+from flowctl.engine.cluster import PROFILES, Cluster, Device, DeviceProfile, gpu_profile_for
 from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.errors import SpecError
 from flowctl.engine.optimizers import (
@@ -94,7 +94,7 @@ def local_cluster(devices: Sequence[str]) -> Cluster:
                                  core.op_overhead)
             out.append(Device(name, prof, threads=per))
         else:
-            out.append(Device(name, detected_gpu_profile(d.index) or PROFILES["k40"]))
+            out.append(Device(name, gpu_profile_for(name)))
     return Cluster(out)
 
 

@@ -181,8 +181,10 @@ class MeasuredCostModel:
                 return 0.0
             self._missed[node.name] = None
             return self.static.op_time(graph, node, device)
-        prof = self.cluster.device(device).profile.name
-        return t * self.scale_by.get(prof, 1.0) + self.dispatch_by.get(prof, self.dispatch)
+        return t * self._scale(device) + self.dispatch_by.get(self.cluster.device(device).profile.name, self.dispatch)
+
+    def _scale(self, device: str) -> float:
+        return self.scale_by.get(self.cluster.device(device).profile.name, 1.0)
 
     def stream_time(self, graph: Graph, node: Node, device: str) -> float | None:
         """Seconds the node's kernels keep an asynchronous device (a GPU stream) busy, measured
@@ -190,7 +192,7 @@ class MeasuredCostModel:
         if node.op == "Placeholder":
             return None
         t = self.records.get(self.key_for(graph, node, device) + STREAM)
-        return None if t is None else t * self.scale_by.get(self.cluster.device(device).profile.name, 1.0)
+        return None if t is None else t * self._scale(device)
 
     def host_time(self, node: Node) -> float:
         """The part of a node's time spent in the runtime's Python dispatch, which holds the
