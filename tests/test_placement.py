@@ -455,10 +455,10 @@ def test_measured_cost_model_profiles_saves_loads_and_reports_fallbacks(tmp_path
     # A calibration (dispatch, or the profile's scale when the step ran faster) survives the cache.
     mm_time = m.records[m.key_for(g, g.nodes["mm"], CPU0)]
     prof = cl.devices[0].profile.name
-    m.dispatch_by, m.scale_by = {prof: 2e-6}, {prof: 0.5}
+    m.dispatch_by, m.scale_by, m.jitter = {prof: 2e-6}, {prof: 0.5}, 0.21
     m.save(path)
     again = MeasuredCostModel.load(path, cl)
-    assert again.dispatch_by == m.dispatch_by and again.scale_by == m.scale_by
+    assert again.dispatch_by == m.dispatch_by and again.scale_by == m.scale_by and again.jitter == 0.21
     assert again.op_time(g, g.nodes["mm"], CPU0) == pytest.approx(mm_time * 0.5 + 2e-6)
     loaded.op_time(g, g.nodes["unprofiled"], CPU0)
     assert loaded.fallbacks() == ["unprofiled"]

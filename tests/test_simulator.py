@@ -450,3 +450,74 @@ def test_contention_is_solved_from_the_step_run_twice_at_once():
     assert contention_for(table, 0, 1, 1.25, cl) == pytest.approx(1.25, rel=1e-6)
     assert contention_for(table, 0, 1, 0.95, cl) == 1.0
     assert table.contention == 1.0  # the table asked about is left as it was
+
+
+# ---------------------------------------------------------------------------- jitter
+def test_a_chain_on_one_device_takes_its_exact_time_in_expectation():
+    """Every op's time is multiplied by a factor of mean 1, so a chain (a sum) keeps its mean:
+    400 samples of 5 ops at jitter 0.2 put the mean within 3% (about 6 standard errors)."""
+    from flowctl.engine.placement.simulator import expected_step_time
+
+    g = chain(4)
+    cost = FixedCosts({"x": 0.5e-3, "r0": 1e-3, "r1": 2e-3, "r2": 3e-3, "r3": 4e-3})
+    cost.jitter = 0.2
+    cl = cluster()
+    table = CostTable.build(g, cl, cost, step_nodes(g))
+    assert table.jitter == 0.2
+    e = expected_step_time(table, [0] * len(table.names), cl, samples=400)
+    assert e.mean == pytest.approx(10.5e-3, rel=0.03)
+    assert e.low < 10.5e-3 < e.high and e.samples == 400 and e.jitter == 0.2
+    # The same seed draws the same runs; no jitter is the exact schedule.
+    assert expected_step_time(table, [0] * len(table.names), cl, samples=400) == e
+    exact = expected_step_time(table, [0] * len(table.names), cl, jitter=0.0)
+    assert exact.mean == exact.low == exact.high == pytest.approx(10.5e-3) and exact.samples == 0
+
+
+def knife_edge() -> tuple[Graph, dict[str, str]]:
+    """Two 10 ms ops on cpu:0 and cpu:2 send cpu:1 its inputs at the same instant: `c` (10 ms,
+    on the path a -> c -> d back on cpu:0) and `b` (30 ms, off it). The exact schedule breaks the
+    tie by topological order, c first; a real step breaks it by whichever op ran faster."""
+    g = fc.Graph()
+    with g.as_default():
+        a = fc.relu(fc.constant(np.ones(1, np.float32), name="ka"), name="a")
+        c = fc.relu(a, name="c")
+        d = fc.relu(c, name="d")
+        q = fc.relu(fc.constant(np.ones(1, np.float32), name="kq"), name="q")
+        b = fc.relu(q, name="b")
+        fc.group([d, b], name="done")
+    d2 = canonical("cpu:2")
+    return g, on(g, D0, kq=d2, q=d2, c=D1, b=D1)
+
+
+def test_a_schedule_that_rests_on_a_tie_between_devices_loses_it_in_expectation():
+    from flowctl.engine.placement import expect
+
+    g, placement = knife_edge()
+    cost = FixedCosts({"a": 10e-3, "q": 10e-3, "c": 10e-3, "d": 10e-3, "b": 30e-3})
+    cl = cluster(3)
+    tr = LAT + 4 / BW  # a 4-byte tensor across
+    # c first: c ends at 20 ms + tr, b runs from there to 50 ms + tr; the Group waits for b's token.
+    fast = 50e-3 + tr + LAT
+    # b first: b ends at 40 ms + tr, then c, then d back on cpu:0 after one more crossing.
+    slow = 60e-3 + 2 * tr
+    exact = simulate(g, placement, cl, cost)
+    assert exact.start["c"] == pytest.approx(10e-3 + tr) and exact.step_time == pytest.approx(fast)
+    cost.jitter = 0.01  # a 1% wobble decides the tie either way, about half the time each
+    e = expect(g, placement, cl, cost, samples=64)
+    assert fast + 2e-3 < e.mean < slow - 2e-3
+    assert e.low == pytest.approx(fast, rel=0.02) and e.high == pytest.approx(slow, rel=0.02)
+    # A schedule without the tie keeps its time: b's input one link later than c's is no tie.
+    cost.times["q"] = 12e-3
+    assert expect(g, placement, cl, cost, samples=64).mean == pytest.approx(fast, rel=0.01)
+
+
+def test_the_profiles_jitter_is_the_spread_of_nodes_that_share_a_key():
+    from math import e as E
+
+    from flowctl.engine.placement.cost import STREAM, log_spread
+
+    # log times 0,0,0,1,1,1: standard deviation 0.5; 1,1,1,1,1,1: 0. Median of the two: 0.25.
+    assert log_spread({"cell": [1, 1, 1, E, E, E], "gate": [2.0] * 6}) == pytest.approx(0.25)
+    # Keys of fewer than five nodes and GPU stream times do not count; none left: None.
+    assert log_spread({"cell": [1, E, 1, E], "k" + STREAM: [1, E, 1, E, 1]}) is None
+    assert log_spread({"cell": [1, 1, 1, E, E, E], "one": [1.0, E]}) == pytest.approx(0.5)

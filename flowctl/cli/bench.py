@@ -108,6 +108,11 @@ def _render_spec(console: Console, r: dict[str, Any]) -> None:
                   f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}",
                   *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else []))
     console.print(t)
+    if "jitter" in r:
+        exact = ", ".join(f"{alg} {p['predicted_exact_s'] * 1e3:,.1f}" for alg, p in r["placements"].items()
+                          if p.get("error") is None)
+        console.print(f"  predicted: the mean simulated step with each op's time off by its measured spread "
+                      f"(sd of log {r['jitter']:.2f}); at exactly the profiled times (ms): {exact}")
     c = r.get("contention")
     if c:
         console.print(f"  contention: the step on 2 devices at once took {c['ratio']:.2f}x its time alone "

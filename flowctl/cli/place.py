@@ -50,7 +50,9 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     chosen = p.chosen
     if as_json:
         out = chosen.to_dict(nodes=explain)
+        out["expected"] = chosen.expected().to_dict()
         out["compared"] = {k: (v.step_time if not isinstance(v, str) else v) for k, v in p.compared.items()}
+        out["compared_expected"] = {k: v.expected().to_dict() for k, v in p.compared.items() if not isinstance(v, str)}
         out["cluster"] = p.cluster.describe()
         out["nodes_in_step"] = len(chosen.simulation.start)
         if explain and by == "layer":
@@ -63,17 +65,25 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
     chosen = p.chosen
     console.print(f"[bold]{chosen.algorithm}[/] placement of {len(chosen.simulation.start):,} step nodes on "
                   f"{len(p.cluster.devices)} device(s), {p.cost.__class__.__name__}, placed in {chosen.seconds:.2f} s")
+    jitter = chosen.expected().jitter
     t = Table(title="predicted step time (simulated)")
     t.add_column("placement")
     t.add_column("step ms", justify="right")
+    t.add_column("expected ms", justify="right")
+    t.add_column("10-90%", justify="right")
     t.add_column("vs chosen", justify="right")
-    t.add_row(chosen.algorithm + " (chosen)", _ms(chosen.step_time), "1.00x")
-    for alg, other in p.compared.items():
-        if isinstance(other, str):
-            t.add_row(alg, "-", other[:70])
-        else:
-            t.add_row(alg, _ms(other.step_time), f"{other.step_time / chosen.step_time:.2f}x")
+    base = chosen.expected().mean
+    for alg, pl in [(chosen.algorithm + " (chosen)", chosen), *p.compared.items()]:
+        if isinstance(pl, str):
+            t.add_row(alg, "-", "-", "-", pl[:70])
+            continue
+        e = pl.expected()
+        t.add_row(alg, _ms(pl.step_time), _ms(e.mean), f"{_ms(e.low)}-{_ms(e.high)}",
+                  f"{e.mean / base:.2f}x" if base else "-")
     console.print(t)
+    console.print("  step ms: the schedule at exactly the modelled op times; expected: its mean over "
+                  "runs with every op's time off by the cost model's jitter "
+                  f"(sd of log {jitter:.2f}), what a measurement should show")
     t = Table(title="per device")
     for col in ("device", "profile", "ops", "GFLOPs", "bytes in", "bytes out", "peak memory", "busy ms", "busy %"):
         t.add_column(col, justify="right")

@@ -5,7 +5,8 @@ coarsening, and the placers. See ARCHITECTURE.md, "Placement".
     cluster = Cluster.from_spec("4xgpu:k40")
     pl = place(graph, cluster, StaticCostModel(cluster, batch=32), "greedy", targets=[train_op.node])
     pl.assignment      # node -> canonical device
-    pl.step_time       # simulated seconds per step
+    pl.step_time       # simulated seconds per step, at exactly the modelled costs
+    pl.expected().mean # the same in expectation over the cost model's jitter: what to expect measured
     pl.to_dict()       # the explanation, JSON-ready
 """
 from __future__ import annotations
@@ -23,15 +24,19 @@ from flowctl.engine.placement.placers import ALGORITHMS, evaluate, place, rule_m
 from flowctl.engine.placement.problem import Problem, prepare
 from flowctl.engine.placement.simulator import (
     DeviceStats,
+    Expectation,
     LinkStats,
     SimResult,
+    expect,
+    expected_step_time,
     simulate,
     step_nodes,
 )
 
 __all__ = [
-    "ALGORITHMS", "Candidate", "Coarsening", "CostModel", "CostTable", "Decision", "DeviceStats", "Feasibility",
+    "ALGORITHMS", "Candidate", "Coarsening", "CostModel", "CostTable", "Decision", "DeviceStats", "Expectation",
+    "Feasibility",
     "Group", "LinkStats", "MeasuredCostModel", "NodeReport", "Placement", "Problem", "SimResult",
-    "StaticCostModel", "evaluate", "feasible_sets", "place", "prepare", "rule_matches", "simulate",
+    "StaticCostModel", "evaluate", "expect", "expected_step_time", "feasible_sets", "place", "prepare", "rule_matches", "simulate",
     "step_nodes",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -32,6 +33,8 @@ from flowctl.engine.ops.registry import CONTROL, SOURCE
 from flowctl.engine.shapes import TensorSpec, concrete
 
 MEASURED_VERSION = 1
+DEFAULT_JITTER = 0.05
+JITTER_MIN_NODES = 5  # nodes sharing a key before their spread counts towards the jitter
 STREAM = "|stream"  # a record key's suffix for the device time of an asynchronous (GPU) kernel
 
 
@@ -80,6 +83,10 @@ class StaticCostModel:
     """Roofline estimates from the op registry's cost functions over the cluster's profiles."""
 
     name = "static"
+    # How much one kernel's time varies from run to run, as the standard deviation of its log
+    # (see simulator.expected_step_time). Assumed for hardware that is not here; the measured
+    # model measures it. Profiles of this machine's CPU cores put it at 0.17-0.37.
+    jitter = DEFAULT_JITTER
 
     def __init__(self, cluster: Cluster, batch: int = 1) -> None:
         self.cluster = cluster
@@ -164,6 +171,9 @@ class MeasuredCostModel:
         # Synchronous devices of one process slow each other while both compute (shared caches
         # and memory bandwidth): the simulator's processor-sharing factor (see simulator.py).
         self.contention = 1.0
+        # The spread of one kernel's time (sd of its log), measured by `profile` across nodes that
+        # share a key; the static model's assumption until then.
+        self.jitter = DEFAULT_JITTER
 
     # ------------------------------------------------------------------ the interface
     def key_for(self, graph: Graph, node: Node, device: str) -> str:
@@ -296,6 +306,9 @@ class MeasuredCostModel:
             if gate is not None:
                 seen.setdefault(key + STREAM, []).append(best_stream[i])
         added = sum(1 for k in seen if k not in self.records)
+        spread = log_spread(seen)
+        if spread is not None:
+            self.jitter = spread
         for key, ts in seen.items():
             # Each node's best of `repeat` drops one-off stalls; across the nodes that share a key
             # (the 35 identical cells of an LSTM) the median, since the minimum of many samples
@@ -308,6 +321,7 @@ class MeasuredCostModel:
         data = {"version": MEASURED_VERSION, "batch": self.batch, "dispatch": self.dispatch,
                 "dispatch_by": dict(sorted(self.dispatch_by.items())),
                 "scale_by": dict(sorted(self.scale_by.items())), "contention": self.contention,
+                "jitter": self.jitter,
                 "links": [[a, b, lk.bandwidth, lk.latency] for (a, b), lk in sorted(self.links.items())],
                 "records": dict(sorted(self.records.items()))}
         tmp = f"{os.fspath(path)}.tmp"
@@ -333,8 +347,20 @@ class MeasuredCostModel:
         model.dispatch_by = {str(k): float(v) for k, v in data.get("dispatch_by", {}).items()}
         model.scale_by = {str(k): float(v) for k, v in data.get("scale_by", {}).items()}
         model.contention = float(data.get("contention", 1.0))
+        model.jitter = float(data.get("jitter", DEFAULT_JITTER))
         model.links = {(str(a), str(b)): Link(float(bw), float(lat)) for a, b, bw, lat in data.get("links", [])}
         return model
+
+
+def log_spread(times_by_key: Mapping[str, Sequence[float]]) -> float | None:
+    """The jitter of one op's time: over the keys that at least JITTER_MIN_NODES nodes share (an
+    LSTM's 35 cells do the same work), the median of the standard deviation of their log times.
+    How far the nodes of one key stray from each other is how far an op strays from its record
+    in a real step. None where no key has enough nodes. GPU stream times are left out (the
+    launches' spread is the one the host sees)."""
+    spreads = [statistics.pstdev(math.log(t) for t in ts) for key, ts in times_by_key.items()
+               if len(ts) >= JITTER_MIN_NODES and min(ts) > 0 and not key.endswith(STREAM)]
+    return statistics.median(spreads) if spreads else None
 
 
 def _shape_of(x: Any) -> tuple[int, ...]:
@@ -451,6 +477,8 @@ class CostTable:
     # Synchronous devices of one process share its caches and memory bandwidth: while two or
     # more of them run ops at once, each runs at 1/contention of its measured speed (1: no effect).
     contention: float = 1.0
+    # The spread of one op's time around its cost (sd of its log): see simulator.expected_step_time.
+    jitter: float = 0.0
 
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
@@ -527,4 +555,5 @@ class CostTable:
         else:
             is_async = []
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
-                   host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)))
+                   host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
+                   float(getattr(model, "jitter", 0.0)))

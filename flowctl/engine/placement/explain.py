@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph
-from flowctl.engine.placement.simulator import DeviceStats, LinkStats, SimResult
+from flowctl.engine.placement.simulator import (EXPECTATION_SAMPLES, DeviceStats, Expectation, LinkStats,
+                                                SimResult, expected_step_time)
 
 if TYPE_CHECKING:
+    from flowctl.engine.cluster import Cluster
     from flowctl.engine.placement.coarsen import Coarsening
+    from flowctl.engine.placement.cost import CostTable
 
 
 @dataclass
@@ -86,6 +89,11 @@ class Placement:
     coarse: Coarsening | None = field(default=None, repr=False, compare=False)
     node_times: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     node_flops: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    # What `expected` re-simulates: the step's cost table, each step node's device index, the cluster.
+    table: CostTable | None = field(default=None, repr=False, compare=False)
+    device_index: list[int] = field(default_factory=list, repr=False, compare=False)
+    cluster: Cluster | None = field(default=None, repr=False, compare=False)
+    _expected: dict[tuple[int, int], Expectation] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def step_time(self) -> float:
@@ -94,6 +102,18 @@ class Placement:
     @property
     def valid(self) -> bool:
         return self.simulation.valid
+
+    def expected(self, samples: int = EXPECTATION_SAMPLES, seed: int = 0) -> Expectation:
+        """The step time in expectation over the cost model's jitter (simulator.expected_step_time):
+        what a measurement of this placement should show, where `step_time` is one exact schedule."""
+        key = (samples, seed)
+        if key not in self._expected:
+            if self.table is None or self.cluster is None:  # built by hand: the exact schedule is all there is
+                t = self.step_time
+                self._expected[key] = Expectation(t, t, t, 0.0, 0)
+            else:
+                self._expected[key] = expected_step_time(self.table, self.device_index, self.cluster, samples, seed)
+        return self._expected[key]
 
     @property
     def devices(self) -> list[DeviceStats]:

@@ -123,4 +123,4 @@ def build_placement(pb: Problem, algorithm: str, assignment: dict[str, str], dec
         fallbacks=list(pb.cost_model.fallbacks()), notes=list(notes or []),
         seconds=time.perf_counter() - started, graph=pb.graph, coarse=pb.coarse,
         node_times={n: t.times[i][dev[i]] for i, n in enumerate(t.names)},
-        node_flops={n: t.flops[i] for i, n in enumerate(t.names)})
+        node_flops={n: t.flops[i] for i, n in enumerate(t.names)}, table=t, device_index=dev, cluster=pb.cluster)
