@@ -48,6 +48,11 @@ def test_place_explains_each_node_and_compares(tmp_path):
     data = json.loads(r.stdout)
     assert data["algorithm"] == "greedy" and data["valid"]
     assert set(data["compared"]) == {"single", "expert"}
+    # The expectation over the static model's assumed jitter, for the chosen and the compared.
+    assert data["expected"]["jitter"] == 0.05 and data["expected"]["samples"] == 16
+    assert 0 < data["expected"]["low"] <= data["expected"]["high"]
+    assert data["expected"]["mean"] == pytest.approx(data["step_time"], rel=0.1)
+    assert set(data["compared_expected"]) == {"single", "expert"}
     nodes = {n["name"]: n for n in data["nodes"]}
     left = next(n for k, n in nodes.items() if k.startswith("left/") and n["op"] == "MatMul")
     assert left["device"].endswith("cpu:0") and "constraint device='cpu:0'" in left["narrowed_by"]
@@ -87,7 +92,10 @@ def test_bench_spec_measures_placements_beside_predictions(tmp_path):
     for alg in ("single", "expert", "greedy"):
         p = data["placements"][alg]
         assert p["error"] is None and p["measured_step_s"] > 0 and p["predicted_step_s"] > 0
+        # The prediction is the expectation over the profile's jitter, beside the exact schedule.
+        assert 0 < p["predicted_low_s"] <= p["predicted_high_s"] and p["predicted_exact_s"] > 0
     assert len(data["placements"]["expert"]["devices_used"]) == 2
+    assert data["jitter"] >= 0
     assert data["one_device_all_threads"]["step_s"] > 0
     # Rounds of timed steps (3 by default), each summarised by its median and a 95% interval.
     assert data["rounds"] == 3 and data["steps"] == 2
