@@ -49,7 +49,7 @@ def test_place_explains_each_node_and_compares(tmp_path):
     assert data["algorithm"] == "greedy" and data["valid"]
     assert set(data["compared"]) == {"single", "expert"}
     # The expectation over the static model's assumed jitter, for the chosen and the compared.
-    assert data["expected"]["jitter"] == 0.05 and data["expected"]["samples"] == 16
+    assert data["expected"]["jitter"] == 0.05 and data["expected"]["samples"] == 8
     assert 0 < data["expected"]["low"] <= data["expected"]["high"]
     assert data["expected"]["mean"] == pytest.approx(data["step_time"], rel=0.1)
     assert set(data["compared_expected"]) == {"single", "expert"}

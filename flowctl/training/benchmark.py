@@ -29,6 +29,9 @@ from flowctl.training.planning import StepGraph, expert_rules, step_graph
 from flowctl.training.strategies import model_inputs
 
 
+BENCH_SAMPLES = 32  # jittered simulations behind each prediction (seconds, beside minutes of measuring)
+
+
 def _feeds(step: StepGraph, loaded: LoadedSpec, batch: int) -> dict[Any, Any]:
     data = make_source(loaded.spec.data.model_dump(), model_inputs(loaded), batch, base_dir=loaded.base_dir)
     feeds: dict[Any, Any] = {step.model.inputs[k]: v for k, v in data.next_batch().items()}
@@ -381,7 +384,7 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     # the exact schedule's; `placed_step_s` is what the placer saw when it chose.
     exact = {alg: simulate(g, pl.assignment, cluster, cost, targets=[step.train_op.node]).step_time
              for alg, pl in placements.items()}
-    expected = {alg: expect(g, pl.assignment, cluster, cost, targets=[step.train_op.node])
+    expected = {alg: expect(g, pl.assignment, cluster, cost, targets=[step.train_op.node], samples=BENCH_SAMPLES)
                 for alg, pl in placements.items()}
     predicted = {alg: e.mean for alg, e in expected.items()}
     results["jitter"] = cost.jitter
