@@ -35,8 +35,7 @@ from flowctl.engine.placement.simulator import (
 
 __all__ = [
     "ALGORITHMS", "Candidate", "Coarsening", "CostModel", "CostTable", "Decision", "DeviceStats", "Expectation",
-    "Feasibility",
-    "Group", "LinkStats", "MeasuredCostModel", "NodeReport", "Placement", "Problem", "SimResult",
-    "StaticCostModel", "evaluate", "expect", "expected_step_time", "feasible_sets", "place", "prepare", "rule_matches", "simulate",
-    "step_nodes",
+    "Feasibility", "Group", "LinkStats", "MeasuredCostModel", "NodeReport", "Placement", "Problem", "SimResult",
+    "StaticCostModel", "evaluate", "expect", "expected_step_time", "feasible_sets", "place", "prepare",
+    "rule_matches", "simulate", "step_nodes",
 ]

@@ -85,7 +85,7 @@ class StaticCostModel:
     name = "static"
     # How much one kernel's time varies from run to run, as the standard deviation of its log
     # (see simulator.expected_step_time). Assumed for hardware that is not here; the measured
-    # model measures it. Profiles of this machine's CPU cores put it at 0.17-0.37.
+    # model measures it (lstm_lm's profiles on a 2-core VM: 0.21-0.25).
     jitter = DEFAULT_JITTER
 
     def __init__(self, cluster: Cluster, batch: int = 1) -> None:
