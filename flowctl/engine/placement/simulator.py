@@ -180,25 +180,29 @@ def _tabulate(graph: Graph, placement: Mapping[str, str], cluster: Cluster, cost
     return table, dev
 
 
-def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep: Iterable[str] = ()) -> SimResult:
-    """The event loop over a prepared CostTable; `dev[i]` is node i's device index."""
-    n, D = len(table.names), len(table.devices)
-    times, inputs, controls, out_bytes, resident = (table.times, table.inputs, table.controls,
-                                                   table.out_bytes, table.resident)
-    keep_refs = set()
-    for ref in keep:
-        name, port = parse_ref(ref)
-        if name in table.index:
-            keep_refs.add((table.index[name], port))
+@dataclass
+class _Dependencies:
+    """What a placement makes each node wait for: local predecessors, and one transfer per
+    (tensor, destination device) shared by every consumer there (§3.2.2). Counts that the event
+    loop consumes (`pending`, `src_refs`, `recv_refs`) are copied per run; the rest is read-only,
+    so jittered runs of one placement share it."""
 
-    # Dependencies: a consumer on the producer's device waits for the producer; one elsewhere waits
-    # for the (tensor, destination) transfer, which every consumer on that device shares (§3.2.2).
+    pending: list[int]
+    local_succ: list[list[int]]
+    xfer_waiters: dict[tuple[int, int, int], list[int]]
+    out_xfers: list[list[tuple[int, int]]]  # per node: (port or -1, dst device), in link order
+    src_refs: dict[tuple[int, int], int]  # (node, port) -> local readers + outgoing transfers
+    recv_refs: dict[tuple[int, int, int], int]  # (node, port, device) -> readers there
+
+
+def _dependencies(table: CostTable, dev: Sequence[int]) -> _Dependencies:
+    n, inputs, controls = len(table.names), table.inputs, table.controls
     pending = [0] * n
     local_succ: list[list[int]] = [[] for _ in range(n)]
     xfer_waiters: dict[tuple[int, int, int], list[int]] = {}
-    out_xfers: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (port or -1, dst device)
-    src_refs: dict[tuple[int, int], int] = {}  # (node, port) -> local readers + outgoing transfers
-    recv_refs: dict[tuple[int, int, int], int] = {}  # (node, port, device) -> readers there
+    out_xfers: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    src_refs: dict[tuple[int, int], int] = {}
+    recv_refs: dict[tuple[int, int, int], int] = {}
     for i in range(n):
         d = dev[i]
         node_deps: set[int] = set()
@@ -231,6 +235,24 @@ def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep:
         pending[i] = len(node_deps) + len(keys)
     for j in range(n):
         out_xfers[j].sort(key=lambda pd: (pd[1], pd[0]))  # deterministic link order
+    return _Dependencies(pending, local_succ, xfer_waiters, out_xfers, src_refs, recv_refs)
+
+
+def simulate_table(table: CostTable, dev: Sequence[int], cluster: Cluster, keep: Iterable[str] = (),
+                   deps: _Dependencies | None = None) -> SimResult:
+    """The event loop over a prepared CostTable; `dev[i]` is node i's device index. `deps`: the
+    placement's `_dependencies`, where the caller simulates it more than once."""
+    n, D = len(table.names), len(table.devices)
+    times, inputs, out_bytes, resident = table.times, table.inputs, table.out_bytes, table.resident
+    keep_refs = set()
+    for ref in keep:
+        name, port = parse_ref(ref)
+        if name in table.index:
+            keep_refs.add((table.index[name], port))
+
+    deps = deps or _dependencies(table, dev)
+    pending, src_refs, recv_refs = list(deps.pending), dict(deps.src_refs), dict(deps.recv_refs)
+    local_succ, xfer_waiters, out_xfers = deps.local_succ, deps.xfer_waiters, deps.out_xfers
 
     stats = [DeviceStats(table.devices[d], capacity=int(cluster.device(table.devices[d]).profile.memory))
              for d in range(D)]
@@ -443,6 +465,7 @@ def expected_step_time(table: CostTable, dev: Sequence[int], cluster: Cluster, s
     host_a = np.asarray(table.host, dtype=np.float64) if table.host else None
     issue_a = np.asarray(table.issue, dtype=np.float64) if table.issue else None
     stream_a = np.asarray(table.stream, dtype=np.float64) if table.stream else None
+    deps = _dependencies(table, dev)
     steps = []
     for _ in range(samples):
         f = np.exp(rng.normal(-s * s / 2, s, size=n))
@@ -452,7 +475,7 @@ def expected_step_time(table: CostTable, dev: Sequence[int], cluster: Cluster, s
             host=(host_a * f).tolist() if host_a is not None else table.host,
             issue=(issue_a * col).tolist() if issue_a is not None else table.issue,
             stream=(stream_a * col).tolist() if stream_a is not None else table.stream)
-        steps.append(simulate_table(jittered, dev, cluster).step_time)
+        steps.append(simulate_table(jittered, dev, cluster, deps=deps).step_time)
     lo, hi = np.percentile(steps, [10, 90])
     return Expectation(float(np.mean(steps)), float(lo), float(hi), s, samples)
 
