@@ -4,8 +4,6 @@ The Python API (`import flowctl as fc`) builds the same `Graph` the YAML front e
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from flowctl.engine import ops as _ops  # noqa: F401  (registers every op)
 from flowctl.engine.autodiff import gradients
 from flowctl.engine.container import ContainerStore, process_store
@@ -38,4 +36,5 @@ from flowctl.engine.ops.state import (
     variable, variables,
 )
 from flowctl.engine.session import Session
+from flowctl.version import __version__
 from flowctl.engine.runtime import DistributedSession

@@ -5,7 +5,7 @@ import pytest
 
 
 def _gpu_available() -> bool:
-    from flowctl.kernels.backend import cupy_or_none
+    from flowctl.kernels.registry import cupy_or_none
 
     return cupy_or_none() is not None
 

@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from flowctl.training.benchmark import compare, median_ci, ranking
+from flowctl.bench.stats import compare, median_ci, ranking
 
 
 def rounds(rng: np.random.Generator, mu: float, sd: float, r: int = 3, n: int = 5) -> list[list[float]]:
@@ -206,7 +206,7 @@ def test_ranking_of_two_placements_has_one_pair():
 def test_links_are_measured_through_the_runtime_and_cost_transfers(tmp_path):
     from flowctl.engine.cluster import Cluster
     from flowctl.engine.placement import MeasuredCostModel
-    from flowctl.training.benchmark import measure_links
+    from flowctl.bench.spec import measure_links
 
     cluster = Cluster.local(3, threads=3)
     links = measure_links(cluster, crossings=10, repeat=3)

@@ -21,7 +21,7 @@ import pytest
 import flowctl as fc
 from flowctl.engine import checkpoint as ck
 from flowctl.engine.checkpoint import (
-    KILL_ENV, KILL_PHASES, CheckpointManager, CheckpointWarning, apply, capture, decode_state, encode_state,
+    SAVE_PHASES, CheckpointDir, CheckpointWarning, apply, capture, decode_state, encode_state,
 )
 from flowctl.engine.optimizers import Momentum
 
@@ -80,7 +80,7 @@ def test_save_writes_the_committed_layout_and_loads_back_exactly(tmp_path):
         "empty": np.zeros((0, 2), np.float64),
     }
     state = {"data_cursor": {"epoch": 2, "index": 17}, "lr_step": 40, "names": ("a", "b")}
-    m = CheckpointManager(tmp_path, keep=5, spec_hash="abc123")
+    m = CheckpointDir(tmp_path, keep=5, spec_hash="abc123")
     path = m.save(40, tensors, state)
     assert path == tmp_path / "ckpt-00000040"
     assert sorted(os.listdir(path)) == ["COMMIT", "manifest.json", "tensors.safetensors"]
@@ -161,7 +161,7 @@ def test_capture_apply_resumes_a_session_bitwise(tmp_path):
         s.run([loss, train])
     tensors, state = capture(s, optimizer=opt)
     assert "w/Momentum/momentum" in tensors and state["optimizer"]["variables"] == ["w/Momentum/momentum"]
-    CheckpointManager(tmp_path, spec_hash="h").save(3, tensors, {**state, "step": 3})
+    CheckpointDir(tmp_path, spec_hash="h").save(3, tensors, {**state, "step": 3})
     straight = [s.run([loss, train])[0] for _ in range(4)]
     final = s.variable_values()
 
@@ -169,7 +169,7 @@ def test_capture_apply_resumes_a_session_bitwise(tmp_path):
     s2 = fc.Session(g2, store=fc.ContainerStore())
     s2.run(init2)
     s2.run([loss2, train2])  # move the fresh session's RNG and variables away first
-    got = CheckpointManager(tmp_path, spec_hash="h").restore_latest()
+    got = CheckpointDir(tmp_path, spec_hash="h").restore_latest()
     apply(s2, got.tensors, got.state, origin=got.path)
     resumed = [s2.run([loss2, train2])[0] for _ in range(4)]
     assert [np.asarray(x).tobytes() for x in resumed] == [np.asarray(x).tobytes() for x in straight]
@@ -197,7 +197,7 @@ def test_apply_refuses_a_partial_or_misshapen_restore(tmp_path):
 
 # ---------------------------------------------------------------------------- keep, replace, prune
 def test_keep_prunes_the_oldest_and_a_resaved_step_replaces_it(tmp_path):
-    m = CheckpointManager(tmp_path, keep=3, on_warning=lambda s: None)
+    m = CheckpointDir(tmp_path, keep=3, on_warning=lambda s: None)
     for step in range(1, 8):
         m.save(step, {"x": np.full(2, step)}, {})
     assert [p.name for p in m.list()] == ["ckpt-00000005", "ckpt-00000006", "ckpt-00000007"]
@@ -208,7 +208,7 @@ def test_keep_prunes_the_oldest_and_a_resaved_step_replaces_it(tmp_path):
 
 def test_saving_an_older_step_removes_the_abandoned_newer_ones(tmp_path):
     seen, on_warning = collect()
-    m = CheckpointManager(tmp_path, keep=5, on_warning=on_warning)
+    m = CheckpointDir(tmp_path, keep=5, on_warning=on_warning)
     for step in (1, 2, 3, 4):
         m.save(step, {"x": np.full(2, step)}, {})
     m.save(2, {"x": np.full(2, 20)}, {})
@@ -218,7 +218,7 @@ def test_saving_an_older_step_removes_the_abandoned_newer_ones(tmp_path):
 
 
 def test_an_interrupted_replacement_is_rolled_back(tmp_path):
-    m = CheckpointManager(tmp_path)
+    m = CheckpointDir(tmp_path)
     m.save(1, {"x": np.ones(2)}, {})
     m.save(2, {"x": np.full(2, 2.0)}, {})
     # A crash between moving ckpt-2 aside (to be replaced) and renaming its successor in.
@@ -229,8 +229,8 @@ def test_an_interrupted_replacement_is_rolled_back(tmp_path):
 
 
 # ---------------------------------------------------------------------------- corruption
-def two_checkpoints(tmp_path: Path, on_warning: Any = None) -> tuple[CheckpointManager, Path]:
-    m = CheckpointManager(tmp_path, keep=5, spec_hash="s", on_warning=on_warning)
+def two_checkpoints(tmp_path: Path, on_warning: Any = None) -> tuple[CheckpointDir, Path]:
+    m = CheckpointDir(tmp_path, keep=5, spec_hash="s", on_warning=on_warning)
     m.save(1, child.tensors_for(1), child.state_for(1))
     return m, m.save(2, child.tensors_for(2), child.state_for(2))
 
@@ -317,7 +317,7 @@ def test_fallback_warns_through_warnings_without_a_callback(tmp_path):
 
 def test_no_valid_checkpoint_raises(tmp_path):
     with pytest.raises(fc.CheckpointError, match=r": missing \(no checkpoint in this directory\)$"):
-        CheckpointManager(tmp_path / "nowhere").restore_latest()
+        CheckpointDir(tmp_path / "nowhere").restore_latest()
     m, p2 = two_checkpoints(tmp_path, on_warning=lambda s: None)
     truncate(p2)
     truncate(tmp_path / "ckpt-00000001")
@@ -329,7 +329,7 @@ def test_no_valid_checkpoint_raises(tmp_path):
 
 def test_a_changed_spec_is_refused_unless_allowed(tmp_path):
     two_checkpoints(tmp_path)
-    other = CheckpointManager(tmp_path, spec_hash="t")
+    other = CheckpointDir(tmp_path, spec_hash="t")
     with pytest.raises(fc.CheckpointError) as err:
         other.restore_latest()
     assert str(err.value) == (f"{tmp_path / 'ckpt-00000002' / 'manifest.json'}: spec mismatch (saved with spec s, "
@@ -341,10 +341,10 @@ def test_a_changed_spec_is_refused_unless_allowed(tmp_path):
 def fail_on_write(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
     real = ck._write_bytes
 
-    def write(path: Path, data: Any, kill_mid: str | None = None) -> None:
+    def write(path: Path, data: Any, halfway: Any = None) -> None:
         if path.name == which or path.name.startswith(which):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, data, kill_mid)
+        real(path, data, halfway)
     monkeypatch.setattr(ck, "_write_bytes", write)
 
 
@@ -387,10 +387,10 @@ def test_an_unwritable_directory_fails_the_save(tmp_path):
     blocker = tmp_path / "run"
     blocker.write_text("a file where the checkpoint directory should be")  # works as root, unlike chmod
     with pytest.raises(fc.CheckpointError, match=r"run: write failed \(.*\); no earlier checkpoint$"):
-        CheckpointManager(blocker).save(1, {"x": np.ones(2)}, {})
+        CheckpointDir(blocker).save(1, {"x": np.ones(2)}, {})
     if os.geteuid() != 0:
         ro = tmp_path / "ro"
-        m = CheckpointManager(ro)
+        m = CheckpointDir(ro)
         m.save(1, {"x": np.ones(2)}, {})
         ro.chmod(0o555)
         try:
@@ -406,12 +406,11 @@ def test_an_unwritable_directory_fails_the_save(tmp_path):
 def crashed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
     """One child per phase, all started at once (process start is the cost of this file)."""
     root = tmp_path_factory.mktemp("crash")
-    env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
     procs = {}
-    for phase in KILL_PHASES:
+    for phase in SAVE_PHASES:
         keep = 1 if "prune" in phase else 5
         cmd = [sys.executable, str(HERE / "crash_child.py"), str(root / phase), phase, str(keep)]
-        procs[phase] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[phase] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = {}
     for phase, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=60)
@@ -425,7 +424,7 @@ def tensor_file_bytes(step: int) -> bytes:
     return save(child.tensors_for(step))
 
 
-@pytest.mark.parametrize("phase", KILL_PHASES)
+@pytest.mark.parametrize("phase", SAVE_PHASES)
 def test_sigkill_at_each_save_phase_leaves_a_valid_checkpoint(crashed, phase):
     directory, proc = crashed[phase]
     assert proc.returncode == -9, proc.stderr  # it really died, at the phase
@@ -452,7 +451,7 @@ def test_sigkill_at_each_save_phase_leaves_a_valid_checkpoint(crashed, phase):
     assert (directory / "latest").read_text() == f"ckpt-0000000{2 if phase in ('before_prune', 'mid_prune') else 1}\n"
 
     seen, on_warning = collect()
-    m = CheckpointManager(directory, keep=1 if "prune" in phase else 5, spec_hash="spec-1", on_warning=on_warning)
+    m = CheckpointDir(directory, keep=1 if "prune" in phase else 5, spec_hash="spec-1", on_warning=on_warning)
     got = m.restore_latest()
     step = 2 if committed else 1
     assert got.step == step and seen == [] and got.warnings == []

@@ -117,18 +117,20 @@ def test_profiling_on_a_gpu_times_launches_and_kernels_apart():
     other way round. Both come from one profile: host time per call, kernel time between events."""
     from flowctl.engine.placement import MeasuredCostModel
     from flowctl.engine.placement.cost import STREAM
-    from flowctl.training.strategies import local_cluster
+    from flowctl.engine.placement.profiler import profile
+    from flowctl.training.program import cluster_for, step_config
 
     g = fc.Graph(seed=1)
     with g.as_default():
         a = fc.placeholder("float32", (4096, 4096), name="a")
         big = fc.matmul(a, a, name="big")
         tiny = fc.add(fc.constant(np.ones(4, np.float32)), fc.constant(np.ones(4, np.float32)), name="tiny")
-    cluster = local_cluster(["gpu:0"])
+    spec = load_text((ROOT / "specs" / "demo.yaml").read_text() + "devices: [gpu:0]\n", filename="d.yaml")
+    cluster = cluster_for(step_config(spec))
     cost = MeasuredCostModel(cluster, batch=1)
     s = fc.Session(g, device="gpu:0", store=fc.ContainerStore())
     x = np.ones((4096, 4096), np.float32)
-    cost.profile(s, [big, tiny], {a: x}, repeat=3)
+    profile(cost, s, [big, tiny], {a: x}, repeat=3)
     dev = cluster.names[0]
     host_big = cost.records[cost.key_for(g, g.nodes["big"], dev)]
     kern_big = cost.records[cost.key_for(g, g.nodes["big"], dev) + STREAM]
@@ -141,8 +143,8 @@ def test_profiling_on_a_gpu_times_launches_and_kernels_apart():
 
 def test_a_spec_gpu_is_planned_as_the_gpu_this_machine_has():
     from flowctl.engine.cluster import detected_gpu_profile
-    from flowctl.kernels.backend import cupy_or_none
-    from flowctl.spec.cluster import cluster_for
+    from flowctl.kernels.registry import cupy_or_none
+    from flowctl.training.program import cluster_for, step_config
 
     cp = cupy_or_none()
     found = detected_gpu_profile(0)
@@ -150,6 +152,6 @@ def test_a_spec_gpu_is_planned_as_the_gpu_this_machine_has():
     assert found.memory == cp.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"]
     assert 1e12 < found.peak_flops < 1e15 and 1e11 < found.mem_bandwidth < 1e14
     spec = load_text((ROOT / "specs" / "demo.yaml").read_text() + "devices: [gpu:0, gpu:7]\n", filename="d.yaml")
-    planned = cluster_for(spec.spec)
+    planned = cluster_for(step_config(spec))
     assert planned.devices[0].profile == found
     assert planned.devices[1].profile.name == "k40"  # no eighth GPU here: the documented default

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowctl.cli.main import cli
+from flowctl.engine.devices import canonical
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,3 +147,34 @@ def test_bench_spec_rounds_option(tmp_path):
     text = " ".join(r.output.split())  # rich wraps lines
     assert "median of 2 rounds x 1 steps, 95% interval" in text
     assert re.search(r"(single|greedy) predicted [\d.]+x (single|greedy); measured [\d.]+x \[[\d.]+-[\d.]+\]", text)
+
+
+def _strategy_spec(tmp_path: Path, parallelism: str) -> Path:
+    base = TWO_TOWERS.split("placement:")[0] + f"parallelism: {parallelism}\ntraining: {{batch_size: 16, steps: 5}}\n"
+    return write(tmp_path, base)
+
+
+def test_place_shows_the_replicas_of_sync_data_parallel(tmp_path):
+    spec = _strategy_spec(tmp_path, "{strategy: sync_data_parallel, replicas: 2}")
+    r = CliRunner().invoke(cli, ["place", str(spec), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["algorithm"] == "sync_data_parallel"
+    a = out["assignment"]
+    for k, dev in ((0, "cpu:0"), (1, "cpu:1")):
+        mine = [n for n in a if n.startswith(f"replica_{k}/")]
+        assert any(n.startswith(f"replica_{k}/left/") for n in mine) and any("/gradients/" in n for n in mine)
+        forward = [n for n in mine if "/gradients/" not in n and n.split("/")[1] in ("left", "right", "join")]
+        assert forward and {a[n] for n in forward} == {canonical(dev)}
+    # One set of parameters, on the parameter device (replica 0's), updated once.
+    assert a["left/kernel"] == canonical("cpu:0")
+
+
+def test_place_follows_model_parallel_groups_whatever_the_algorithm(tmp_path):
+    spec = _strategy_spec(tmp_path, "{strategy: model_parallel, groups: [{layers: [left], device: cpu:0}, "
+                                    "{layers: [right, join, logits, loss], device: cpu:1}]}")
+    for alg in ("single", "greedy"):
+        r = CliRunner().invoke(cli, ["place", str(spec), "--json", "--algorithm", alg])
+        assert r.exit_code == 0, r.output
+        a = json.loads(r.stdout)["assignment"]
+        assert a["left/matmul"] == canonical("cpu:0") and a["right/matmul"] == canonical("cpu:1")

@@ -9,8 +9,17 @@ import flowctl as fc
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.placement import ALGORITHMS, StaticCostModel, place
 from flowctl.spec.loader import load_text
-from flowctl.training.benchmark import _feeds
-from flowctl.training.planning import expert_rules, step_graph
+from flowctl.bench.spec import _feeds
+from flowctl.spec.model import build_model
+from flowctl.training.program import build_step, step_config
+
+
+def step_graph(loaded):
+    return build_step(build_model(loaded), step_config(loaded))
+
+
+def expert_rules(loaded):
+    return step_config(loaded).expert_rules()
 
 SPEC = """\
 version: 1
@@ -40,17 +49,16 @@ def losses_for(assign: dict | None, n_devices: int, steps: int = 3) -> tuple[lis
     loaded = load_text(SPEC)
     st = step_graph(loaded)
     g = st.graph
-    init = st.model.initializer()
     store = fc.ContainerStore()
-    fc.Session(g, store=store).run(init.node)
-    feeds = _feeds(st, loaded, 8)
+    fc.Session(g, store=store).run(st.init.node)
+    feeds = _feeds(st, loaded)
     feeds[st.lr] = np.float32(0.1)
     if assign is None:
         sess = fc.Session(g, store=store)
     else:
         sess = fc.DistributedSession(g, Cluster.local(n_devices, threads=n_devices), assign(g, st, loaded),
                                      store=store)
-    out = [float(sess.run([st.loss, st.train_op], feeds)[0]) for _ in range(steps)]
+    out = [float(sess.run([st.train.loss, st.train.train_op], feeds)[0]) for _ in range(steps)]
     if assign is not None:
         sess.close()
     return out, sess.variable_values()
@@ -60,7 +68,7 @@ def placer(alg: str, n: int):
     def assign(g, st, loaded):
         cluster = Cluster.local(n, threads=n)
         rules = [(p, d) for p, d in expert_rules(loaded) if int(d[-1]) < n] or None
-        pl = place(g, cluster, StaticCostModel(cluster, batch=8), alg, targets=[st.train_op.node], rules=rules,
+        pl = place(g, cluster, StaticCostModel(cluster, batch=8), alg, targets=st.targets, rules=rules,
                    layers=st.model.layer_of())
         return pl.assignment
     return assign
@@ -82,7 +90,7 @@ def test_expert_placement_really_spans_four_devices():
     loaded = load_text(SPEC)
     st = step_graph(loaded)
     cluster = Cluster.local(4, threads=4)
-    pl = place(st.graph, cluster, StaticCostModel(cluster, batch=8), "expert", targets=[st.train_op.node],
+    pl = place(st.graph, cluster, StaticCostModel(cluster, batch=8), "expert", targets=st.targets,
                rules=expert_rules(loaded), layers=st.model.layer_of())
     used = {pl.assignment[n] for n in pl.simulation.start}
     assert len(used) == 4

@@ -22,6 +22,7 @@ from flowctl.engine.placement import (
     place,
     prepare,
 )
+from flowctl.engine.placement.profiler import profile
 from flowctl.kernels.registry import kernel
 
 CPU0, CPU1, GPU0, GPU1 = (canonical(d) for d in ("cpu:0", "cpu:1", "gpu:0", "gpu:1"))
@@ -443,7 +444,7 @@ def test_measured_cost_model_profiles_saves_loads_and_reports_fallbacks(tmp_path
     cl = Cluster.local(1)
     m = MeasuredCostModel(cl, batch=16)
     s = fc.Session(g, store=fc.ContainerStore())
-    added = m.profile(s, y, {a: np.ones((16, 64), np.float32)}, repeat=2)
+    added = profile(m, s, y, {a: np.ones((16, 64), np.float32)}, repeat=2)
     assert added == 2  # the Const w and mm (a is fed: no node runs for it)
     path = tmp_path / "costs.json"
     m.save(path)

@@ -12,7 +12,8 @@ import pytest
 
 from flowctl.data import ArraySource, InputSpec, SyntheticSource, TextSource
 from flowctl.data.base import DataSource
-from flowctl.data.prefetch import Prefetcher, SlowSource, prefetch_benchmark
+from flowctl.bench.prefetch import SlowSource, prefetch_benchmark
+from flowctl.data.prefetch import Prefetcher
 
 INPUTS = [InputSpec("x", (3,)), InputSpec("y", (), "int32", classes=4)]
 

@@ -286,7 +286,7 @@ def test_compiled_executor_records_no_trace():
 
 
 def test_a_device_this_machine_lacks_is_a_placement_error_not_a_traceback():
-    from flowctl.kernels.backend import gpu_count
+    from flowctl.kernels.registry import gpu_count
 
     if gpu_count():
         pytest.skip("this machine has a GPU")

@@ -394,7 +394,7 @@ def test_gpu_launches_and_cpu_dispatch_take_turns_at_the_interpreter():
 ])
 def test_a_detected_gpu_profile_comes_from_the_driver(monkeypatch, props, expect):
     from flowctl.engine.cluster import detected_gpu_profile
-    from flowctl.kernels import backend
+    from flowctl.kernels import registry as backend
 
     monkeypatch.setattr(backend, "gpu_properties", lambda index: props)
     p = detected_gpu_profile(0)

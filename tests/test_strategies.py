@@ -26,7 +26,7 @@ from flowctl.engine.devices import canonical
 from flowctl.engine.optimizers import Adam
 from flowctl.engine.runtime import DistributedSession, count_transfers
 from flowctl.spec.loader import load_text
-from flowctl.training.strategies import model_inputs
+from flowctl.training.inputs import model_inputs
 from flowctl.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_sync_equals_one_replica_on_the_concatenated_batch(data_dir, replicas, o
         assert any("/gradients/" in n for n in mine)
         assert {pl[n] for n in mine if not graph.nodes[n].opdef.ref_inputs} == {CPU[k]}
     assert pl["h/kernel"] == pl["h/kernel/Adam/m" if opt == "adam" else "h/kernel"] == CPU[0]
-    sp = sync.session.step_plan([sync.loss, sync.train_op], sync.program.step.feeds(sync.data.next_batch()))
+    sp = sync.session.step_plan([sync.loss, sync.train_op], sync.program.step.train.feeds(sync.data.next_batch()))
     moved = count_transfers(sp.partitions)
     assert all(moved.get((CPU[0], CPU[k]), 0) > 0 and moved.get((CPU[k], CPU[0]), 0) > 0
                for k in range(1, replicas))
@@ -363,7 +363,7 @@ def test_async_resume_restores_parameters_and_each_replica_cursor(tmp_path):
         for src, cur in zip(again.sources, saved_cursors):
             assert src.position == cur["position"]
             assert src.state()["rng"] == cur["rng"]  # the cursor (a prefetcher reads ahead of it)
-        assert int(again.session.run(again.program.async_step.version)) == 40
+        assert int(again.session.run(again.program.step.async_step.version)) == 40
         again.train()
     finally:
         again.close()

@@ -3,7 +3,6 @@ TensorBoard files, and the README's demo (issue 4)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -100,9 +99,9 @@ def test_sigkill_during_a_save_leaves_a_resumable_run(spec_file, tmp_path, phase
     spec = spec_file.read_text().replace("every_steps: 100", "every_steps: 3")
     spec_file.write_text(spec)
     assert run_cli("train", str(spec_file), "--run-dir", str(run), "--steps", "3").returncode == 0
-    env = dict(os.environ, FLOWCTL_CHECKPOINT_KILL_AT=phase)
-    killed = subprocess.run([sys.executable, "-m", "flowctl.cli.main", "resume", str(run), "--steps", "9"],
-                            env=env, capture_output=True, text=True, timeout=120)
+    child = Path(__file__).resolve().parent / "crash_child.py"
+    killed = subprocess.run([sys.executable, str(child), "--cli", phase, "resume", str(run), "--steps", "9"],
+                            capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     again = resumed(spec_file, run, 9)  # finds checkpoint 3 or 6, whichever is whole
     assert losses(run) == losses(tmp_path / "full")

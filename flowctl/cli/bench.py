@@ -34,26 +34,26 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     predictions; results also go to runs/bench-<name>.json)."""
     err = Console(stderr=True, soft_wrap=True)
     if target == "engine":
-        from flowctl.engine.benchmarks import run_engine_suite
+        from flowctl.bench.engine import run_engine_suite
 
         with err.status("benchmarking") as status:
             results = run_engine_suite(quick=quick, progress=lambda m: status.update(m))
         render: Any = _render
     elif target == "strategies":
-        from flowctl.training.strategies import strategy_benchmarks
+        from flowctl.bench.strategies import strategy_benchmarks
 
         with err.status("benchmarking") as status:
             results = strategy_benchmarks(steps=2 if quick else steps, progress=lambda m: status.update(m))
         render = _render_ratios
     elif target == "prefetch":
-        from flowctl.data.prefetch import prefetch_benchmark
+        from flowctl.bench.prefetch import prefetch_benchmark
 
         with err.status("benchmarking: steps/s with and without prefetching a slow input"):
             results = prefetch_benchmark(steps=10 if quick else 40, rounds=2 if quick else 4)
         render = _render_ratios
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
-        from flowctl.training.benchmark import bench_spec
+        from flowctl.bench.spec import bench_spec
 
         loaded = load_spec(target)
         algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())

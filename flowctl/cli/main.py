@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 
-from flowctl import __version__
+from flowctl.cli import bench, demo, place, spec_commands, train
 from flowctl.engine.errors import FlowctlError
+from flowctl.version import __version__
 
 
 class FlowctlGroup(click.Group):
@@ -33,25 +34,8 @@ def cli() -> None:
     """
 
 
-def _register() -> None:
-    from flowctl.cli import bench, demo, place, train
-
-    cli.add_command(bench.bench)
-    cli.add_command(demo.demo)
-    cli.add_command(train.train)
-    cli.add_command(train.resume)
-    cli.add_command(place.place)
-    import importlib.util
-
-    if importlib.util.find_spec("flowctl.cli.spec_commands") is None:
-        return  # the spec front end has not landed yet
-    from flowctl.cli import spec_commands
-
-    for cmd in spec_commands.COMMANDS:
-        cli.add_command(cmd)
-
-
-_register()
+for command in (bench.bench, demo.demo, train.train, train.resume, place.place, *spec_commands.COMMANDS):
+    cli.add_command(command)
 
 
 def main() -> None:

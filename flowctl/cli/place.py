@@ -42,7 +42,7 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
           batch: int | None, as_json: bool) -> None:
     """Place SPEC's training step on its devices (or --devices) and show where every node runs and why."""
     from flowctl.spec.loader import load_spec
-    from flowctl.training.planning import plan
+    from flowctl.training.program import plan
 
     console = Console(stderr=True)
     loaded = load_spec(spec)
@@ -109,6 +109,7 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
         console.print(t)
         return
     decisions = {d.first: d for d in chosen.decisions}
+    searched = bool(chosen.decisions)  # a strategy that fixes every node leaves no decision to explain
     t = Table(title="per node (groups are placed together; candidates are estimated finish times, ms)")
     for col in ("node", "op", "device", "feasible", "narrowed by", "candidates", "why"):
         t.add_column(col)
@@ -118,8 +119,8 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
         cands = "" if d is None else ", ".join(f"{_short(c.device)}:{_ms(c.finish)}" for c in d.candidates
                                                if c.finish is not None)
         t.add_row(r.name[-48:], r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
-                  "; ".join(r.narrowed_by)[:40] or "-", cands or "(with its group)",
-                  (d.reason if d else "")[:40])
+                  "; ".join(r.narrowed_by)[:40] or "-", cands or ("(with its group)" if searched else "-"),
+                  (d.reason if d else ("" if searched else f"set by {chosen.algorithm}"))[:40])
     console.print(t)
     if limit and len(reports) > limit:
         console.print(f"... {len(reports) - limit:,} more nodes (--limit 0 shows all, --json gives everything)")

@@ -16,11 +16,11 @@ disk, an unwritable directory) raises `CheckpointError` and leaves the last good
 `latest` as they were. One writer per directory is assumed (one trainer per run dir).
 
 Warnings (a damaged checkpoint skipped, a checkpoint pruned from an abandoned timeline) go to the
-`on_warning` callback given to `CheckpointManager`, or to `warnings.warn(..., CheckpointWarning)`
+`on_warning` callback given to `CheckpointDir`, or to `warnings.warn(..., CheckpointWarning)`
 when none is given; `restore_latest` also returns them in `Checkpoint.warnings`.
 
-Fault injection for the crash tests: `FLOWCTL_CHECKPOINT_KILL_AT=<phase>` (one of `KILL_PHASES`)
-makes a save SIGKILL its own process at that phase.
+Fault injection: `CheckpointDir(..., fault=f)` calls `f(phase)` as a save reaches each of
+`SAVE_PHASES`; the crash tests pass one that SIGKILLs the process at a chosen phase.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import time
 import uuid
 import warnings
@@ -44,13 +43,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from flowctl.engine.errors import CheckpointError
+from flowctl.version import __version__
 
 if TYPE_CHECKING:
     from flowctl.engine.optimizers import Optimizer
     from flowctl.engine.session import Session
 
 __all__ = [
-    "Checkpoint", "CheckpointInvalid", "CheckpointManager", "CheckpointWarning", "KILL_ENV", "KILL_PHASES",
+    "Checkpoint", "CheckpointInvalid", "CheckpointDir", "CheckpointWarning", "SAVE_PHASES",
     "apply", "capture", "decode_state", "encode_state", "load",
 ]
 
@@ -64,10 +64,10 @@ TMP_PREFIX = ".tmp-"
 _REPLACED = TMP_PREFIX + "replaced-"
 _NAME = re.compile(r"^ckpt-(\d{8,})$")
 
-KILL_ENV = "FLOWCTL_CHECKPOINT_KILL_AT"
-# In the order a save reaches them. `mid_tensors` kills half-way through writing the tensor file
-# (a torn write); `mid_prune` after the first old checkpoint is moved aside but before it is deleted.
-KILL_PHASES = ("mid_tensors", "after_tensors", "after_manifest", "before_commit_marker", "before_rename",
+# In the order a save reaches them. `mid_tensors` is half-way through writing the tensor file (a
+# torn write, if the process dies there); `mid_prune` after the first old checkpoint is moved aside
+# but before it is deleted.
+SAVE_PHASES = ("mid_tensors", "after_tensors", "after_manifest", "before_commit_marker", "before_rename",
                "before_latest", "before_prune", "mid_prune")
 
 
@@ -166,22 +166,19 @@ def _hashable(key: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- durable file operations
-def _kill_point(phase: str) -> None:
-    if os.environ.get(KILL_ENV) == phase:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _write_bytes(path: Path, data: bytes | memoryview, kill_mid: str | None = None) -> None:
-    """Write, flush and fsync one new file; the data is on disk when this returns."""
+def _write_bytes(path: Path, data: bytes | memoryview, halfway: Callable[[], None] | None = None) -> None:
+    """Write, flush and fsync one new file; the data is on disk when this returns. `halfway` is
+    called with half of it written."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(data)
-        if kill_mid is not None and os.environ.get(KILL_ENV) == kill_mid:
-            os.write(fd, view[: len(view) // 2])
-            _kill_point(kill_mid)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        for part in ((view[: len(view) // 2], view[len(view) // 2:]) if halfway is not None else (view,)):
+            while part:
+                n = os.write(fd, part)
+                part = part[n:]
+            if halfway is not None:
+                halfway()
+                halfway = None
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -209,12 +206,6 @@ def _tensor_bytes(arr: np.ndarray) -> memoryview:
     """The bytes a tensor's sha256 is taken over: C order, little-endian (what safetensors stores).
     A view, not a copy: checkpoints of large models should not double their memory to hash."""
     return _little_endian(arr).data
-
-
-def _flowctl_version() -> str:
-    import flowctl  # lazily: flowctl/__init__ imports the engine, not the other way round
-
-    return str(getattr(flowctl, "__version__", "unknown"))
 
 
 def _step_of(path: Path) -> int | None:
@@ -306,20 +297,27 @@ def _verify_tensors(tpath: Path, tfile: Mapping[str, Any], entries: Mapping[str,
     return tensors
 
 
-# ---------------------------------------------------------------------------- the manager
-class CheckpointManager:
+# ---------------------------------------------------------------------------- the directory
+class CheckpointDir:
     """Saves and restores the checkpoints of one run in `directory`, keeping the newest `keep`
     (all of them when None). `spec_hash` is recorded in every save and compared on every restore.
-    `on_warning` receives each warning line; without it they go to `warnings.warn`."""
+    `on_warning` receives each warning line; without it they go to `warnings.warn`. `fault`, for
+    tests, is called with each of `SAVE_PHASES` as a save reaches it."""
 
     def __init__(self, directory: str | Path, keep: int | None = 5, spec_hash: str | None = None,
-                 on_warning: Callable[[str], None] | None = None) -> None:
+                 on_warning: Callable[[str], None] | None = None,
+                 fault: Callable[[str], None] | None = None) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None for all), not {keep}")
         self.directory = Path(directory)
         self.keep = keep
         self.spec_hash = spec_hash
         self.on_warning = on_warning
+        self.fault = fault
+
+    def _reach(self, phase: str) -> None:
+        if self.fault is not None:
+            self.fault(phase)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"ckpt-{step:08d}"
@@ -334,7 +332,7 @@ class CheckpointManager:
         payload, tfile, entries = self._serialize(tensors)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-            "flowctl_version": _flowctl_version(), "spec_hash": self.spec_hash, "created_unix": time.time(),
+            "flowctl_version": __version__, "spec_hash": self.spec_hash, "created_unix": time.time(),
             "tensor_file": tfile, "tensors": entries, "state": encode_state(dict(state or {})),
         }
         raw = json.dumps(manifest, indent=1, allow_nan=False).encode()  # key order is state too
@@ -345,31 +343,31 @@ class CheckpointManager:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
             current = tmp / TENSORS
-            _write_bytes(current, payload, kill_mid="mid_tensors")
-            _kill_point("after_tensors")
+            _write_bytes(current, payload, halfway=lambda: self._reach("mid_tensors"))
+            self._reach("after_tensors")
             current = tmp / MANIFEST
             _write_bytes(current, raw)
-            _kill_point("after_manifest")
+            self._reach("after_manifest")
             # The marker must never be durable while a file it vouches for is not: entries first.
             current = tmp
             _fsync_dir(tmp)
-            _kill_point("before_commit_marker")
+            self._reach("before_commit_marker")
             current = tmp / COMMIT
             _write_bytes(current, (_sha256(raw) + "\n").encode())
             current = tmp
             _fsync_dir(tmp)
-            _kill_point("before_rename")
+            self._reach("before_rename")
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._write_failed(e, current) from None
         replaced = self._commit(tmp, final)
-        _kill_point("before_latest")
+        self._reach("before_latest")
         try:
             self._point_latest(final.name)
         except OSError as e:
             self._rollback(final, replaced)
             raise self._write_failed(e, self.directory / LATEST) from None
-        _kill_point("before_prune")
+        self._reach("before_prune")
         self._prune(step, replaced)
         return final
 
@@ -466,7 +464,7 @@ class CheckpointManager:
                     continue
                 gone = self.directory / f"{TMP_PREFIX}pruned-{p.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(p, gone)  # atomic: a checkpoint is either whole or gone
-                _kill_point("mid_prune")
+                self._reach("mid_prune")
                 shutil.rmtree(gone)
             except OSError as e:
                 self._warn(f"could not remove old checkpoint {p}: {e.strerror or e}")

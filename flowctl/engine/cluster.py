@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.errors import PlacementError
+from flowctl.kernels import registry as kernels
 
 GiB = 1 << 30
 
@@ -34,9 +35,7 @@ def detected_gpu_profile(index: int) -> DeviceProfile | None:
     """The profile of this machine's GPU `index`, or None where there is none. Peak float32 FLOP/s
     is multiprocessors x float32 lanes x 2 x clock, memory bandwidth 2 x memory clock x bus width;
     where the runtime reports no clocks, the published figures of a known model by name."""
-    from flowctl.kernels.backend import gpu_properties
-
-    p = gpu_properties(index)
+    p = kernels.gpu_properties(index)
     if p is None:
         return None
     known = next((k for k in PROFILES if PROFILES[k].type == "gpu" and k in p["name"].lower()), None)

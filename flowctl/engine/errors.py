@@ -39,5 +39,10 @@ class NonFiniteError(ExecutionError):
     """CheckNumerics (§6 lesson 5): the first node whose output holds a NaN or Inf."""
 
 
+class QueueClosedError(ExecutionError):
+    """A queue op that can never complete because its queue is closed (TensorFlow's OutOfRange):
+    a dequeue that finds too few elements left, or an enqueue after the close."""
+
+
 class CheckpointError(FlowctlError):
     exit_code = 6

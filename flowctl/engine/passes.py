@@ -18,7 +18,8 @@ import numpy as np
 from flowctl.engine.container import ContainerStore
 from flowctl.engine.devices import CPU0
 from flowctl.engine.dtypes import itemsize, np_dtype
-from flowctl.engine.executor import needed_nodes
+from flowctl.engine.errors import GraphError
+from flowctl.engine.executor import Plan, needed_nodes
 from flowctl.engine.graph import Graph, Node, Tensor, attrs_equal, make_ref, parse_ref
 from flowctl.engine.ops.registry import (
     COMMUNICATION, ELEMENTWISE, MATRIX, MOVEMENT, NN, REDUCTION, get_op,
@@ -226,11 +227,13 @@ def _can_fold(node: Node) -> bool:
     return size is not None and size <= MAX_FOLD_BYTES and has_kernel(node.op, "cpu")
 
 
+def _no_resource(node: Node) -> Any:
+    raise GraphError(f"node '{node.name}' ({node.op}) holds state and is never folded")
+
+
 def _evaluate(graph: Graph, sources: set[str], frontier: dict[str, list[int]]) -> dict[str, list[np.ndarray]]:
     """Run the constant subgraph once on the cpu, in a scratch graph without control edges (the
     values cannot depend on them) and with a private store (nothing stateful is in it anyway)."""
-    from flowctl.engine.session import Session
-
     scratch = Graph(graph.seed)
     for name, n in graph.nodes.items():
         if name in sources:
@@ -240,7 +243,7 @@ def _evaluate(graph: Graph, sources: set[str], frontier: dict[str, list[int]]) -
 
     def run(names: list[str]) -> dict[str, list[np.ndarray]]:
         refs = [make_ref(n, p) for n in names for p in frontier[n]]
-        values = iter(Session(scratch, device=CPU0, store=ContainerStore()).run(refs))
+        values = iter(Plan(scratch, refs, [], [], CPU0, _no_resource).run([]))
         return {n: [next(values) for _ in frontier[n]] for n in names}
 
     try:

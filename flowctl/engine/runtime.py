@@ -54,7 +54,7 @@ from flowctl.engine.ops.registry import COMMUNICATION
 from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
 from flowctl.engine.session import Session, require_device
-from flowctl.kernels.backend import array_module, to_host
+from flowctl.kernels.registry import array_module, to_host
 
 
 @dataclass

@@ -16,7 +16,9 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
-from flowctl.kernels.backend import array_module, to_host
+from flowctl.engine.ops.queues import queue_resource
+from flowctl.engine.passes import optimize
+from flowctl.kernels.registry import array_module, to_host
 
 
 def require_device(device: str) -> Any:
@@ -104,8 +106,6 @@ class Session:
     def _plan(self, refs: list[str], feed_refs: list[str], targets: list[str]) -> Plan:
         graph = self.graph
         if self.optimize:
-            from flowctl.engine.passes import optimize
-
             keep = {parse_ref(r)[0] for r in refs + feed_refs} | set(targets)
             graph = optimize(graph.copy(), keep=keep)
         plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource)
@@ -185,8 +185,6 @@ class Session:
                 st = self.rng[node.name] = RngState(node.name, seed)
             return st
         if kind == "queue":  # §4.6/§4.7: in the store like a Variable, so sessions and threads share it
-            from flowctl.engine.ops.queues import queue_resource
-
             return queue_resource(self.graph, node, self.store)
         raise GraphError(f"node '{node.name}': unknown resource kind {kind!r}")
 

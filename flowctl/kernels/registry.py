@@ -7,13 +7,21 @@ attributes at plan time is what keeps a step free of per-node dictionary work.
 
 Most kernels are written once against `xp` and registered for both `cpu` and `gpu`; a registration
 for one device type alone overrides the generic one there (a stride-trick numpy path, say).
-This module never imports the engine's graph classes.
+Every kernel module registers here when `flowctl.kernels` is imported (the package imports them
+all), so the table is full before anyone can look in it.
+
+This module is the engine's one door into the kernels: besides the table it hands out each
+device type's array module (`array_module`), the copy to host memory (`to_host`) and what the
+driver says of the GPUs. It never imports the engine's graph classes.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from flowctl.kernels.backend import array_module
+from flowctl.kernels.backend import array_module, cupy_or_none, gpu_count, gpu_properties, to_host
+
+__all__ = ["DEVICE_TYPES", "KERNELS", "KernelFactory", "array_module", "bind", "cupy_or_none", "device_types_for",
+           "gpu_count", "gpu_properties", "has_kernel", "kernel", "to_host"]
 
 KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]
 
@@ -44,29 +52,16 @@ def kernel(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[Ker
 
 
 def has_kernel(op: str, device_type: str) -> bool:
-    _load()
     return (op, device_type) in KERNELS
 
 
 def device_types_for(op: str) -> tuple[str, ...]:
-    _load()
     return tuple(t for t in DEVICE_TYPES if (op, t) in KERNELS)
 
 
 def bind(op: str, device_type: str, attrs: dict[str, Any]) -> Callable[..., Any]:
     """The step-time callable for one node: the factory applied to the device's array module."""
-    _load()
     factory = KERNELS.get((op, device_type))
     if factory is None:
         raise KeyError(f"no {device_type} kernel for op {op}")
     return factory(array_module(device_type), attrs)
-
-
-_loaded = False
-
-
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import flowctl.kernels.all  # noqa: F401  (registers every kernel module)

@@ -14,7 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flowctl.spec.schema import BlockUse
 from flowctl.spec.source import LocDict, LocList, Problems, copy_tree, did_you_mean, locate
+from flowctl.spec.validation import report_validation
 
 _REF = re.compile(r"\$\{([^}]*)\}")
 INPUT = "$input"
@@ -39,8 +41,6 @@ class Expansion:
 
 def expand(root: LocDict, problems: Problems) -> Expansion:
     """Replace every block use in `root['model']['layers']` by the block's layers, in place."""
-    from flowctl.spec.schema import BlockUse
-
     out = Expansion()
     model = root.get("model")
     if not isinstance(model, LocDict) or not isinstance(model.get("layers"), LocList):
@@ -56,8 +56,6 @@ def expand(root: LocDict, problems: Problems) -> Expansion:
             try:
                 BlockUse.model_validate(dict(item))
             except ValidationError as e:
-                from flowctl.spec.loader import report_validation
-
                 report_validation(root, e, problems, prefix=loc, model=BlockUse)
                 continue
             first = item.get("inputs")
@@ -85,13 +83,9 @@ def _use(root: LocDict, use: LocDict, loc: tuple, prefix: str, start: str | None
     """Instantiate `use` (repeat times, chained); append the layers to `emitted`; return the last
     instance's output layer."""
     if stack:  # a use inside a block: check its keys here, the top-level ones were checked by expand
-        from flowctl.spec.schema import BlockUse
-
         try:
             BlockUse.model_validate(dict(use))
         except ValidationError as e:
-            from flowctl.spec.loader import report_validation
-
             before = len(problems.items)
             report_validation(use, e, problems, model=BlockUse)
             for p in problems.items[before:]:

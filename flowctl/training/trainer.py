@@ -5,7 +5,7 @@ Exactness: a checkpoint holds every Variable (optimizer slots and batch-norm sta
 Variables), every random op's generator state, the data cursor and the step; the learning rate is
 a function of the step. So k steps + resume + (N - k) steps equals N steps straight, bit for bit,
 for every strategy whose step is one deterministic graph run (single, sync_data_parallel,
-model_parallel, pipeline: §7 strategies are graph transforms, flowctl.training.strategies).
+model_parallel, pipeline: §7 strategies are graph transforms, flowctl.engine.strategies).
 async_data_parallel (§7, Figure 7 bottom) interleaves its replicas as the threads happen to run,
 so its resume restores the parameters, optimizer state, step and each replica's data cursor, but
 the updates that follow are not bit-reproducible.
@@ -39,14 +39,10 @@ from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
 from flowctl.training.rundir import RunDir, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
-from flowctl.training.strategies import (
-    Program,
-    build_program,
-    make_optimizer,
-    make_sources,
-)
+from flowctl.training.inputs import make_sources
+from flowctl.training.program import Program, open_program
 
-__all__ = ["EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer", "make_optimizer"]
+__all__ = ["EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer"]
 
 EXIT_INTERRUPTED = 130  # Ctrl-C: a checkpoint was written, `flowctl resume` continues
 
@@ -129,20 +125,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ graph and session
     def _build(self) -> None:
-        # The strategy is a graph transform (flowctl.engine.strategies) applied by build_program.
-        self.program: Program = build_program(self.loaded)
+        self.program: Program = open_program(self.loaded)
         p = self.program
-        self.strategy = p.strategy
-        self.model: BuiltModel = p.model
-        self.optimizer = p.optimizer
-        self.lr = p.lr
-        self.init = p.init
+        step = p.step
+        self.strategy = step.strategy
+        self.model: BuiltModel = step.model
+        self.optimizer = step.optimizer
+        self.lr = step.lr
+        self.init = step.init
         self.session = p.session
-        self.batch = p.batch
-        if p.step is not None:
-            self.loss = p.step.loss
-            self.train_op = p.step.train_op
-        self.sources = make_sources(self.loaded, p)
+        self.batch = step.batch
+        if step.train is not None:
+            self.loss = step.train.loss
+            self.train_op = step.train.train_op
+        self.sources = make_sources(self.loaded, step.replicas, step.batch)
         if self.prefetch:
             from flowctl.data.prefetch import Prefetcher
 
@@ -151,7 +147,7 @@ class Trainer:
         ck = self.spec.checkpoint
         self.ckpt_every_steps = ck.every_steps if ck else None
         self.ckpt_every_seconds = ck.every_seconds if ck else None
-        self.manager = ckpt.CheckpointManager(self.run.checkpoints, keep=ck.keep if ck else 3,
+        self.checkpoints = ckpt.CheckpointDir(self.run.checkpoints, keep=ck.keep if ck else 3,
                                               spec_hash=self.hash, on_warning=self.on_warning)
         self.step = 0
 
@@ -182,7 +178,7 @@ class Trainer:
 
     def restore(self) -> str:
         """Load the newest valid checkpoint; returns its path."""
-        c = self.manager.restore_latest(allow_spec_change=self.allow_spec_change)
+        c = self.checkpoints.restore_latest(allow_spec_change=self.allow_spec_change)
         for w in c.warnings:
             self.on_warning(w)
         ckpt.apply(self.session, c.tensors, c.state, origin=c.path)
@@ -203,10 +199,10 @@ class Trainer:
 
     def save(self) -> str:
         tensors, state = ckpt.capture(self.session, self.optimizer)
-        data: Any = [s.state() for s in self.sources] if self.program.async_step is not None else self.data.state()
+        data: Any = [s.state() for s in self.sources] if self.program.step.async_step is not None else self.data.state()
         state.update(step=self.step, data=data, strategy=self.strategy,
                      lr=learning_rate(self.spec.training.learning_rate, self.step))
-        path = self.manager.save(self.step, tensors, state)
+        path = self.checkpoints.save(self.step, tensors, state)
         return str(path)
 
     def _due(self, now: float, last_save: float) -> bool:
@@ -227,7 +223,7 @@ class Trainer:
         limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
         try:
             with Interrupt() as stop, open(self.run.metrics, "a") as metrics, limits:
-                if self.program.async_step is not None:
+                if self.program.step.async_step is not None:
                     loss_v, rates, last_path, interrupted, stale = self._loop_async(stop, metrics, writer, t0)
                 else:
                     loss_v, rates, last_path, interrupted = self._loop(stop, metrics, writer, t0)
@@ -246,8 +242,8 @@ class Trainer:
 
     def _loop(self, stop: Interrupt, metrics: IO[str], writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
-        assert self.program.step is not None
-        step_feeds = self.program.step.feeds
+        assert self.program.step.train is not None
+        step_feeds = self.program.step.train.feeds
         last_save = t0
         last_path: str | None = None
         loss_v = float("nan")
@@ -331,7 +327,7 @@ def _async_loop(self: Trainer, stop: Interrupt, metrics: IO[str], writer: Any,
     shared update. This thread only coordinates: checkpoints (every N updates or seconds, taken
     with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C, errors.
     A metrics line per update carries the replica and the update's staleness."""
-    a = self.program.async_step
+    a = self.program.step.async_step
     assert a is not None
     total = self.total_steps
     every = self.ckpt_every_steps

@@ -28,18 +28,16 @@ because the attr schema has no list-of-shapes type; the builders take ordinary s
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from flowctl.engine.container import ContainerStore, derive_seed
 from flowctl.engine.dtypes import as_dtype
-from flowctl.engine.errors import ExecutionError, GraphError
+from flowctl.engine.errors import GraphError, QueueClosedError
 from flowctl.engine.graph import Graph, Node, Tensor, parse_ref
 from flowctl.engine.ops.api import constant, graph_of, make, make1, make_op
 from flowctl.engine.ops.registry import REQUIRED, STATE, movement_cost, register_op
+from flowctl.engine.queue import QueueRef, QueueSpec
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal
-
-if TYPE_CHECKING:
-    from flowctl.kernels.queues import QueueRef
 
 __all__ = ["fifo_queue", "random_shuffle_queue", "enqueue", "enqueue_many", "dequeue", "dequeue_many",
            "queue_close", "queue_size", "QueueClosedError"]
@@ -48,11 +46,6 @@ QUEUE_OPS = ("FIFOQueue", "RandomShuffleQueue")
 # The handle a queue node outputs: a placeholder scalar. Users bind the queue through the ref edge,
 # never through the handle's value.
 HANDLE = TensorSpec((), "int32")
-
-
-class QueueClosedError(ExecutionError):
-    """A queue op that can never complete because its queue is closed (TensorFlow's OutOfRange):
-    a dequeue that finds too few elements left, or an enqueue after the close."""
 
 
 # ---------------------------------------------------------------------------------- component specs
@@ -187,12 +180,10 @@ register_op("QueueSize", lambda ins, a: [TensorSpec((), "int32")], num_inputs=1,
 
 
 # ---------------------------------------------------------------------------------- the resource
-def queue_resource(graph: Graph, node: Node, store: ContainerStore) -> "QueueRef":
+def queue_resource(graph: Graph, node: Node, store: ContainerStore) -> QueueRef:
     """What Session._resource binds for resource kind "queue": the queue node's own queue, or that
     of the queue feeding input 0. The queue itself is made on first use (and again after its
     container is reset)."""
-    from flowctl.kernels.queues import QueueRef, QueueSpec
-
     qnode = node
     if node.op not in QUEUE_OPS:
         src = parse_ref(node.inputs[0])[0]

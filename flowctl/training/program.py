@@ -1,0 +1,444 @@
+"""One path from a spec to a placed training step (whitepaper §3.2.1, §4.3, §7).
+
+    config = step_config(loaded)                    # the spec, read once, as plain data
+    step = build_step(build_model(loaded), config)  # the strategy applied: replicas, stages, update
+    placed = place_step(step, config, cluster_for(config), cost_model)   # every node on a device
+
+`flowctl train` opens a session over `placed` (`open_program`), `flowctl place` renders it,
+`flowctl bench` measures it, and a remote runtime ships its partitions. Nothing past
+`step_config` reads the pydantic spec.
+
+Placement follows the strategy. `single` leaves the choice to the placer (the spec's, or
+`--algorithm`); the other strategies decide every node's device themselves (replica k on its
+device, a layer group on its device, gradients with their forward node, optimizer state with its
+variable), so their placement is checked and simulated but not searched. The spec's
+`placement.constraints` and `colocate:` groups bind in both cases (§4.3): a strategy that breaks
+one is a PlacementError naming the node.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import flowctl as fc
+from flowctl.engine import strategies as st
+from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, gpu_profile_for
+from flowctl.engine.devices import canonical, parse_device
+from flowctl.engine.errors import PlacementError, SpecError
+from flowctl.engine.graph import Graph, Tensor
+from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
+from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate, place, rule_matches
+from flowctl.engine.placement.cost import StaticCostModel
+from flowctl.engine.runtime import DistributedSession
+from flowctl.spec.check import LoadedSpec
+from flowctl.spec.model import BuiltModel, build_model
+
+STRATEGIES = ("single", "sync_data_parallel", "async_data_parallel", "model_parallel", "pipeline")
+DATA_PARALLEL = ("sync_data_parallel", "async_data_parallel")
+
+
+# ---------------------------------------------------------------------------- the spec, read once
+@dataclass(frozen=True)
+class DeviceConfig:
+    """A listed device and what the spec says of its hardware (None: as this machine has it)."""
+
+    name: str
+    peak_flops: float | None = None
+    memory_bandwidth: float | None = None
+    memory: int | None = None
+    links: tuple[tuple[str, float, float], ...] = ()  # (peer, bytes/s, seconds)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "sgd"
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What building and placing a training step needs from a spec."""
+
+    strategy: str
+    devices: tuple[DeviceConfig, ...]
+    optimizer: OptimizerConfig
+    global_batch: int
+    per_replica_batch: int
+    replica_devices: tuple[str, ...] = ()  # data parallel: replica k on replica_devices[k]
+    groups: tuple[tuple[tuple[str, ...], str], ...] = ()  # model parallel / pipeline: (layer globs, device)
+    concurrent_steps: int = 1
+    clip_value: float | None = None
+    clip_norm: float | None = None
+    algorithm: str = "greedy"
+    constraints: tuple[tuple[str, str], ...] = ()  # (glob over layer or node names, device)
+    colocate: tuple[tuple[str, ...], ...] = ()
+    time_budget_s: float = 60.0
+
+    @property
+    def device_names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def expert_rules(self) -> list[tuple[str, str]]:
+        """The spec's own placement: its constraints, then its layer groups."""
+        return list(self.constraints) + [(pattern, dev) for patterns, dev in self.groups for pattern in patterns]
+
+
+def step_config(loaded: LoadedSpec) -> StepConfig:
+    spec = loaded.spec
+    par, tr, pl, o = spec.parallelism, spec.training, spec.placement, spec.training.optimizer
+    devices = tuple(DeviceConfig(
+        d.name, d.profile.peak_flops if d.profile else None, d.profile.memory_bandwidth if d.profile else None,
+        d.profile.memory if d.profile else None,
+        tuple((peer, link.bandwidth, link.latency) for peer, link in d.links.items())) for d in spec.devices)
+    replicas: tuple[str, ...] = ()
+    if par.strategy in DATA_PARALLEL:
+        if par.devices is not None:
+            replicas = tuple(canonical(d) for d in par.devices)
+        elif len(devices) < par.replicas:
+            raise SpecError(f"{par.strategy} with {par.replicas} replicas needs {par.replicas} devices, but the spec "
+                            f"lists {len(devices)} ({', '.join(d.name for d in devices)}); list more under "
+                            f"`devices:` or set parallelism.devices")
+        else:
+            replicas = tuple(d.name for d in devices[:par.replicas])
+    return StepConfig(
+        strategy=par.strategy, devices=devices,
+        optimizer=OptimizerConfig(o.type, o.momentum, o.beta1, o.beta2, o.epsilon),
+        global_batch=loaded.global_batch, per_replica_batch=loaded.per_replica_batch, replica_devices=replicas,
+        groups=tuple((tuple(g.layers), canonical(g.device)) for g in par.groups),
+        concurrent_steps=par.concurrent_steps, clip_value=tr.clip_value, clip_norm=tr.clip_norm,
+        algorithm=pl.algorithm, constraints=tuple((c.match, c.device) for c in pl.constraints),
+        colocate=tuple(tuple(group) for group in pl.colocate), time_budget_s=pl.time_budget_s)
+
+
+def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
+    """The spec's devices as an engine Cluster, or a what-if cluster from profiles (`--devices
+    4xgpu:k40`), which wins. CPU devices without a profile are virtual devices of this machine that
+    split its cores evenly; a GPU without one is this machine's GPU of that index as the driver
+    describes it (a K40, the learned-placement paper's GPU, where there is none)."""
+    if devices:
+        return Cluster.from_spec(devices)
+    cpus = [d for d in config.devices if parse_device(d.name).type == "cpu"]
+    local = Cluster.local(max(1, len(cpus)))
+    local_cpu = local.devices[0].profile
+    out: list[Device] = []
+    links: dict[tuple[str, str], Link] = {}
+    for d in config.devices:
+        is_gpu = parse_device(d.name).type == "gpu"
+        base = gpu_profile_for(d.name) if is_gpu else local_cpu
+        custom = (d.peak_flops, d.memory_bandwidth, d.memory) != (None, None, None)
+        prof = base if not custom else DeviceProfile(
+            name=f"{base.name}*", type=base.type, peak_flops=d.peak_flops or base.peak_flops,
+            mem_bandwidth=d.memory_bandwidth or base.mem_bandwidth, memory=d.memory or base.memory,
+            op_overhead=base.op_overhead)
+        out.append(Device(d.name, prof, threads=1 if is_gpu else local.devices[0].threads))
+        for peer, bandwidth, latency in d.links:
+            links[(d.name, peer)] = Link(bandwidth, latency)
+    any_gpu = any(parse_device(d.name).type == "gpu" for d in config.devices)
+    default = Cluster.from_spec("gpu").default_link if any_gpu else local.default_link
+    return Cluster(out, default_link=default, links=links)
+
+
+# ---------------------------------------------------------------------------- the step
+@dataclass
+class Step:
+    """A training step as its strategy built it: the graph, what a step fetches and feeds, and the
+    devices the strategy fixed (`fixed`; None when the placer chooses)."""
+
+    strategy: str
+    model: BuiltModel
+    optimizer: Optimizer
+    lr: Tensor
+    init: Tensor
+    devices: list[str]  # the devices the strategy names (replicas, or groups then the default)
+    batch: int  # examples one step (sync kinds) or one replica's update (async) consumes
+    train: st.TrainStep | None = None  # single, sync_data_parallel, model_parallel, pipeline
+    async_step: st.AsyncStep | None = None
+    fixed: dict[str, str] | None = None
+    layers: dict[str, str] = field(default_factory=dict)  # node -> layer (backward nodes: their forward's)
+
+    @property
+    def graph(self) -> Graph:
+        return self.model.graph
+
+    @property
+    def targets(self) -> list[str]:
+        """The nodes one step runs: what the simulator times."""
+        if self.train is not None:
+            return [self.train.train_op.node]
+        assert self.async_step is not None
+        a = self.async_step
+        side = [u.node for u in a.side_updates if u is not None]
+        return [t.node for t in a.losses] + [a.apply.node, a.applied.node] + side
+
+    @property
+    def replicas(self) -> int:
+        return len(self.async_step.losses) if self.async_step is not None else 1
+
+    def describe(self, devices: list[str] | None = None) -> str:
+        short = [d.rsplit("device:", 1)[-1] for d in (devices or self.devices)]
+        if self.strategy == "single":
+            return "single device" if len(short) == 1 else f"single, placed over {', '.join(short)}"
+        if self.strategy in DATA_PARALLEL:
+            return f"{self.strategy}, {len(short)} replicas on {', '.join(short)}"
+        if self.strategy == "pipeline":
+            assert self.train is not None
+            return f"pipeline, {len(self.train.inputs)} micro-batches over {', '.join(short)}"
+        return f"model_parallel over {', '.join(short)}"
+
+
+def make_optimizer(config: OptimizerConfig, lr: Tensor) -> Optimizer:
+    if config.type == "sgd":
+        return SGD(lr)
+    if config.type == "momentum":
+        return Momentum(lr, momentum=config.momentum)
+    if config.type == "adam":
+        return Adam(lr, beta1=config.beta1, beta2=config.beta2, epsilon=config.epsilon)
+    raise SpecError(f"unknown optimizer {config.type!r}")
+
+
+def gradient_process(config: StepConfig) -> st.GradientProcess | None:
+    """The spec's clipping, applied to the combined gradients (so sync clips the big-batch gradient,
+    as one replica on the whole batch would)."""
+    clip_value, clip_norm = config.clip_value, config.clip_norm
+    if clip_value is None and clip_norm is None:
+        return None
+
+    def process(grads: list[Tensor | None]) -> list[Tensor | None]:
+        if clip_value is not None:
+            grads = [None if g is None else fc.maximum(fc.minimum(g, clip_value), -clip_value) for g in grads]
+        if clip_norm is not None:
+            grads, _ = clip_by_global_norm(grads, clip_norm)
+        return grads
+
+    return process
+
+
+def build_step(model: BuiltModel, config: StepConfig) -> Step:
+    """Extend `model`'s graph with a learning-rate placeholder, the mean loss, the optimizer and the
+    strategy's step (flowctl.engine.strategies), then the spec's placement constraints."""
+    if model.loss is None:
+        raise SpecError("the spec names no loss layer (model.loss), so there is nothing to train")
+    g = model.graph
+    strategy = config.strategy
+    first = config.devices[0].name
+    with g.as_default():
+        lr = fc.placeholder(model.loss.dtype, (), name="learning_rate")
+        loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
+        opt = make_optimizer(config.optimizer, lr)
+        args = (g, loss, model.inputs, model.trainable_variables(), opt)
+        kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}
+        train: st.TrainStep | None = None
+        astep: st.AsyncStep | None = None
+        if strategy == "single":
+            train = st.single_step(*args, **kw)
+            devices = [first]
+        elif strategy in DATA_PARALLEL:
+            devices = list(config.replica_devices)
+            if strategy == "sync_data_parallel":
+                train = st.sync_data_parallel(*args, devices, **kw)
+            else:
+                astep = st.async_data_parallel(*args, devices, **kw)
+        elif strategy in ("model_parallel", "pipeline"):
+            assignment = st.assign_layers(model.layer_nodes, config.groups)
+            devices = list(dict.fromkeys([d for _, d in config.groups] + [first]))
+            if strategy == "model_parallel":
+                train = st.model_parallel(*args, assignment, first, **kw)
+            else:
+                k = config.concurrent_steps
+                if config.global_batch % k:
+                    raise SpecError(f"pipeline: the batch of {config.global_batch} does not split into "
+                                    f"concurrent_steps {k} equal micro-batches")
+                train = st.pipeline(*args, k, assignment, first, **kw)
+        else:
+            raise SpecError(f"unknown parallelism.strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+        init = fc.global_variables_initializer(g)
+    fixed = astep.placement if astep is not None else (train.placement if train is not None else None)
+    if fixed is not None:
+        fixed = st.complete_placement(g, fixed, devices[0])  # the initializer, made after the step
+    layers = layer_of(g, model)
+    apply_constraints(config, g, layers)
+    batch = config.per_replica_batch if astep is not None else config.global_batch
+    return Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers)
+
+
+def layer_of(graph: Graph, model: BuiltModel) -> dict[str, str]:
+    """node -> the layer that made it; gradient and optimizer nodes take the layer of the forward
+    node they follow (so a layer's constraint covers its backward pass too)."""
+    base = model.layer_of()
+    out: dict[str, str] = {}
+    for name, node in graph.nodes.items():
+        layer = base.get(name)
+        follow, seen = node.follows, 0
+        while layer is None and follow and seen < 64:
+            layer = base.get(follow)
+            follow = graph.nodes[follow].follows if follow in graph.nodes else ""
+            seen += 1
+        if layer is None and node.colocate_with:
+            layer = base.get(node.colocate_with[0])
+        if layer is not None:
+            out[name] = layer
+    return out
+
+
+def apply_constraints(config: StepConfig, graph: Graph, layers: dict[str, str]) -> None:
+    """§4.3: the spec's `placement.constraints` become each matching node's device constraint and
+    its `colocate:` groups colocation constraints -- binding on every placer, not hints."""
+    for node in graph.nodes.values():
+        layer = layers.get(node.name)
+        for pattern, device in config.constraints:
+            if rule_matches(pattern, node.name, layer):
+                node.device = device
+    for group in config.colocate:
+        members = [n for n in graph.nodes.values()
+                   if any(rule_matches(pattern, n.name, layers.get(n.name)) for pattern in group)]
+        if len(members) > 1:
+            anchor = next((m for m in members if m.op == "Variable"), members[0])
+            for m in members:
+                if m is not anchor and anchor.name not in m.colocate_with:
+                    m.colocate_with.append(anchor.name)
+
+
+# ---------------------------------------------------------------------------- placement
+@dataclass
+class PlacedStep:
+    """A step with every node on a device of `cluster`, and the placements it was compared with
+    (algorithm -> placement, or why that placer could not place it)."""
+
+    step: Step
+    cluster: Cluster
+    cost: CostModel
+    chosen: Placement
+    compared: dict[str, Placement | str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def assignment(self) -> dict[str, str]:
+        """node -> device for every node of the graph (the initializer's too)."""
+        return st.complete_placement(self.step.graph, self.chosen.assignment, self.step.devices[0])
+
+    def devices_used(self) -> list[str]:
+        used = set(self.assignment.values())
+        return [d for d in self.cluster.names if d in used]
+
+    def layer_of(self) -> dict[str, str]:
+        """node -> layer for every node, the optimizer's and other unlayered nodes under one name."""
+        return {n: self.step.layers.get(n, "(optimizer and other)") for n in self.step.graph.nodes}
+
+
+def place_step(step: Step, config: StepConfig, cluster: Cluster, cost: CostModel, algorithm: str | None = None,
+               compare: tuple[str, ...] = (), time_budget: float | None = None) -> PlacedStep:
+    """Place `step` on `cluster` with `algorithm` (default: the spec's) and simulate it; `compare`
+    places it with other algorithms too, for `flowctl place`. A strategy that fixes every node is
+    checked and simulated as it is: there is nothing for a placer to choose."""
+    started = time.perf_counter()
+    algorithm = algorithm or config.algorithm
+    if algorithm not in ALGORITHMS:
+        place(step.graph, cluster, cost, algorithm)  # raises the one PlacementError, with a did-you-mean
+    g, targets = step.graph, step.targets
+    if step.fixed is not None:
+        missing = sorted({d for d in step.fixed.values()} - set(cluster.names))
+        if missing:
+            raise PlacementError(f"the {step.strategy} strategy puts nodes on {', '.join(missing)}, which the "
+                                 f"cluster does not have (devices: {', '.join(cluster.names)})")
+        chosen = evaluate(g, step.fixed, cluster, cost, targets=targets, algorithm=step.strategy)
+        chosen.notes.append(f"{step.strategy} decides every node's device (its replicas or layer groups); "
+                            f"placers have nothing left to choose")
+        return PlacedStep(step, cluster, cost, chosen.check(), seconds=time.perf_counter() - started)
+    rules = config.expert_rules()
+    budget = config.time_budget_s if time_budget is None else time_budget
+
+    def run(alg: str) -> Placement:
+        if len(cluster.devices) == 1:
+            alg = "single"  # one device: every placer gives the same answer
+        return place(g, cluster, cost, alg, targets=targets, rules=rules or None, layers=step.model.layer_of(),
+                     time_budget=budget)
+
+    out = PlacedStep(step, cluster, cost, run(algorithm))
+    for alg in compare:
+        if alg == algorithm or alg not in ALGORITHMS:
+            continue
+        if alg == "expert" and not rules:
+            out.compared[alg] = "no rules in the spec (placement.constraints or parallelism.groups)"
+            continue
+        try:
+            out.compared[alg] = run(alg)
+        except PlacementError as e:
+            out.compared[alg] = str(e)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def plan(loaded: LoadedSpec, algorithm: str | None = None, devices: str | None = None,
+         compare: tuple[str, ...] = ("single", "expert"), batch: int | None = None,
+         cost: CostModel | None = None, time_budget: float | None = None) -> PlacedStep:
+    """Where a spec's training step would run, and how fast (`flowctl place`): built, placed on the
+    spec's devices (or `devices`, a what-if cluster) and compared with other placers."""
+    config = step_config(loaded)
+    step = build_step(build_model(loaded, training=True), config)
+    cluster = cluster_for(config, devices)
+    cost = cost or StaticCostModel(cluster, batch=batch or config.per_replica_batch)
+    return place_step(step, config, cluster, cost, algorithm, compare, time_budget)
+
+
+# ---------------------------------------------------------------------------- what a trainer runs
+@dataclass
+class Program:
+    """A placed step with an open session: what the trainer runs."""
+
+    step: Step
+    placed: PlacedStep
+    session: fc.Session
+    config: StepConfig
+
+    @property
+    def strategy(self) -> str:
+        return self.step.strategy
+
+    @property
+    def cluster(self) -> Cluster | None:
+        """The devices of a multi-device session (None for a plain one-device Session)."""
+        return self.placed.cluster if isinstance(self.session, DistributedSession) else None
+
+    @property
+    def placement(self) -> dict[str, str] | None:
+        return self.placed.assignment if isinstance(self.session, DistributedSession) else None
+
+    @property
+    def devices(self) -> list[str]:
+        return self.step.devices if self.step.fixed is not None else self.placed.devices_used()
+
+    def describe(self) -> str:
+        return self.step.describe(self.devices)
+
+    def close(self) -> None:
+        if isinstance(self.session, DistributedSession):
+            self.session.close()
+
+
+def open_program(loaded: LoadedSpec) -> Program:
+    """Build, place (the spec's placer over a static cost model) and open a session: one device's
+    `Session`, or a `DistributedSession` with a thread per device and Send/Recv between them."""
+    config = step_config(loaded)
+    step = build_step(build_model(loaded, training=True), config)
+    cluster = cluster_for(config)
+    placed = place_step(step, config, cluster, StaticCostModel(cluster, batch=config.per_replica_batch))
+    for d in placed.devices_used():
+        dev = parse_device(d)
+        if (dev.job, dev.task) != ("localhost", 0):
+            raise PlacementError(f"device {d} is not in this process: a local run trains on /job:localhost/task:0 "
+                                 f"devices (cluster.type ray runs other tasks)")
+    session: fc.Session
+    if step.fixed is None and len(cluster.devices) == 1:
+        session = fc.Session(step.graph, device=cluster.names[0], store=fc.ContainerStore())
+    else:
+        session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore())
+    return Program(step, placed, session, config)
+
+
+__all__ = ["DATA_PARALLEL", "STRATEGIES", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
+           "StepConfig", "apply_constraints", "build_step", "cluster_for", "gradient_process", "layer_of",
+           "make_optimizer", "open_program", "place_step", "plan", "step_config"]

@@ -1,0 +1,142 @@
+"""Starting and resuming a training run: which spec (the embedded demo by default, `--data`
+applied), which run directory (a new run never reuses one), and whether a run may be resumed with
+the spec as it is now (§3.3: a resumed run must compute what the interrupted one computed).
+`flowctl train` and `flowctl resume` call `start_run` and `resume_run` and only render."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+from flowctl.engine.errors import CheckpointError, FlowctlError, SpecError
+from flowctl.spec.check import LoadedSpec
+from flowctl.spec.loader import load_spec, load_text
+from flowctl.spec.schema import ArrayData, TextData
+from flowctl.training.rundir import RunDir, resolved, spec_changes, spec_hash
+from flowctl.training.trainer import Trainer
+
+DEMO = "demo (embedded)"
+Warn = Callable[[str], None]
+
+
+def load_training_spec(spec: str | None, data: str | None = None) -> tuple[LoadedSpec, str, str]:
+    """(loaded spec, its text, the path recorded for resume; "" for the embedded demo) with the
+    `--data` override applied."""
+    if spec is None:
+        text = resources.files("flowctl.spec").joinpath("builtin/demo.yaml").read_text()
+        loaded = load_text(text, filename="<embedded demo.yaml>", base_dir=Path("."))
+        path = ""
+    else:
+        p = Path(spec)
+        if not p.exists():
+            raise SpecError(f"no spec file {spec}")
+        loaded = load_spec(p)
+        text = p.read_text()
+        path = str(p.resolve())
+    if data:
+        override_data(loaded, data)
+    return loaded, text, path
+
+
+def override_data(loaded: LoadedSpec, data: str) -> None:
+    """Point the spec's `data:` at a file: arrays (.npy/.npz) or a text corpus, whose vocabulary
+    is the first integer input's class count."""
+    p = Path(data).resolve()
+    if not p.exists():
+        raise SpecError(f"--data {data}: no such file")
+    if p.suffix in (".npy", ".npz"):
+        loaded.spec.data = ArrayData.model_validate({"source": "arrays", "path": str(p)})
+    else:
+        ints = [i for i in loaded.inputs() if i.output.dtype.startswith("int")]
+        vocab = getattr(ints[0].layer, "classes", None) if ints else None
+        loaded.spec.data = TextData.model_validate({"source": "text", "path": str(p), "vocab_size": vocab})
+
+
+def choose_run_dir(name: str, run_dir: Path | None) -> Path:
+    """`run_dir` if it holds no run yet; by default runs/<name>, or the first free runs/<name>-N."""
+    if run_dir is not None:
+        if (run_dir / "run.json").exists():
+            raise FlowctlError(f"{run_dir} already holds a run: continue it with `flowctl resume {run_dir}`, "
+                               f"or pass another --run-dir")
+        return run_dir
+    run_dir = Path("runs") / name
+    n = 1
+    while (run_dir / "run.json").exists():
+        n += 1
+        run_dir = Path("runs") / f"{name}-{n}"
+    return run_dir
+
+
+def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = None, steps: int | None = None,
+              histograms: int = 0, prefetch: int = 2, on_warning: Warn | None = None) -> Trainer:
+    """A trainer on a new run directory, initialised and recorded (the spec, the graph, the
+    devices), ready to `train()`. The caller closes it."""
+    loaded, text, path = load_training_spec(spec, data)
+    name = loaded.spec.name or loaded.spec.model.name
+    trainer = Trainer(loaded, choose_run_dir(name, run_dir), steps=steps, histograms_every=histograms,
+                      prefetch=prefetch, on_warning=on_warning)
+    try:
+        trainer.start_fresh(text, path)
+        info = trainer.run.read_info()
+        info["overrides"] = {"data": str(Path(data).resolve())} if data else {}
+        trainer.run.write_info(info)
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
+@dataclass
+class Resumed:
+    trainer: Trainer
+    checkpoint: str  # the checkpoint restored
+    changes: list[str]  # how the spec differs from the run's (resumed anyway with allow_spec_change)
+
+
+def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool = False,
+               on_warning: Warn | None = None) -> Resumed:
+    """The run in `run_dir` restored from its newest valid checkpoint. The spec is read again from
+    where the run found it (else the run's copy); a change to what it computes is refused, listing
+    the changes, unless `allow_spec_change`."""
+    run = RunDir(run_dir)
+    if not run.exists():
+        raise CheckpointError(f"{run_dir}: no run here (run.json missing)")
+    info = run.read_info()
+    spec_path = info.get("spec_path") or ""
+    data = info.get("overrides", {}).get("data")
+    if spec_path and Path(spec_path).exists():
+        loaded, _, _ = load_training_spec(spec_path, data)
+    else:
+        loaded = load_text((run.path / "spec.yaml").read_text(), filename=str(run.path / "spec.yaml"))
+        if data:
+            override_data(loaded, data)
+    changes = _changes(run, loaded)
+    if changes and not allow_spec_change:
+        raise CheckpointError(f"{spec_path or run.path / 'spec.yaml'} changed since the run started: "
+                              f"{_listing(changes)}. Pass --allow-spec-change to resume anyway")
+    if changes and on_warning is not None:
+        on_warning(f"resuming with a changed spec: {_listing(changes)}")
+    trainer = Trainer(loaded, run.path, steps=steps, allow_spec_change=allow_spec_change, on_warning=on_warning)
+    try:
+        restored = trainer.restore()
+    except BaseException:
+        trainer.close()
+        raise
+    return Resumed(trainer, restored, changes)
+
+
+def _changes(run: RunDir, loaded: LoadedSpec) -> list[str]:
+    before: dict[str, Any] = json.loads((run.path / "spec.resolved.json").read_text())
+    now = resolved(loaded.spec)
+    if spec_hash(now) == before["sha256"]:
+        return []
+    return spec_changes(before["spec"], now) or ["the resolved spec's hash changed"]
+
+
+def _listing(changes: list[str]) -> str:
+    return "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more" if len(changes) > 12 else "")
+
+
+__all__ = ["DEMO", "Resumed", "choose_run_dir", "load_training_spec", "override_data", "resume_run", "start_run"]
