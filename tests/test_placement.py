@@ -23,6 +23,7 @@ from flowctl.engine.placement import (
     prepare,
 )
 from flowctl.engine.placement.profiler import profile
+from fixed_costs import FixedCosts
 from flowctl.kernels.registry import kernel
 
 CPU0, CPU1, GPU0, GPU1 = (canonical(d) for d in ("cpu:0", "cpu:1", "gpu:0", "gpu:1"))
@@ -50,29 +51,6 @@ def mixed() -> Cluster:
 def cpus(n: int = 2, memory: int = 1 << 30, link: Link | None = None) -> Cluster:
     prof = DeviceProfile("test", "cpu", 1e9, 1e9, memory, 0.0)
     return Cluster([Device(canonical(f"cpu:{i}"), prof) for i in range(n)], default_link=link or Link(1e12, 1e-6))
-
-
-class FixedCosts:
-    """Op times from a table; links from the cluster (latency + bytes / bandwidth)."""
-
-    name = "fixed"
-    batch = 1
-
-    def __init__(self, cluster: Cluster, times: dict[str, float], default: float = 1e-6) -> None:
-        self.static = StaticCostModel(cluster, 1)
-        self.times, self.default = times, default
-
-    def op_time(self, graph: Graph, node: Node, device: str) -> float:
-        return self.times.get(node.name, self.default)
-
-    def tensor_bytes(self, graph: Graph, ref: str) -> int:
-        return self.static.tensor_bytes(graph, ref)
-
-    def transfer_time(self, nbytes: int, src: str, dst: str) -> float:
-        return self.static.transfer_time(nbytes, src, dst)
-
-    def fallbacks(self) -> list[str]:
-        return []
 
 
 # ---------------------------------------------------------------------------- feasibility

@@ -16,33 +16,15 @@ from flowctl.engine.devices import canonical
 from flowctl.engine.graph import Graph, Node
 from flowctl.engine.placement import StaticCostModel, simulate, step_nodes
 from flowctl.engine.placement.cost import CostTable
+from fixed_costs import FixedCosts
 
 D0, D1 = canonical("cpu:0"), canonical("cpu:1")
 LAT, BW = 1e-3, 1e6  # a slow link: 1 ms + 1 µs per byte, so transfers are easy to see
 
 
-class FixedCosts:
-    """op_time from a table (default `default`), bytes from the graph's static shapes, links
-    latency + bytes / bandwidth."""
-
-    name = "fixed"
-    batch = 1
-
-    def __init__(self, times: dict[str, float], default: float = 0.0) -> None:
-        self.times = times
-        self.default = default
-
-    def op_time(self, graph: Graph, node: Node, device: str) -> float:
-        return self.times.get(node.name, self.default)
-
-    def tensor_bytes(self, graph: Graph, ref: str) -> int:
-        return StaticCostModel(cluster(), 1).tensor_bytes(graph, ref)
-
-    def transfer_time(self, nbytes: int, src: str, dst: str) -> float:
-        return 0.0 if src == dst else LAT + nbytes / BW
-
-    def fallbacks(self) -> list[str]:
-        return []
+def fixed(times: dict[str, float], default: float = 0.0) -> FixedCosts:
+    """Op times from `times`; transfers over the slow link of `cluster()`, whatever the cluster."""
+    return FixedCosts(cluster(), times, default)
 
 
 def cluster(n: int = 2, memory: int = 1 << 30) -> Cluster:
@@ -66,7 +48,7 @@ def chain(n: int = 4, size: int = 1000) -> Graph:
 def test_chain_on_one_device_takes_the_sum_of_its_op_times() -> None:
     g = chain(4)
     times = {"x": 0.5e-3, "r0": 1e-3, "r1": 2e-3, "r2": 3e-3, "r3": 4e-3}
-    r = simulate(g, on(g, D0), cluster(), FixedCosts(times))
+    r = simulate(g, on(g, D0), cluster(), fixed(times))
     assert r.step_time == pytest.approx(10.5e-3)
     assert r.device(D0).busy == pytest.approx(10.5e-3)
     assert r.device(D1).busy == 0.0 and r.device(D1).ops == 0
@@ -88,7 +70,7 @@ def two_branches() -> Graph:
 def test_independent_branches_on_two_devices_overlap() -> None:
     g = two_branches()
     times = {"a0": 5e-3, "a1": 5e-3, "b0": 5e-3, "b1": 5e-3}
-    costs = FixedCosts(times)
+    costs = fixed(times)
     one = simulate(g, on(g, D0), cluster(), costs)
     assert one.step_time == pytest.approx(20e-3)
     two = simulate(g, on(g, D0, b0=D1, b1=D1), cluster(), costs)
@@ -108,7 +90,7 @@ def test_a_cross_device_edge_adds_latency_plus_bytes_over_bandwidth() -> None:
         x = fc.placeholder("float32", (250,), name="x")  # 1000 bytes
         fc.relu(fc.relu(x, name="a"), name="b")
     times = {"a": 2e-3, "b": 3e-3}
-    r = simulate(g, on(g, D0, b=D1), cluster(), FixedCosts(times))
+    r = simulate(g, on(g, D0, b=D1), cluster(), fixed(times))
     assert r.step_time == pytest.approx(2e-3 + (LAT + 1000 / BW) + 3e-3)
     assert r.start["b"] == pytest.approx(2e-3 + LAT + 1000 / BW)
     (link,) = r.links
@@ -124,7 +106,7 @@ def test_a_tensor_read_by_three_consumers_on_another_device_crosses_once() -> No
         outs = [fc.square(a, name=f"c{i}") for i in range(3)]
         fc.group(outs, name="done")
     placement = on(g, D1, x=D0, a=D0)
-    r = simulate(g, placement, cluster(), FixedCosts({"a": 1e-3, "c0": 1e-3, "c1": 1e-3, "c2": 1e-3}))
+    r = simulate(g, placement, cluster(), fixed({"a": 1e-3, "c0": 1e-3, "c1": 1e-3, "c2": 1e-3}))
     (link,) = r.links
     assert link.transfers == 1 and link.bytes == 400
     # The three consumers share the one arrival and then queue on cpu:1.
@@ -139,7 +121,7 @@ def test_cross_device_control_edge_costs_the_link_latency() -> None:
         a = fc.relu(x, name="a")
         with g.control_dependencies([a]):
             fc.no_op(name="after")
-    r = simulate(g, on(g, D0, after=D1), cluster(), FixedCosts({"a": 1e-3}))
+    r = simulate(g, on(g, D0, after=D1), cluster(), fixed({"a": 1e-3}))
     assert r.start["after"] == pytest.approx(1e-3 + LAT)
     assert r.links[0].bytes == 0
 
@@ -148,17 +130,17 @@ def test_memory_peak_of_a_chain_counts_resident_input_and_two_live_tensors() -> 
     # x (resident, 4000 B) -> r0 -> r1 -> r2 -> r3, each 4000 B. While r_i runs its input and its
     # output are both live; the input is freed when r_i finishes. r3's output has no consumer.
     g = chain(4, size=1000)
-    r = simulate(g, on(g, D0), cluster(), FixedCosts({}, default=1e-3))
+    r = simulate(g, on(g, D0), cluster(), fixed({}, default=1e-3))
     assert r.device(D0).resident == 4000
     assert r.device(D0).peak_memory == 4000 + 2 * 4000
     # Fetched outputs stay: keeping r1 alive adds it on top while r2 and r3 run.
-    kept = simulate(g, on(g, D0), cluster(), FixedCosts({}, default=1e-3), keep=["r1:0"])
+    kept = simulate(g, on(g, D0), cluster(), fixed({}, default=1e-3), keep=["r1:0"])
     assert kept.device(D0).peak_memory == 4000 + 3 * 4000
 
 
 def test_a_received_tensor_is_counted_on_the_receiving_device() -> None:
     g = chain(2, size=1000)  # x -> r0 -> r1
-    r = simulate(g, on(g, D0, r1=D1), cluster(), FixedCosts({}, default=1e-3))
+    r = simulate(g, on(g, D0, r1=D1), cluster(), fixed({}, default=1e-3))
     assert r.device(D1).peak_memory == 4000 + 4000  # the received r0 and r1's own output
     assert r.device(D0).peak_memory == 4000 + 4000  # x resident, r0 until its transfer is done
 
@@ -170,14 +152,14 @@ def test_variables_are_resident_and_an_overflow_makes_the_placement_invalid() ->
         x = fc.placeholder("float32", (1000,), name="x")
         fc.add(w, x, name="y")
     small = cluster(memory=10_000)
-    over = simulate(g, on(g, D0), small, FixedCosts({}, default=1e-3), targets=["y"])
+    over = simulate(g, on(g, D0), small, fixed({}, default=1e-3), targets=["y"])
     assert over.device(D0).resident == 8000  # w and the fed x
     assert over.device(D0).peak_memory == 12000  # w + x + y
     assert not over.valid
     assert over.problems == [f"device {D0} needs 11.72 KiB at peak (7.81 KiB resident) but holds 9.77 KiB"]
     with pytest.raises(fc.PlacementError, match="placement is invalid: device .*cpu:0 needs 11.72 KiB"):
         over.check()
-    roomy = simulate(g, on(g, D0), cluster(memory=12_000), FixedCosts({}, default=1e-3), targets=["y"])
+    roomy = simulate(g, on(g, D0), cluster(memory=12_000), fixed({}, default=1e-3), targets=["y"])
     assert roomy.valid
 
 
@@ -186,7 +168,7 @@ def test_targets_restrict_the_step_to_what_they_need() -> None:
     with g.as_default():
         w = fc.variable(np.zeros((3,), np.float32), name="w")
         y = fc.square(w, name="y")
-    r = simulate(g, on(g, D0), cluster(), FixedCosts({}, default=1e-3), targets=[y.node])
+    r = simulate(g, on(g, D0), cluster(), fixed({}, default=1e-3), targets=[y.node])
     # The initializer (w/init and its Const) is not part of the step.
     assert set(r.start) == {"w", "y"}
     assert r.step_time == pytest.approx(2e-3)
@@ -228,7 +210,7 @@ def test_concrete_shapes_follow_the_batch_through_reshapes() -> None:
 
 def test_result_to_dict_is_json() -> None:
     g = two_branches()
-    r = simulate(g, on(g, D0, b0=D1, b1=D1), cluster(), FixedCosts({}, default=1e-3))
+    r = simulate(g, on(g, D0, b0=D1, b1=D1), cluster(), fixed({}, default=1e-3))
     d = json.loads(json.dumps(r.to_dict(nodes=True)))
     assert d["valid"] and d["nodes"]["b1"]["device"] == D1 and len(d["devices"]) == 2
 
@@ -269,7 +251,7 @@ class StreamCosts(FixedCosts):
     `issue` seconds, its kernel holds the stream for `kernel` seconds; a CPU is synchronous."""
 
     def __init__(self, issue: float, kernel: float, cpu: float = 0.0) -> None:
-        super().__init__({})
+        super().__init__(cluster(), {}, 0.0)
         self.issue, self.kernel, self.cpu = issue, kernel, cpu
 
     def op_time(self, graph: Graph, node: Node, device: str) -> float:
@@ -325,7 +307,7 @@ def test_placers_see_an_async_op_cost_as_the_larger_of_launch_and_kernel():
     assert table.is_async == [True, False]
     assert table.issue[i] == [1e-3, 3e-3] and table.stream[i] == [4e-3, 0.0]
     assert table.times[i] == [4e-3, 3e-3]
-    sync = CostTable.build(g, cluster(), FixedCosts({}, 1e-3), step_nodes(g))
+    sync = CostTable.build(g, cluster(), fixed({}, 1e-3), step_nodes(g))
     assert sync.is_async == [] and sync.issue == [] and sync.stream == []
 
 
@@ -414,7 +396,7 @@ def test_devices_of_one_process_slow_each_other_while_both_run():
     with g.as_default():
         fc.constant(np.ones(4, np.float32), name="long")
         fc.constant(np.ones(4, np.float32), name="short")
-    cost = FixedCosts({"long": 10e-3, "short": 5e-3})
+    cost = fixed({"long": 10e-3, "short": 5e-3})
     placement = on(g, D0, short=D1)
     assert simulate(g, placement, cluster(), cost).step_time == pytest.approx(10e-3)
     cost.contention = 1.2
@@ -431,7 +413,7 @@ def test_devices_of_one_process_slow_each_other_while_both_run():
             h = fc.constant(np.ones(4, np.float32), name=f"{side}0")
             for k in range(1, 3):
                 h = fc.tanh(h, name=f"{side}{k}")
-    cost2 = FixedCosts({}, 2e-3)
+    cost2 = fixed({}, 2e-3)
     cost2.contention = 1.2
     both = simulate(g2, {n: D0 if n.startswith("a") else D1 for n in g2.nodes}, cluster(), cost2)
     assert both.step_time == pytest.approx(7.2e-3)
@@ -446,7 +428,7 @@ def test_contention_is_solved_from_the_step_run_twice_at_once():
 
     g = chain(3)
     cl = cluster()
-    table = CostTable.build(g, cl, FixedCosts({}, 2e-3), step_nodes(g))
+    table = CostTable.build(g, cl, fixed({}, 2e-3), step_nodes(g))
     assert contention_for(table, 0, 1, 1.25, cl) == pytest.approx(1.25, rel=1e-6)
     assert contention_for(table, 0, 1, 0.95, cl) == 1.0
     assert table.contention == 1.0  # the table asked about is left as it was
@@ -459,7 +441,7 @@ def test_a_chain_on_one_device_takes_its_exact_time_in_expectation():
     from flowctl.engine.placement.simulator import expected_step_time
 
     g = chain(4)
-    cost = FixedCosts({"x": 0.5e-3, "r0": 1e-3, "r1": 2e-3, "r2": 3e-3, "r3": 4e-3})
+    cost = fixed({"x": 0.5e-3, "r0": 1e-3, "r1": 2e-3, "r2": 3e-3, "r3": 4e-3})
     cost.jitter = 0.2
     cl = cluster()
     table = CostTable.build(g, cl, cost, step_nodes(g))
@@ -493,7 +475,7 @@ def test_a_schedule_that_rests_on_a_tie_between_devices_loses_it_in_expectation(
     from flowctl.engine.placement import expect
 
     g, placement = knife_edge()
-    cost = FixedCosts({"a": 10e-3, "q": 10e-3, "c": 10e-3, "d": 10e-3, "b": 30e-3})
+    cost = fixed({"a": 10e-3, "q": 10e-3, "c": 10e-3, "d": 10e-3, "b": 30e-3})
     cl = cluster(3)
     tr = LAT + 4 / BW  # a 4-byte tensor across
     # c first: c ends at 20 ms + tr, b runs from there to 50 ms + tr; the Group waits for b's token.

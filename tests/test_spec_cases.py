@@ -36,7 +36,8 @@ def test_golden_error_case(case: Path):
     result = CliRunner().invoke(cli, ["validate", "--no-build", str(case)])
     out = result.output
     assert result.exit_code == 2, out
-    assert "Traceback" not in out and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in out, out
+    assert isinstance(result.exception, SystemExit), result.exception  # a clean exit, not a crash
     assert f"{case}:{at}:" in out, out
     for text in texts:
         assert text in out, out
