@@ -82,6 +82,35 @@ def _use(root: LocDict, use: LocDict, loc: tuple, prefix: str, start: str | None
          stack: tuple[str, ...], out: Expansion, emitted: LocList, problems: Problems) -> str | None:
     """Instantiate `use` (repeat times, chained); append the layers to `emitted`; return the last
     instance's output layer."""
+    checked = _check_use(root, use, loc, blocks, stack, problems)
+    if checked is None:
+        return None
+    bname, bdef, declared = checked
+    repeat = int(use.get("repeat", 1))
+    names, each = use.get("names"), use.get("each")
+    current = start
+    for k in range(repeat):
+        local = names[k] if names else (use["name"] if repeat == 1 else f"{use['name']}_{k + 1}")
+        inst = prefix + local
+        params = {**declared, **use.get("params", {}), **(each[k] if each else {})}
+        missing = [p for p, v in params.items() if v is None]
+        if missing:
+            problems.at(root, loc, f"block '{bname}' instance '{inst}' needs parameter(s) "
+                        f"{', '.join(missing)}")
+            return None
+        record = Instance(inst, bname, params=dict(params))
+        if not _instantiate(root, use, loc, record, bdef, current, blocks, stack, out, emitted, problems):
+            return None
+        out.aliases[inst] = record.output
+        out.instances.append(record)
+        current = record.output
+    return current
+
+
+def _check_use(root: LocDict, use: LocDict, loc: tuple, blocks: LocDict, stack: tuple[str, ...],
+               problems: Problems) -> tuple[str, LocDict, dict[str, Any]] | None:
+    """(block name, its definition, its declared parameters) for a use that can be instantiated;
+    None, with the problems reported, for one that cannot."""
     if stack:  # a use inside a block: check its keys here, the top-level ones were checked by expand
         try:
             BlockUse.model_validate(dict(use))
@@ -104,8 +133,7 @@ def _use(root: LocDict, use: LocDict, loc: tuple, prefix: str, start: str | None
         return None  # the schema reports the malformed block
     declared: dict[str, Any] = bdef["params"] if isinstance(bdef.get("params"), dict) else {}
     repeat = int(use.get("repeat", 1))
-    names = use.get("names")
-    each = use.get("each")
+    names, each = use.get("names"), use.get("each")
     if names is not None and len(names) != repeat:
         problems.at(root, loc + ("names",), f"{len(names)} names given for repeat {repeat}")
         return None
@@ -121,85 +149,73 @@ def _use(root: LocDict, use: LocDict, loc: tuple, prefix: str, start: str | None
             if key not in declared:
                 problems.at(root, loc + ("each", k, key), f"block '{bname}' has no parameter '{key}'"
                             + did_you_mean(key, declared), key=True)
-    current = start
-    for k in range(repeat):
-        local = names[k] if names else (use["name"] if repeat == 1 else f"{use['name']}_{k + 1}")
-        inst = prefix + local
-        params = {p: v for p, v in declared.items()}
-        params.update(use.get("params", {}))
-        if each:
-            params.update(each[k])
-        missing = [p for p, v in params.items() if v is None]
-        if missing:
-            problems.at(root, loc, f"block '{bname}' instance '{inst}' needs parameter(s) "
-                        f"{', '.join(missing)}")
-            return None
-        via = f"block '{bname}' instance '{inst}', used at {use.mark}"
-        body = copy_tree(bdef["layers"], (via,) + use.via)
-        _substitute(body, params, bname, problems)
-        record = Instance(inst, bname, params=dict(params))
-        local_names = [x.get("name") for x in body if isinstance(x, LocDict)]
-        local_out: dict[Any, str] = {}
-        prev_local: str | None = None
-        for j, layer in enumerate(body):
-            if not isinstance(layer, LocDict):
-                continue
-            lname = layer.get("name")
-            full = f"{inst}/{lname}"
-            refs = layer.get("inputs")
+    return bname, bdef, declared
 
-            def resolve(ref: Any, mark_loc: tuple) -> Any:
-                if ref == INPUT:
-                    if current is None:
-                        problems.add(*_where(layer, mark_loc), f"block '{bname}' instance '{inst}' has no "
-                                     f"input: give the use an `inputs:` or put a layer before it",
-                                     layer.via)
-                    return current
-                if ref in local_out:
-                    return local_out[ref]
-                problems.add(*_where(layer, mark_loc), f"unknown layer '{ref}' inside block '{bname}'"
-                             + did_you_mean(ref, [n for n in local_names if isinstance(n, str)] + [INPUT]),
-                             layer.via)
-                return ref
 
-            if refs is None:
-                resolved = None if layer.get("type") == "input" else \
-                    LocList([current if prev_local is None else prev_local])
-                if resolved is not None:
-                    resolved.item_marks = [layer.mark]
-            elif isinstance(refs, LocList):
-                resolved = LocList(resolve(r, ("inputs", n)) for n, r in enumerate(refs))
-                resolved.mark, resolved.item_marks = refs.mark, list(refs.item_marks)
-            else:
-                resolved = refs  # the schema reports a malformed `inputs`
-            if "block" in layer and "type" not in layer:
-                sub_start = resolved[0] if isinstance(resolved, LocList) and resolved else current
-                nested = copy_tree(layer)
-                nested.pop("inputs", None)
-                end = _use(root, nested, loc, inst + "/", sub_start, blocks, stack + (bname,), out, emitted,
-                           problems)
-                local_out[lname] = end or full
-                prev_local = local_out[lname]
-                record.layers.append(local_out[lname])
-                continue
+def _instantiate(root: LocDict, use: LocDict, loc: tuple, record: Instance, bdef: LocDict, current: str | None,
+                 blocks: LocDict, stack: tuple[str, ...], out: Expansion, emitted: LocList,
+                 problems: Problems) -> bool:
+    """Emit one instance of a block: its layers renamed under the instance, `$input` wired to
+    `current`, nested uses expanded; `record` gets the layers and the output. False on a problem
+    that stops the expansion."""
+    inst, bname = record.name, record.block
+    via = f"block '{bname}' instance '{inst}', used at {use.mark}"
+    body = copy_tree(bdef["layers"], (via,) + use.via)
+    _substitute(body, record.params, bname, problems)
+    local_names = [x.get("name") for x in body if isinstance(x, LocDict)]
+    local_out: dict[Any, str] = {}
+    prev_local: str | None = None
+    for layer in body:
+        if not isinstance(layer, LocDict):
+            continue
+        lname = layer.get("name")
+        full = f"{inst}/{lname}"
+        refs = layer.get("inputs")
+
+        def resolve(ref: Any, mark_loc: tuple) -> Any:
+            if ref == INPUT:
+                if current is None:
+                    problems.add(*_where(layer, mark_loc), f"block '{bname}' instance '{inst}' has no "
+                                 f"input: give the use an `inputs:` or put a layer before it", layer.via)
+                return current
+            if ref in local_out:
+                return local_out[ref]
+            problems.add(*_where(layer, mark_loc), f"unknown layer '{ref}' inside block '{bname}'"
+                         + did_you_mean(ref, [n for n in local_names if isinstance(n, str)] + [INPUT]), layer.via)
+            return ref
+
+        if refs is None:
+            resolved = None if layer.get("type") == "input" else \
+                LocList([current if prev_local is None else prev_local])
+            if resolved is not None:
+                resolved.item_marks = [layer.mark]
+        elif isinstance(refs, LocList):
+            resolved = LocList(resolve(r, ("inputs", n)) for n, r in enumerate(refs))
+            resolved.mark, resolved.item_marks = refs.mark, list(refs.item_marks)
+        else:
+            resolved = refs  # the schema reports a malformed `inputs`
+        if "block" in layer and "type" not in layer:
+            sub_start = resolved[0] if isinstance(resolved, LocList) and resolved else current
+            nested = copy_tree(layer)
+            nested.pop("inputs", None)
+            end = _use(root, nested, loc, inst + "/", sub_start, blocks, stack + (bname,), out, emitted, problems)
+            local_out[lname] = end or full
+        else:
             layer["name"] = full
             if resolved is not None:
                 layer["inputs"] = resolved
             emitted.append(layer)
             emitted.item_marks.append(layer.mark)
             local_out[lname] = full
-            prev_local = full
-            record.layers.append(full)
-        want = bdef.get("output")
-        if want is not None and want not in local_out:
-            problems.add(bdef.value_marks.get("output"), f"model.blocks.{bname}.output",
-                         f"block '{bname}' has no layer '{want}'" + did_you_mean(want, local_out))
-            return None
-        record.output = (local_out.get(want) if want else prev_local) or ""
-        out.aliases[inst] = record.output
-        out.instances.append(record)
-        current = record.output
-    return current
+        prev_local = local_out[lname]
+        record.layers.append(local_out[lname])
+    want = bdef.get("output")
+    if want is not None and want not in local_out:
+        problems.add(bdef.value_marks.get("output"), f"model.blocks.{bname}.output",
+                     f"block '{bname}' has no layer '{want}'" + did_you_mean(want, local_out))
+        return False
+    record.output = (local_out.get(want) if want else prev_local) or ""
+    return True
 
 
 def _where(layer: LocDict, loc: tuple) -> tuple[Any, str]:

@@ -280,7 +280,7 @@ class Trainer:
 
     def _loop_async(self, stop: Interrupt, metrics: IO[str], writer: Any,
                     t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
-        return _async_loop(self, stop, metrics, writer, t0)
+        return _AsyncRun(self, metrics, writer, t0).run(stop)
 
     def _explain_non_finite(self, snapshot: tuple[dict[str, Any], dict[str, Any]], fetches: list[Any],
                             feeds: dict[Any, Any]) -> None:
@@ -320,56 +320,45 @@ class _AsyncState:
         self.loss = float("nan")
 
 
-def _async_loop(self: Trainer, stop: Interrupt, metrics: IO[str], writer: Any,
-                t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
+class _AsyncRun:
     """Figure 7 bottom: one client thread per replica, each taking its own batches, computing
     gradients on its device against the parameters as it reads them, and applying them through the
-    shared update. This thread only coordinates: checkpoints (every N updates or seconds, taken
-    with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C, errors.
-    A metrics line per update carries the replica and the update's staleness."""
-    a = self.program.step.async_step
-    assert a is not None
-    total = self.total_steps
-    every = self.ckpt_every_steps
+    shared update. The calling thread only coordinates: checkpoints (every N updates or seconds,
+    taken with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C,
+    errors. A metrics line per update carries the replica and the update's staleness."""
 
-    def next_hold(applied: int) -> int:
-        return min(total, (applied // every + 1) * every) if every else total
+    def __init__(self, trainer: Trainer, metrics: IO[str], writer: Any, t0: float) -> None:
+        a = trainer.program.step.async_step
+        assert a is not None
+        self.t, self.a, self.metrics, self.writer, self.t0 = trainer, a, metrics, writer, t0
+        self.total = trainer.total_steps
+        self.every = trainer.ckpt_every_steps
+        self.s = _AsyncState(trainer.step, self.next_hold(trainer.step))
 
-    s = _AsyncState(self.step, next_hold(self.step))
-    schedule = self.spec.training.learning_rate
+    def next_hold(self, applied: int) -> int:
+        every = self.every
+        return min(self.total, (applied // every + 1) * every) if every else self.total
 
-    def replica(k: int) -> None:
-        src = self.sources[k]
+    def replica(self, k: int) -> None:
+        t, a, s = self.t, self.a, self.s
+        src = t.sources[k]
         fetch = [a.losses[k], a.grads[k], a.version] + ([a.side_updates[k]] if a.side_updates[k] is not None else [])
         try:
             while True:
                 with s.cond:
-                    while not s.stop and s.error is None and s.hold <= s.reserved < total:
+                    while not s.stop and s.error is None and s.hold <= s.reserved < self.total:
                         s.cond.wait()
-                    if s.stop or s.error is not None or s.reserved >= total:
+                    if s.stop or s.error is not None or s.reserved >= self.total:
                         return
                     s.reserved += 1
                 ts = time.perf_counter()
-                loss_arr, grads, read = self.session.run(fetch, st.split_batch(src.next_batch(), [a.inputs[k]]))[:3]
+                loss_arr, grads, read = t.session.run(fetch, st.split_batch(src.next_batch(), [a.inputs[k]]))[:3]
                 loss_v = float(loss_arr)
                 if not math.isfinite(loss_v):
                     raise NonFiniteError(f"update {s.applied + 1}: replica {k}'s loss is not finite "
                                          f"({loss_v}); the update was not applied")
-                feeds: dict[Any, Any] = dict(zip(a.grad_inputs, grads))
-                with s.apply_lock:  # the rate is the schedule's at this update's index
-                    lr = learning_rate(schedule, self.step)
-                    feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
-                    applied = int(self.session.run([a.applied, a.apply], feeds)[0])
-                    self.step = applied
-                    stale = applied - 1 - int(read)
-                    eps = self.batch / (time.perf_counter() - ts)
-                    s.staleness.append(stale)
-                    s.loss = loss_v
-                    metrics.write(f'{{"step": {applied}, "replica": {k}, "staleness": {stale}, "loss": {loss_v!r}, '
-                                  f'"lr": {lr!r}, "examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
-                    writer.scalars(applied, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps,
-                                             "staleness": stale, f"replica_{k}/loss": loss_v})
-                    self.on_step(StepEvent(applied, total, loss_v, lr, eps, time.perf_counter() - t0))
+                with s.apply_lock:
+                    self.apply(k, grads, int(read), loss_v, ts)
                 with s.cond:
                     s.applied += 1
                     s.cond.notify_all()
@@ -378,16 +367,55 @@ def _async_loop(self: Trainer, stop: Interrupt, metrics: IO[str], writer: Any,
                 s.error = s.error or e
                 s.cond.notify_all()
 
-    threads = [threading.Thread(target=replica, args=(k,), name=f"flowctl-replica-{k}", daemon=True)
-               for k in range(len(a.losses))]
-    for th in threads:
-        th.start()
-    last_save = t0
-    last_path: str | None = None
-    interrupted = False
-    try:
+    def apply(self, k: int, grads: list[Any], read: int, loss_v: float, started: float) -> None:
+        """Apply replica k's gradients (under the apply lock) and log the update; the learning rate
+        is the schedule's at this update's index."""
+        t, a, s = self.t, self.a, self.s
+        feeds: dict[Any, Any] = dict(zip(a.grad_inputs, grads))
+        lr = learning_rate(t.spec.training.learning_rate, t.step)
+        feeds[t.lr] = np.asarray(lr, dtype=t.lr.dtype)
+        applied = int(t.session.run([a.applied, a.apply], feeds)[0])
+        t.step = applied
+        stale = applied - 1 - read
+        eps = t.batch / (time.perf_counter() - started)
+        s.staleness.append(stale)
+        s.loss = loss_v
+        self.metrics.write(f'{{"step": {applied}, "replica": {k}, "staleness": {stale}, "loss": {loss_v!r}, '
+                           f'"lr": {lr!r}, "examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
+        self.writer.scalars(applied, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps,
+                                      "staleness": stale, f"replica_{k}/loss": loss_v})
+        t.on_step(StepEvent(applied, self.total, loss_v, lr, eps, time.perf_counter() - self.t0))
+
+    def run(self, stop: Interrupt) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
+        s = self.s
+        threads = [threading.Thread(target=self.replica, args=(k,), name=f"flowctl-replica-{k}", daemon=True)
+                   for k in range(len(self.a.losses))]
+        for th in threads:
+            th.start()
+        try:
+            last_path, interrupted = self.coordinate(stop)
+        finally:
+            with s.cond:  # wake any replica waiting at the hold, so that it sees the stop
+                s.stop = True
+                s.cond.notify_all()
+            for th in threads:
+                th.join()
+        if s.error is not None:
+            raise s.error
+        stale = {"mean": float(np.mean(s.staleness)) if s.staleness else 0.0,
+                 "max": int(max(s.staleness, default=0)), "updates": len(s.staleness)}
+        # The run's rate is all replicas together: examples applied over the time taken.
+        elapsed = time.perf_counter() - self.t0
+        rates = [len(s.staleness) * self.t.batch / elapsed] if s.staleness and elapsed > 0 else []
+        return s.loss, rates, last_path, interrupted, stale
+
+    def coordinate(self, stop: Interrupt) -> tuple[str | None, bool]:
+        """Wait for updates; checkpoint at each hold; stop on Ctrl-C, an error or the last update."""
+        s, t = self.s, self.t
+        last_save = self.t0
+        last_path: str | None = None
+        interrupted = False
         while True:
-            save = False
             with s.cond:
                 s.cond.wait(0.05)
                 quiet = s.applied == s.reserved
@@ -396,29 +424,16 @@ def _async_loop(self: Trainer, stop: Interrupt, metrics: IO[str], writer: Any,
                 if stop.requested and not s.stop:
                     s.stop = interrupted = True
                     s.cond.notify_all()
-                if (s.stop and quiet) or s.applied >= total:
+                if (s.stop and quiet) or s.applied >= self.total:
                     break
-                if self.ckpt_every_seconds and time.perf_counter() - last_save >= self.ckpt_every_seconds:
+                if t.ckpt_every_seconds and time.perf_counter() - last_save >= t.ckpt_every_seconds:
                     s.hold = min(s.hold, s.reserved)  # start no more updates until the save
-                save = quiet and s.applied == s.hold and s.applied < total
+                save = quiet and s.applied == s.hold and s.applied < self.total
             if save:
-                metrics.flush()
-                last_path = self.save()
+                self.metrics.flush()
+                last_path = t.save()
                 last_save = time.perf_counter()
                 with s.cond:
-                    s.hold = next_hold(s.applied)
+                    s.hold = self.next_hold(s.applied)
                     s.cond.notify_all()
-    finally:
-        with s.cond:  # wake any replica waiting at the hold, so that it sees the stop
-            s.stop = True
-            s.cond.notify_all()
-        for th in threads:
-            th.join()
-    if s.error is not None:
-        raise s.error
-    stale = {"mean": float(np.mean(s.staleness)) if s.staleness else 0.0,
-             "max": int(max(s.staleness, default=0)), "updates": len(s.staleness)}
-    # The run's rate is all replicas together: examples applied over the time taken.
-    elapsed = time.perf_counter() - t0
-    rates = [len(s.staleness) * self.batch / elapsed] if s.staleness and elapsed > 0 else []
-    return s.loss, rates, last_path, interrupted, stale
+        return last_path, interrupted
