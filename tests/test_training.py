@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowctl.demo import train_demo
+from flowctl.api_example import train_demo
 
 
 def test_two_layer_network_loss_falls_tenfold():

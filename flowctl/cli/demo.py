@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def demo(steps: int, seed: int, as_json: bool) -> None:
     """Train a two-layer network on a generated task (the embedded default job)."""
-    from flowctl.demo import train_demo
+    from flowctl.api_example import train_demo
 
     err = Console(stderr=True)
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ import numpy as np
 
 from flowctl.engine.dtypes import as_dtype, itemsize
 from flowctl.engine.errors import GraphError
-from flowctl.engine.shapes import TensorSpec, concrete, num_elements
+from flowctl.engine.shapes import TensorSpec, concrete
 
 # Op groups: passes branch on these named sets, never on name prefixes.
 ELEMENTWISE = "elementwise"
@@ -203,7 +203,3 @@ def get_op(name: str) -> OpDef:
 
 def ops_in_group(group: str) -> frozenset[str]:
     return frozenset(n for n, d in OPS.items() if d.group == group)
-
-
-def count_elements(spec: TensorSpec) -> int | None:
-    return num_elements(spec.shape)

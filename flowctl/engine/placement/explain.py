@@ -154,12 +154,6 @@ class Placement:
                 time=self.node_times.get(name)))
         return out
 
-    def by_device(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {d.device: [] for d in self.simulation.devices}
-        for n, d in self.assignment.items():
-            out.setdefault(d, []).append(n)
-        return out
-
     def to_dict(self, nodes: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
             "algorithm": self.algorithm, "step_time": self.step_time, "valid": self.valid,

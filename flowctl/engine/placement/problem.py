@@ -37,9 +37,6 @@ class Problem:
     def devices(self) -> list[str]:
         return self.feas.devices
 
-    def group_nodes(self, g: int) -> list[str]:
-        return self.coarse.groups[g].members
-
     def decision(self, g: int, choice: int, reason: str, trigger: str = "") -> Decision:
         grp = self.coarse.groups[g]
         first = grp.members[0]
