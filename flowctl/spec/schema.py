@@ -175,7 +175,7 @@ class Constraint(Strict):
 
 
 class PlacementSpec(Strict):
-    algorithm: Literal["single", "expert", "greedy", "mincut", "learned", "auto"] = Field(
+    algorithm: Literal["single", "expert", "greedy", "heft", "mincut", "learned", "auto"] = Field(
         "greedy", description="placer (§3.2.1 greedy; learned after Mirhoseini et al. 2017)")
     constraints: list[Constraint] = Field(default_factory=list)
     colocate: list[list[str]] = Field(default_factory=list,
