@@ -26,8 +26,10 @@ SUITES = ("engine", "strategies", "prefetch")
               help="Timed steps per placement and round (a spec target).")
 @click.option("--rounds", default=3, show_default=True,
               help="Rounds in which the placements take turns (a spec target).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
-          rounds: int) -> None:
+          rounds: int, overrides: tuple[str, ...]) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -55,7 +57,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
 
-        loaded = load_spec(target)
+        loaded = load_spec(target, overrides)
         algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
         with err.status("benchmarking") as status:
             results = bench_spec(loaded, algs, steps=2 if quick else steps, rounds=1 if quick else rounds,

@@ -32,21 +32,28 @@ def _short(dev: str) -> str:
 @click.command()
 @click.argument("spec")
 @click.option("--algorithm", "-a", type=click.Choice(ALGORITHMS), help="Placer (default: the spec's).")
-@click.option("--devices", help="A what-if cluster from profiles, e.g. 4xgpu:k40 or 2xgpu:v100@nvlink.")
+@click.option("--devices", help="The spec's device names (cpu:0,cpu:1), or a what-if cluster from profiles "
+                                "(4xgpu:k40, 2xgpu:v100@nvlink).")
 @click.option("--explain", is_flag=True, help="Per node (or layer): feasible set, constraints, candidates, choice.")
 @click.option("--by", "by", type=click.Choice(["node", "layer"]), default="node", show_default=True)
 @click.option("--limit", default=40, show_default=True, help="Rows of the explanation to show (0: all).")
 @click.option("--batch", type=int, help="Batch size to cost (default: the spec's per-replica batch).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="The placement and its explanation as JSON on stdout.")
 def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, by: str, limit: int,
-          batch: int | None, as_json: bool) -> None:
+          batch: int | None, overrides: tuple[str, ...], as_json: bool) -> None:
     """Place SPEC's training step on its devices (or --devices) and show where every node runs and why."""
     from flowctl.spec.loader import load_spec
+    from flowctl.spec.overrides import device_names
     from flowctl.training.program import plan
 
     console = Console(stderr=True)
-    loaded = load_spec(spec)
-    p = plan(loaded, algorithm, devices, batch=batch)
+    names = device_names(devices) if devices else None
+    if names:
+        overrides += (f"devices=[{', '.join(names)}]",)
+    loaded = load_spec(spec, overrides)
+    p = plan(loaded, algorithm, None if names else devices, batch=batch)
     chosen = p.chosen
     if as_json:
         out = chosen.to_dict(nodes=explain)

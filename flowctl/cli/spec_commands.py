@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from flowctl.spec import json_schema, load_spec
-from flowctl.spec.model import build_model
 from flowctl.spec.summary import summarize
+from flowctl.training.program import place_for_training
 
 
 def _err() -> Console:
@@ -44,22 +44,26 @@ def _shape(shape: list[Any]) -> str:
 @click.argument("spec", required=False, type=click.Path(dir_okay=False))
 @click.option("--schema", is_flag=True, help="Print the spec's JSON schema to stdout and exit.")
 @click.option("--no-build", is_flag=True, help="Check the spec without building its graph.")
-def validate(spec: str | None, schema: bool, no_build: bool) -> None:
-    """Check SPEC: schema, blocks, layer shapes, devices, batch numbers; then build its graph.
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
+def validate(spec: str | None, schema: bool, no_build: bool, overrides: tuple[str, ...]) -> None:
+    """Check SPEC: schema, blocks, layer shapes, devices, batch numbers; then everything `train`
+    does before its first step: build the strategy's step and place it on the spec's devices.
 
-    Exit 0 with a one-line summary, or 2 with every problem as file:line:col: key: message.
+    Exit 0 with a one-line summary, or the error and its exit code (2 spec, 3 graph, 4 placement).
     """
     if schema:
         click.echo(json.dumps(json_schema(), indent=2))
         return
     if spec is None:
         raise click.UsageError("give a SPEC file (or --schema)")
-    loaded = load_spec(spec)
+    loaded = load_spec(spec, overrides)
     trainable, frozen = loaded.params()
     nodes = ""
     if not no_build:
-        model = build_model(loaded, training=True)
-        nodes = f", {len(model.graph):,} graph nodes"
+        placed = place_for_training(loaded)
+        nodes = (f", {len(placed.step.graph):,} graph nodes in a training step placed by "
+                 f"{placed.chosen.algorithm} on {len(placed.devices_used())} device(s)")
     s = loaded.spec
     _err().print(f"ok: {spec}: model '{s.model.name}', {len(loaded.layers)} layers, "
                  f"{trainable + frozen:,} parameters ({trainable:,} trainable){nodes}; "
@@ -70,10 +74,12 @@ def validate(spec: str | None, schema: bool, no_build: bool) -> None:
 @click.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON to stdout.")
-def inspect(spec: str, as_json: bool) -> None:
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
+def inspect(spec: str, as_json: bool, overrides: tuple[str, ...]) -> None:
     """Per-layer output shapes and parameters, totals, node count, FLOPs per training step and
     activation memory of SPEC (read off the graph it builds)."""
-    loaded = load_spec(spec)
+    loaded = load_spec(spec, overrides)
     report = summarize(loaded)
     report["spec"] = spec
     if as_json:

@@ -73,17 +73,23 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
 @click.option("--histograms", type=int, default=0, help="Write weight histograms every N steps.")
 @click.option("--prefetch", type=int, default=2, show_default=True,
               help="Batches read ahead on a background thread while the model computes (0: none).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
+@click.option("--devices", help="Train on these devices: the spec's device names, e.g. cpu:0,cpu:1.")
+@click.option("--algorithm", "-a", help="Placer for a multi-device single-strategy step (default: the spec's).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str | None, histograms: int,
-          prefetch: int, as_json: bool) -> None:
+          prefetch: int, overrides: tuple[str, ...], devices: str | None, algorithm: str | None,
+          as_json: bool) -> None:
     """Train SPEC (default: the embedded demo) with progress, metrics and checkpoints.
 
     Ctrl-C finishes the step, writes a checkpoint and exits with code 130."""
-    from flowctl.training.runs import start_run
+    from flowctl.training.runs import command_line_overrides, start_run
 
     console = Console(stderr=True, soft_wrap=True)
     trainer = start_run(spec, run_dir, data, steps, histograms, prefetch,
-                        on_warning=lambda m: console.print(f"warning: {m}"))
+                        on_warning=lambda m: console.print(f"warning: {m}"),
+                        overrides=command_line_overrides(overrides, devices, algorithm))
     try:
         t, n = trainer.model.params()
         unit = "batch per replica" if trainer.program.step.async_step is not None else "batch"

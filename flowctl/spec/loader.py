@@ -4,6 +4,7 @@ checks. Every problem found is collected and raised as one SpecError whose lines
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from pydantic import ValidationError
 
@@ -11,13 +12,15 @@ from flowctl.engine.errors import SpecError
 from flowctl.spec.blocks import expand
 from flowctl.spec.check import LoadedSpec, check
 from flowctl.spec.layers import LAYERS
+from flowctl.spec.overrides import apply as apply_overrides
 from flowctl.spec.schema import Spec
-from flowctl.spec.source import LocDict, LocList, Problems, did_you_mean, load_yaml, locate
+from flowctl.spec.source import LocDict, LocList, Problems, did_you_mean, load_yaml
 from flowctl.spec.validation import report_validation
 
 
-def load_spec(path: str | Path) -> LoadedSpec:
-    """Read, expand and validate a spec file. Raises SpecError listing every problem."""
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LoadedSpec:
+    """Read, expand and validate a spec file, with `--set` overrides applied. Raises SpecError
+    listing every problem."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -29,16 +32,22 @@ def load_spec(path: str | Path) -> LoadedSpec:
         line = text_line(p.read_bytes(), e.start)
         raise SpecError(f"{p}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
                         f"a spec is a UTF-8 YAML file") from None
-    return load_text(text, str(p), base_dir=p.parent)
+    return load_text(text, str(p), base_dir=p.parent, overrides=overrides)
 
 
-def load_text(text: str, filename: str = "<spec>", base_dir: Path | None = None) -> LoadedSpec:
+def load_text(text: str, filename: str = "<spec>", base_dir: Path | None = None,
+              overrides: Sequence[str] = ()) -> LoadedSpec:
     root = load_yaml(text, filename)
     problems = Problems()
     if not isinstance(root, LocDict):
         problems.add(getattr(root, "mark", None), "", "a spec is a mapping with `version: 1` and a `model:`")
         problems.raise_if_any()
+    # Overrides of a block's definition apply before blocks are expanded, the rest to the layers
+    # as expanded (so `model.layers.<instance>/<layer>.units` reaches one instance's layer).
+    in_blocks = [o for o in overrides if o.startswith("model.blocks.")]
+    apply_overrides(root, in_blocks)
     expansion = expand(root, problems)
+    apply_overrides(root, [o for o in overrides if o not in in_blocks])
     _apply_defaults(root, problems)
     try:
         spec = Spec.model_validate(dict(root))

@@ -31,6 +31,7 @@ from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_gl
 from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate, place, rule_matches
 from flowctl.engine.placement.cost import StaticCostModel
 from flowctl.engine.runtime import DistributedSession
+from flowctl.engine.session import require_device
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel, build_model
 
@@ -419,10 +420,14 @@ class Program:
             self.session.close()
 
 
-def open_program(loaded: LoadedSpec) -> Program:
-    """Build, place (the spec's placer over a static cost model) and open a session: one device's
-    `Session`, or a `DistributedSession` with a thread per device and Send/Recv between them."""
+def place_for_training(loaded: LoadedSpec) -> PlacedStep:
+    """Everything `flowctl train` does before it opens a session: build the step and place it with
+    the spec's placer over a static cost model on this process's devices. `flowctl validate` runs
+    it too, so a spec it passes is one `train` starts."""
     config = step_config(loaded)
+    if loaded.spec.cluster.type != "local":
+        raise PlacementError(f"cluster.type {loaded.spec.cluster.type}: this flowctl trains on local clusters "
+                             f"only (cluster.type local)")
     step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config)
     placed = place_step(step, config, cluster, StaticCostModel(cluster, batch=config.per_replica_batch))
@@ -431,14 +436,23 @@ def open_program(loaded: LoadedSpec) -> Program:
         if (dev.job, dev.task) != ("localhost", 0):
             raise PlacementError(f"device {d} is not in this process: a local run trains on /job:localhost/task:0 "
                                  f"devices (cluster.type ray runs other tasks)")
+        require_device(d)
+    return placed
+
+
+def open_program(loaded: LoadedSpec) -> Program:
+    """Build, place and open a session: one device's `Session`, or a `DistributedSession` with a
+    thread per device and Send/Recv between them."""
+    placed = place_for_training(loaded)
+    step, cluster = placed.step, placed.cluster
     session: fc.Session
     if step.fixed is None and len(cluster.devices) == 1:
         session = fc.Session(step.graph, device=cluster.names[0], store=fc.ContainerStore())
     else:
         session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore())
-    return Program(step, placed, session, config)
+    return Program(step, placed, session, step_config(loaded))
 
 
 __all__ = ["DATA_PARALLEL", "STRATEGIES", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
            "StepConfig", "apply_constraints", "build_step", "cluster_for", "gradient_process", "layer_of",
-           "make_optimizer", "open_program", "place_step", "plan", "step_config"]
+           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config"]

@@ -8,11 +8,12 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from flowctl.engine.errors import CheckpointError, FlowctlError, SpecError
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.loader import load_spec, load_text
+from flowctl.spec.overrides import device_names
 from flowctl.spec.schema import ArrayData, TextData
 from flowctl.training.rundir import RunDir, resolved, spec_changes, spec_hash
 from flowctl.training.trainer import Trainer
@@ -21,18 +22,19 @@ DEMO = "demo (embedded)"
 Warn = Callable[[str], None]
 
 
-def load_training_spec(spec: str | None, data: str | None = None) -> tuple[LoadedSpec, str, str]:
+def load_training_spec(spec: str | None, data: str | None = None,
+                       overrides: Sequence[str] = ()) -> tuple[LoadedSpec, str, str]:
     """(loaded spec, its text, the path recorded for resume; "" for the embedded demo) with the
-    `--data` override applied."""
+    `--set` overrides and the `--data` file applied."""
     if spec is None:
         text = resources.files("flowctl.spec").joinpath("builtin/demo.yaml").read_text()
-        loaded = load_text(text, filename="<embedded demo.yaml>", base_dir=Path("."))
+        loaded = load_text(text, filename="<embedded demo.yaml>", base_dir=Path("."), overrides=overrides)
         path = ""
     else:
         p = Path(spec)
         if not p.exists():
             raise SpecError(f"no spec file {spec}")
-        loaded = load_spec(p)
+        loaded = load_spec(p, overrides)
         text = p.read_text()
         path = str(p.resolve())
     if data:
@@ -69,18 +71,36 @@ def choose_run_dir(name: str, run_dir: Path | None) -> Path:
     return run_dir
 
 
+def command_line_overrides(overrides: Sequence[str] = (), devices: str | None = None,
+                           algorithm: str | None = None) -> list[str]:
+    """`--set` overrides, with `--devices cpu:0,cpu:1` and `--algorithm A` as the spec keys they
+    set (`train` runs on devices this machine has: profiles are for `place`)."""
+    out = list(overrides)
+    if devices:
+        names = device_names(devices)
+        if names is None:
+            raise SpecError(f"--devices {devices}: train runs on this machine's devices; give device names such "
+                            f"as cpu:0,cpu:1 or gpu:0 (profiles such as 4xgpu:k40 are for `flowctl place`)")
+        out.append(f"devices=[{', '.join(names)}]")
+    if algorithm:
+        out.append(f"placement.algorithm={algorithm}")
+    return out
+
+
 def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = None, steps: int | None = None,
-              histograms: int = 0, prefetch: int = 2, on_warning: Warn | None = None) -> Trainer:
-    """A trainer on a new run directory, initialised and recorded (the spec, the graph, the
-    devices), ready to `train()`. The caller closes it."""
-    loaded, text, path = load_training_spec(spec, data)
+              histograms: int = 0, prefetch: int = 2, on_warning: Warn | None = None,
+              overrides: Sequence[str] = ()) -> Trainer:
+    """A trainer on a new run directory, initialised and recorded (the spec with its overrides, the
+    graph, the devices), ready to `train()`. The caller closes it."""
+    loaded, text, path = load_training_spec(spec, data, overrides)
     name = loaded.spec.name or loaded.spec.model.name
     trainer = Trainer(loaded, choose_run_dir(name, run_dir), steps=steps, histograms_every=histograms,
                       prefetch=prefetch, on_warning=on_warning)
     try:
         trainer.start_fresh(text, path)
         info = trainer.run.read_info()
-        info["overrides"] = {"data": str(Path(data).resolve())} if data else {}
+        info["overrides"] = {**({"data": str(Path(data).resolve())} if data else {}),
+                             **({"set": list(overrides)} if overrides else {})}
         trainer.run.write_info(info)
     except BaseException:
         trainer.close()
@@ -106,10 +126,12 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     info = run.read_info()
     spec_path = info.get("spec_path") or ""
     data = info.get("overrides", {}).get("data")
+    overrides = info.get("overrides", {}).get("set", [])
     if spec_path and Path(spec_path).exists():
-        loaded, _, _ = load_training_spec(spec_path, data)
+        loaded, _, _ = load_training_spec(spec_path, data, overrides)
     else:
-        loaded = load_text((run.path / "spec.yaml").read_text(), filename=str(run.path / "spec.yaml"))
+        loaded = load_text((run.path / "spec.yaml").read_text(), filename=str(run.path / "spec.yaml"),
+                           overrides=overrides)
         if data:
             override_data(loaded, data)
     changes = _changes(run, loaded)
@@ -139,4 +161,4 @@ def _listing(changes: list[str]) -> str:
     return "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more" if len(changes) > 12 else "")
 
 
-__all__ = ["DEMO", "Resumed", "choose_run_dir", "load_training_spec", "override_data", "resume_run", "start_run"]
+__all__ = ["DEMO", "Resumed", "choose_run_dir", "command_line_overrides", "load_training_spec", "override_data", "resume_run", "start_run"]
