@@ -142,3 +142,30 @@ def test_train_places_the_step_on_the_specs_devices_and_resumes_exactly(tmp_path
         return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
 
     assert losses(tmp_path / "split") == losses(tmp_path / "full") and len(losses(tmp_path / "full")) == 12
+
+
+def _train_losses(tmp_path, name: str, *sets: str) -> list[float]:
+    import json
+
+    from click.testing import CliRunner
+
+    from flowctl.cli.main import cli
+
+    spec = tmp_path / "placed.yaml"
+    spec.write_text(SPEC + "placement: {algorithm: expert}\n")
+    args = [a for s in sets for a in ("--set", s)]
+    r = CliRunner().invoke(cli, ["train", str(spec), "--steps", "4", "--run-dir", str(tmp_path / name), *args])
+    assert r.exit_code == 0, r.output
+    return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_spec_sets_the_papers_transfer_options(tmp_path, monkeypatch):
+    """placement.transfers: receiving as late as possible (§5.2) changes when, not what: the same
+    losses bitwise; bf16 on the wire (§5.5) is lossy: close, not equal."""
+    monkeypatch.chdir(tmp_path)
+    plain = _train_losses(tmp_path, "plain")
+    alap = _train_losses(tmp_path, "alap", "placement.transfers.receive=alap")
+    bf16 = _train_losses(tmp_path, "bf16", "placement.transfers={compress: bf16, receive: alap}")
+    assert alap == plain
+    assert bf16 != plain
+    np.testing.assert_allclose(bf16, plain, rtol=0.02)

@@ -174,6 +174,15 @@ class Constraint(Strict):
     device: str = Field(description="a listed device, or a partial one such as 'gpu'")
 
 
+class Transfers(Strict):
+    """How tensors cross between devices (§5.2, §5.5)."""
+
+    compress: Literal["none", "bf16"] = Field(
+        "none", description="bf16: float32 tensors travel as their upper 16 bits, widened on arrival (§5.5, lossy)")
+    receive: Literal["asap", "alap"] = Field(
+        "asap", description="alap: a Recv starts as late as its consumers allow (§5.2), to hold less memory")
+
+
 class PlacementSpec(Strict):
     algorithm: Literal["single", "expert", "greedy", "heft", "mincut", "learned", "auto"] = Field(
         "greedy", description="placer (§3.2.1 greedy; learned after Mirhoseini et al. 2017)")
@@ -181,6 +190,7 @@ class PlacementSpec(Strict):
     colocate: list[list[str]] = Field(default_factory=list,
                                       description="groups of globs whose nodes must share a device")
     time_budget_s: float = Field(60.0, gt=0, description="search budget for learned and auto")
+    transfers: Transfers = Field(default_factory=lambda: Transfers.model_validate({}))
 
 
 # ---------------------------------------------------------------------------- parallelism

@@ -78,6 +78,8 @@ class StepConfig:
     constraints: tuple[tuple[str, str], ...] = ()  # (glob over layer or node names, device)
     colocate: tuple[tuple[str, ...], ...] = ()
     time_budget_s: float = 60.0
+    compress: bool = False  # §5.5: float32 crosses devices as bfloat16
+    receive: str = "asap"  # §5.2: when a Recv may start
 
     @property
     def device_names(self) -> list[str]:
@@ -112,7 +114,8 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         groups=tuple((tuple(g.layers), canonical(g.device)) for g in par.groups),
         concurrent_steps=par.concurrent_steps, clip_value=tr.clip_value, clip_norm=tr.clip_norm,
         algorithm=pl.algorithm, constraints=tuple((c.match, c.device) for c in pl.constraints),
-        colocate=tuple(tuple(group) for group in pl.colocate), time_budget_s=pl.time_budget_s)
+        colocate=tuple(tuple(group) for group in pl.colocate), time_budget_s=pl.time_budget_s,
+        compress=pl.transfers.compress == "bf16", receive=pl.transfers.receive)
 
 
 def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
@@ -449,7 +452,11 @@ def open_program(loaded: LoadedSpec) -> Program:
     if step.fixed is None and len(cluster.devices) == 1:
         session = fc.Session(step.graph, device=cluster.names[0], store=fc.ContainerStore())
     else:
-        session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore())
+        config = step_config(loaded)
+        durations = {n: placed.chosen.simulation.finish[n] - placed.chosen.simulation.start[n]
+                     for n in placed.chosen.simulation.start} if config.receive == "alap" else None
+        session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(),
+                                     compress=config.compress, recv_schedule=config.receive, durations=durations)
     return Program(step, placed, session, step_config(loaded))
 
 
