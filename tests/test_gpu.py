@@ -95,7 +95,7 @@ def test_variables_move_between_host_and_gpu_sessions():
 def test_a_spec_on_gpu_0_trains_there_and_matches_the_host(tmp_path):
     """`devices: [gpu:0]` puts the one-device step on the GPU (it once ran on the host), and its
     losses follow the host's within float32 rounding."""
-    text = (ROOT / "specs" / "demo.yaml").read_text().replace("steps: 300", "steps: 20")
+    text = (ROOT / "specs" / "demo.yaml").read_text().replace("steps: 600", "steps: 20")
     losses = {}
     for dev in ("cpu:0", "gpu:0"):
         run = tmp_path / dev.replace(":", "")

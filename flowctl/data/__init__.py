@@ -8,35 +8,71 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from flowctl.data.arrays import ArraySource
 from flowctl.data.base import DataSource, InputSpec
 from flowctl.data.synthetic import SyntheticSource
-from flowctl.data.text import TextSource, Vocabulary
+from flowctl.data.text import TextSource, Vocabulary, read_words
 from flowctl.engine.errors import SpecError
 
 
+SPLITS = ("train", "validation")
+# The held-out stream of a synthetic source: another draw of the same task (the same teacher).
+VALIDATION_STREAM = 1_000_003
+
+
 def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_size: int,
-                base_dir: str | Path = ".") -> DataSource:
+                base_dir: str | Path = ".", split: str = "train") -> DataSource:
     """A source from a `data:` mapping (`source: synthetic | arrays | text`); relative paths are
-    taken from `base_dir` (the spec file's directory)."""
+    taken from `base_dir` (the spec file's directory). `split`: "train", or "validation" for the
+    held-out data (`validation:` file, the last `validation_fraction` of the file, or for synthetic
+    data a stream of its own), read in order without shuffling."""
     cfg = dict(config)
     kind = cfg.get("source", "synthetic")
     inputs = list(inputs)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+    held = split == "validation"
     if kind == "synthetic":
-        return SyntheticSource(inputs, batch_size, seed=cfg.get("seed", 0), task=cfg.get("task", "random"))
+        src = SyntheticSource(inputs, batch_size, seed=cfg.get("seed", 0), task=cfg.get("task", "random"))
+        if held:
+            src.rng = np.random.default_rng([int(cfg.get("seed", 0)), VALIDATION_STREAM])
+        return src
+    path, part = _split_of(cfg, base_dir, held)
     if kind == "arrays":
-        return ArraySource(inputs, batch_size, Path(base_dir) / cfg["path"], features=cfg.get("features"),
-                           shuffle=cfg.get("shuffle", True), seed=cfg.get("seed", 0))
+        return ArraySource(inputs, batch_size, path, features=cfg.get("features"),
+                           shuffle=cfg.get("shuffle", True) and not held, seed=cfg.get("seed", 0), part=part)
     if kind == "text":
         ints = {i.name: i for i in inputs if i.is_int}
         name = cfg.get("input") or next(iter(ints), None)
         if name is None or name not in ints or len(ints[name].shape) != 1:
             raise SpecError("a text source needs an integer model input of shape [unroll]")
-        return TextSource(inputs, batch_size, Path(base_dir) / cfg["path"], unroll=ints[name].shape[0],
-                          vocab_size=cfg.get("vocab_size"), input_name=cfg.get("input"),
-                          target_name=cfg.get("target"))
+        vocab = None
+        if held and cfg.get("validation"):  # encoded with the training corpus's words
+            vocab = Vocabulary.build(read_words(Path(base_dir) / cfg["path"]), cfg.get("vocab_size"))
+        return TextSource(inputs, batch_size, path, unroll=ints[name].shape[0], vocab_size=cfg.get("vocab_size"),
+                          input_name=cfg.get("input"), target_name=cfg.get("target"), part=part, vocab=vocab)
     raise SpecError(f"unknown data source {kind!r}: synthetic, arrays or text")
 
 
-__all__ = ["ArraySource", "DataSource", "InputSpec", "SyntheticSource", "TextSource", "Vocabulary",
-           "make_source"]
+def has_validation(config: Mapping[str, Any]) -> bool:
+    return config.get("source", "synthetic") == "synthetic" or bool(
+        config.get("validation") or config.get("validation_fraction"))
+
+
+def _split_of(cfg: Mapping[str, Any], base_dir: str | Path, held: bool) -> tuple[Path, tuple[float, float]]:
+    """The file a split reads and the part of it: training reads all of `path` but a held-out
+    fraction; validation its own file or that fraction."""
+    fraction = cfg.get("validation_fraction") or 0.0
+    if not held:
+        return Path(base_dir) / cfg["path"], (0.0, 1.0 - fraction)
+    if cfg.get("validation"):
+        return Path(base_dir) / cfg["validation"], (0.0, 1.0)
+    if not fraction:
+        raise SpecError("no validation data: set data.validation (a file) or data.validation_fraction")
+    return Path(base_dir) / cfg["path"], (1.0 - fraction, 1.0)
+
+
+__all__ = ["ArraySource", "DataSource", "InputSpec", "SPLITS", "SyntheticSource", "TextSource", "Vocabulary",
+           "has_validation", "make_source"]

@@ -36,7 +36,10 @@ class ArraySource(DataSource):
     kind = "arrays"
 
     def __init__(self, inputs: list[InputSpec], batch_size: int, path: str | Path,
-                 features: dict[str, str] | None = None, shuffle: bool = True, seed: int = 0) -> None:
+                 features: dict[str, str] | None = None, shuffle: bool = True, seed: int = 0,
+                 part: tuple[float, float] = (0.0, 1.0)) -> None:
+        """`part`: the fraction of the examples this source reads, (start, stop) in file order
+        (a validation split holds out the last ones)."""
         super().__init__(inputs, batch_size, seed)
         self.path = Path(path)
         self.shuffle = shuffle
@@ -45,7 +48,10 @@ class ArraySource(DataSource):
         if len(set(sizes.values())) != 1:
             raise SpecError(f"{self.path}: arrays differ in length: "
                             + ", ".join(f"{k} {v}" for k, v in sizes.items()))
-        self.n = next(iter(sizes.values()))
+        total = next(iter(sizes.values()))
+        lo, hi = round(part[0] * total), round(part[1] * total)
+        self.arrays = {k: a[lo:hi] for k, a in self.arrays.items()}
+        self.n = hi - lo
         for spec in inputs:
             a = self.arrays[spec.name]
             if tuple(a.shape[1:]) != tuple(spec.shape):

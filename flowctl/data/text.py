@@ -65,7 +65,11 @@ class TextSource(DataSource):
 
     def __init__(self, inputs: list[InputSpec], batch_size: int, path: str | Path, unroll: int,
                  vocab_size: int | None = None, input_name: str | None = None,
-                 target_name: str | None = None, seed: int = 0) -> None:
+                 target_name: str | None = None, seed: int = 0, part: tuple[float, float] = (0.0, 1.0),
+                 vocab: Vocabulary | None = None) -> None:
+        """`part`: the fraction of the corpus this source reads, (start, stop) in token order.
+        `vocab`: the vocabulary to encode with (a validation file uses the training corpus's);
+        by default it is built from the whole of `path`, so both parts of a split share it."""
         super().__init__(inputs, batch_size, seed)
         ints = [i.name for i in inputs if i.is_int]
         self.input_name = input_name or (ints[0] if ints else "")
@@ -76,8 +80,9 @@ class TextSource(DataSource):
         self.unroll = int(unroll)
         self.path = Path(path)
         words = read_words(self.path)
-        self.vocab = Vocabulary.build(words, vocab_size)
+        self.vocab = vocab or Vocabulary.build(words, vocab_size)
         ids = self.vocab.encode(words)
+        ids = ids[round(part[0] * len(ids)):round(part[1] * len(ids))]
         self.batch_len = len(ids) // batch_size
         self.batches_per_epoch = (self.batch_len - 1) // self.unroll
         if self.batches_per_epoch < 1:

@@ -256,6 +256,26 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
     inputs = {i.name: i for i in loaded.inputs()}
     if isinstance(data, (ArrayData, TextData)) and not (base_dir / data.path).exists():
         problems.at(root, ("data", "path"), f"no such file: {base_dir / data.path}")
+    if isinstance(data, (ArrayData, TextData)) and data.validation and not (base_dir / data.validation).exists():
+        problems.at(root, ("data", "validation"), f"no such file: {base_dir / data.validation}")
+    t = spec.training
+    wants_eval = t.eval_every_steps or t.early_stopping or (spec.checkpoint and spec.checkpoint.keep_best)
+    if wants_eval and isinstance(data, (ArrayData, TextData)) and not (data.validation or data.validation_fraction):
+        problems.at(root, ("data",), "evaluation (training.eval_every_steps, early_stopping or checkpoint.keep_best) "
+                    "needs validation data: set data.validation (a file) or data.validation_fraction")
+    if (t.early_stopping or (spec.checkpoint and spec.checkpoint.keep_best)) and not t.eval_every_steps:
+        problems.at(root, ("training",), "early_stopping and checkpoint.keep_best judge evaluations: set "
+                    "training.eval_every_steps")
+    for key, rule in (("early_stopping", t.early_stopping), ("keep_best", spec.checkpoint and spec.checkpoint.keep_best)):
+        if rule and rule.metric.removeprefix("val/") not in t.metrics:
+            loc = ("training", "early_stopping", "metric") if key == "early_stopping" else ("checkpoint", "keep_best", "metric")
+            problems.at(root, loc, f"'{rule.metric}' is not evaluated: training.metrics is "
+                        f"{t.metrics} (write val/<metric> for one of them)")
+    loss_type = loaded.layers[loaded.loss].layer.type if loaded.loss in loaded.layers else None
+    for i, m in enumerate(t.metrics):
+        if m in ("accuracy", "top5", "perplexity") and loss_type != "softmax_cross_entropy":
+            problems.at(root, ("training", "metrics", i), f"metric {m} needs a softmax_cross_entropy loss, "
+                        f"the model's loss is {loss_type or 'not set'}")
     if isinstance(data, ArrayData):
         for key in data.features:
             if key not in inputs:

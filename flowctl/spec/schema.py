@@ -101,9 +101,24 @@ class SyntheticData(Strict):
     seed: int = Field(0, description="seeds the data stream (independent of training.seed)")
     task: Literal["random", "learnable"] = Field(
         "random", description="learnable: labels come from a fixed random linear teacher, so loss can fall")
+    validation_batches: int = Field(16, ge=1, description="batches of a held-out stream (same teacher) to evaluate on")
 
 
-class ArrayData(Strict):
+class HeldOut(Strict):
+    """Validation data for a file source: a second file, or the file's last fraction (which
+    training then never reads)."""
+
+    validation: str | None = Field(None, description="a validation file of the same kind as `path`")
+    validation_fraction: float | None = Field(None, gt=0, lt=1, description="hold out this last fraction of `path`")
+
+    @model_validator(mode="after")
+    def _one(self) -> "HeldOut":
+        if self.validation is not None and self.validation_fraction is not None:
+            raise ValueError("give validation (a file) or validation_fraction, not both")
+        return self
+
+
+class ArrayData(HeldOut):
     source: Literal["arrays"]
     path: str = Field(description=".npz file, or a .npy file when the model has one input")
     features: dict[str, str] = Field(default_factory=dict,
@@ -112,7 +127,7 @@ class ArrayData(Strict):
     seed: int = 0
 
 
-class TextData(Strict):
+class TextData(HeldOut):
     source: Literal["text"]
     path: str
     vocab_size: int | None = Field(None, ge=2, description="keep the most frequent words; others become <unk>")
@@ -255,6 +270,16 @@ class Schedule(Strict):
         return self
 
 
+Metric = Literal["loss", "accuracy", "top5", "perplexity"]
+
+
+class EarlyStopping(Strict):
+    metric: str = Field("val/loss", description="an evaluated metric: val/loss, val/accuracy, val/top5, val/perplexity")
+    mode: Literal["min", "max"] = "min"
+    patience: int = Field(3, ge=1, description="evaluations without improvement before training stops")
+    min_delta: float = Field(0.0, ge=0, description="an improvement smaller than this does not count")
+
+
 class TrainingSpec(Strict):
     optimizer: Optimizer = Field(default_factory=lambda: Optimizer.model_validate({}))
     learning_rate: float | Schedule = Field(0.01, description="a constant, or a schedule mapping")
@@ -265,6 +290,11 @@ class TrainingSpec(Strict):
     clip_value: float | None = Field(None, gt=0, description="clip each gradient element to ±value")
     seed: int = Field(0, description="graph seed: every random op's stream derives from it and its node name")
     log_every_steps: int = Field(10, ge=1)
+    eval_every_steps: int | None = Field(None, ge=1, description="evaluate on the validation data every N steps")
+    metrics: list[Metric] = Field(default_factory=lambda: ["loss"],
+                                  description="what evaluation reports (accuracy, top5: classifiers; perplexity: "
+                                              "language models)")
+    early_stopping: EarlyStopping | None = None
 
     @field_validator("learning_rate")
     @classmethod
@@ -275,11 +305,17 @@ class TrainingSpec(Strict):
 
 
 # ---------------------------------------------------------------------------- checkpoint, cluster
+class KeepBest(Strict):
+    metric: str = Field("val/loss", description="an evaluated metric")
+    mode: Literal["min", "max"] = "min"
+
+
 class CheckpointSpec(Strict):
-    dir: str = Field("checkpoints", description="relative to the run directory")
     every_steps: int | None = Field(None, ge=1)
     every_seconds: float | None = Field(None, gt=0)
     keep: int = Field(3, ge=1, description="checkpoints kept; older ones are deleted")
+    keep_best: KeepBest | None = Field(None, description="also keep the checkpoint with the best evaluated "
+                                                         "metric, apart from the rolling ones")
 
 
 class ClusterSpec(Strict):

@@ -39,12 +39,14 @@ from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
 from flowctl.training.rundir import RunDir, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
+from flowctl.training.evaluate import Evaluator, improved
 from flowctl.training.inputs import make_sources
 from flowctl.training.program import Program, open_program
 
-__all__ = ["EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer"]
+__all__ = ["BEST", "EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer"]
 
 EXIT_INTERRUPTED = 130  # Ctrl-C: a checkpoint was written, `flowctl resume` continues
+BEST = "best"  # RUN/checkpoints/best/: the checkpoint with the best evaluation (checkpoint.keep_best)
 
 
 @dataclass
@@ -71,6 +73,9 @@ class Summary:
     restored_from: str | None = None
     warnings: list[str] = field(default_factory=list)
     staleness: dict[str, Any] | None = None  # async_data_parallel: mean and max over the updates run
+    evaluation: dict[str, float] | None = None  # the last evaluation's val/<metric> values
+    best: dict[str, Any] | None = None  # the best evaluation so far: metric, value, step, checkpoint
+    early_stopped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -149,7 +154,22 @@ class Trainer:
         self.ckpt_every_seconds = ck.every_seconds if ck else None
         self.checkpoints = ckpt.CheckpointDir(self.run.checkpoints, keep=ck.keep if ck else 3,
                                               spec_hash=self.hash, on_warning=self.on_warning)
+        self.best_checkpoints = ckpt.CheckpointDir(self.run.checkpoints / BEST, keep=1, spec_hash=self.hash,
+                                                   on_warning=self.on_warning)
         self.step = 0
+        t = self.spec.training
+        self.eval_every = t.eval_every_steps if self.program.step.async_step is None else None
+        self.evaluator: Evaluator | None = None
+        if self.eval_every:
+            device = self.session.device if self.program.cluster is None else self.program.cluster.names[0]
+            self.evaluator = Evaluator(self.loaded, self.session.store, device)
+            self.eval_source = self.evaluator.source(self.batch)
+            self.eval_start = self.eval_source.state()
+        # What judging evaluations carries from step to step, checkpointed so a resumed run
+        # stops early, and keeps the best, exactly as an uninterrupted one would.
+        self.tracking: dict[str, Any] = {"best": None, "best_step": None, "best_stop": None, "stale": 0,
+                                         "last": None}
+        self.early_stopped = False
 
     def close(self) -> None:
         """Stop the prefetch threads and a multi-device session's device threads."""
@@ -191,6 +211,7 @@ class Trainer:
         for src, cur in zip(self.sources, cursors):
             src.restore(cur)
         self.step = int(c.state["step"])
+        self.tracking.update(c.state.get("tracking") or {})
         self.run.truncate_metrics(self.step)
         info = self.run.read_info()
         info.update(status="running", step=self.step)
@@ -201,9 +222,40 @@ class Trainer:
         tensors, state = ckpt.capture(self.session, self.optimizer)
         data: Any = [s.state() for s in self.sources] if self.program.step.async_step is not None else self.data.state()
         state.update(step=self.step, data=data, strategy=self.strategy,
-                     lr=learning_rate(self.spec.training.learning_rate, self.step))
+                     lr=learning_rate(self.spec.training.learning_rate, self.step), tracking=dict(self.tracking))
         path = self.checkpoints.save(self.step, tensors, state)
         return str(path)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """The held-out data, forward only, from the same batches every time."""
+        assert self.evaluator is not None
+        self.eval_source.restore(self.eval_start)
+        return self.evaluator.run(self.eval_source).values
+
+    def _judge(self, values: dict[str, float]) -> None:
+        """After an evaluation: keep the best checkpoint (checkpoint.keep_best) and count
+        evaluations without improvement (training.early_stopping)."""
+        tr = self.tracking
+        tr["last"] = values
+        keep = self.spec.checkpoint.keep_best if self.spec.checkpoint else None
+        if keep is not None and improved(values[keep.metric], tr["best"], keep.mode):
+            tr["best"], tr["best_step"] = values[keep.metric], self.step
+            tensors, state = ckpt.capture(self.session, self.optimizer)
+            state.update(step=self.step, data=self.data.state(), strategy=self.strategy, tracking=dict(tr),
+                         lr=learning_rate(self.spec.training.learning_rate, self.step),
+                         best={"metric": keep.metric, "value": values[keep.metric]})
+            self.best_checkpoints.save(self.step, tensors, state)
+        stop = self.spec.training.early_stopping
+        if stop is not None:
+            if improved(values[stop.metric], tr["best_stop"], stop.mode, stop.min_delta):
+                tr["best_stop"], tr["stale"] = values[stop.metric], 0
+            else:
+                tr["stale"] += 1
+            if tr["stale"] >= stop.patience:
+                self.early_stopped = True
+                self.on_warning(f"early stopping at step {self.step}: {stop.metric} has not improved on "
+                                f"{tr['best_stop']:.6g} for {tr['stale']} evaluations")
 
     def _due(self, now: float, last_save: float) -> bool:
         return bool((self.ckpt_every_steps and self.step % self.ckpt_every_steps == 0) or
@@ -234,11 +286,18 @@ class Trainer:
         finally:
             writer.close()
         info = self.run.read_info()
-        info.update(status="interrupted" if interrupted else "finished", step=self.step)
+        status = "interrupted" if interrupted else ("early_stopped" if self.early_stopped else "finished")
+        info.update(status=status, step=self.step)
         self.run.write_info(info)
         elapsed = time.perf_counter() - t0
+        tr = self.tracking
+        best = None
+        if tr["best_step"] is not None and self.spec.checkpoint and self.spec.checkpoint.keep_best:
+            best = {"metric": self.spec.checkpoint.keep_best.metric, "value": tr["best"], "step": tr["best_step"],
+                    "checkpoint": str(self.best_checkpoints.path_for(tr["best_step"]))}
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
-                       float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale)
+                       float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
+                       evaluation=tr["last"], best=best, early_stopped=self.early_stopped)
 
     def _loop(self, stop: Interrupt, metrics: IO[str], writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
@@ -265,12 +324,18 @@ class Trainer:
             self.step += 1
             eps = self.batch / dt if dt > 0 else float("inf")
             rates.append(eps)
+            scores = self.evaluate() if self.eval_every and self.step % self.eval_every == 0 else {}
+            extra = "".join(f', "{k}": {v!r}' for k, v in scores.items())
             metrics.write(f'{{"step": {self.step}, "loss": {loss_v!r}, "lr": {lr!r}, '
-                          f'"examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
-            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps})
+                          f'"examples_per_s": {eps:.1f}, "time": {time.time():.3f}{extra}}}\n')
+            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps, **scores})
+            if scores:
+                self._judge(scores)
             if self.histograms_every and self.step % self.histograms_every == 0:
                 writer.histograms(self.step, self.session.variable_values())
             self.on_step(StepEvent(self.step, self.total_steps, loss_v, lr, eps, time.perf_counter() - t0))
+            if self.early_stopped:
+                return loss_v, rates, last_path, False
             now = time.perf_counter()
             if self._due(now, last_save) and self.step < self.total_steps:
                 metrics.flush()
