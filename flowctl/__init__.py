@@ -35,6 +35,7 @@ from flowctl.engine.ops.state import (
     assign, assign_add, assign_sub, global_variables_initializer, placeholder, trainable_variables,
     variable, variables,
 )
+from flowctl.engine.saved_model import LoadedModel, load_model
 from flowctl.engine.session import Session
 from flowctl.version import __version__
 from flowctl.engine.runtime import DistributedSession

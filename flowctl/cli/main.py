@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from flowctl.cli import bench, demo, place, spec_commands, train
+from flowctl.cli import bench, demo, place, run_commands, spec_commands, train
 from flowctl.engine.errors import FlowctlError
 from flowctl.version import __version__
 
@@ -34,7 +34,8 @@ def cli() -> None:
     """
 
 
-for command in (bench.bench, demo.demo, train.train, train.resume, place.place, *spec_commands.COMMANDS):
+for command in (bench.bench, demo.demo, train.train, train.resume, place.place, *spec_commands.COMMANDS,
+                *run_commands.COMMANDS):
     cli.add_command(command)
 
 

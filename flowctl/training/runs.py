@@ -121,22 +121,10 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     where the run found it (else the run's copy); a change to what it computes is refused, listing
     the changes, unless `allow_spec_change`."""
     run = RunDir(run_dir)
-    if not run.exists():
-        raise CheckpointError(f"{run_dir}: no run here (run.json missing)")
-    info = run.read_info()
-    spec_path = info.get("spec_path") or ""
-    data = info.get("overrides", {}).get("data")
-    overrides = info.get("overrides", {}).get("set", [])
-    if spec_path and Path(spec_path).exists():
-        loaded, _, _ = load_training_spec(spec_path, data, overrides)
-    else:
-        loaded = load_text((run.path / "spec.yaml").read_text(), filename=str(run.path / "spec.yaml"),
-                           overrides=overrides)
-        if data:
-            override_data(loaded, data)
+    loaded, spec_path = load_run_spec(run)
     changes = _changes(run, loaded)
     if changes and not allow_spec_change:
-        raise CheckpointError(f"{spec_path or run.path / 'spec.yaml'} changed since the run started: "
+        raise CheckpointError(f"{spec_path} changed since the run started: "
                               f"{_listing(changes)}. Pass --allow-spec-change to resume anyway")
     if changes and on_warning is not None:
         on_warning(f"resuming with a changed spec: {_listing(changes)}")
@@ -147,6 +135,25 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
         trainer.close()
         raise
     return Resumed(trainer, restored, changes)
+
+
+def load_run_spec(run: RunDir) -> tuple[LoadedSpec, str]:
+    """The spec of the run in `run`, read again from where the run found it (else the run's own
+    copy), with the run's `--set` overrides and `--data` file; and the path it was read from."""
+    if not run.exists():
+        raise CheckpointError(f"{run.path}: no run here (run.json missing)")
+    info = run.read_info()
+    spec_path = info.get("spec_path") or ""
+    data = info.get("overrides", {}).get("data")
+    overrides = info.get("overrides", {}).get("set", [])
+    if spec_path and Path(spec_path).exists():
+        loaded, _, _ = load_training_spec(spec_path, data, overrides)
+        return loaded, spec_path
+    copy = run.path / "spec.yaml"
+    loaded = load_text(copy.read_text(), filename=str(copy), overrides=overrides)
+    if data:
+        override_data(loaded, data)
+    return loaded, str(copy)
 
 
 def _changes(run: RunDir, loaded: LoadedSpec) -> list[str]:
@@ -161,4 +168,4 @@ def _listing(changes: list[str]) -> str:
     return "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more" if len(changes) > 12 else "")
 
 
-__all__ = ["DEMO", "Resumed", "choose_run_dir", "command_line_overrides", "load_training_spec", "override_data", "resume_run", "start_run"]
+__all__ = ["DEMO", "Resumed", "choose_run_dir", "command_line_overrides", "load_run_spec", "load_training_spec", "override_data", "resume_run", "start_run"]

@@ -1,0 +1,80 @@
+"""`flowctl evaluate`, `predict` and `export`: a trained run assessed and used (people's output on
+stderr, JSON on stdout with --json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from flowctl.training.rundir import write_atomic
+
+RUN_DIR = click.Path(file_okay=False, path_type=Path)
+CHECKPOINT = click.option("--checkpoint", help="A checkpoint step, or 'best' (default: the newest valid one).")
+
+
+@click.command()
+@click.argument("run_dir", type=RUN_DIR)
+@click.option("--data", help="Evaluate on all of this file (arrays or a text corpus) instead of the run's "
+                             "held-out data.")
+@CHECKPOINT
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON on stdout.")
+def evaluate(run_dir: Path, data: str | None, checkpoint: str | None, as_json: bool) -> None:
+    """The spec's metrics (training.metrics) of RUN_DIR's model on held-out data."""
+    from flowctl.training.inference import evaluate_run
+
+    r = evaluate_run(run_dir, data, checkpoint)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k.startswith("val/"))
+    Console(stderr=True).print(f"{r['checkpoint']} (step {r['step']}) on {r['examples']:,} examples of "
+                               f"{r['data']}: {shown}")
+    if as_json:
+        click.echo(json.dumps(r))
+
+
+@click.command()
+@click.argument("run_dir", type=RUN_DIR)
+@click.argument("input_path", metavar="INPUT")
+@CHECKPOINT
+@click.option("--top", default=5, show_default=True, help="Classes (or next words) to list per prediction.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON on stdout.")
+def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, out: Path | None,
+            as_json: bool) -> None:
+    """Run RUN_DIR's model on INPUT: an .npz of the model's inputs (top classes per example, and the
+    accuracy when the labels are there too), or a text file for a language model (the likely next
+    words)."""
+    from flowctl.training.inference import predict_run
+
+    r = predict_run(run_dir, input_path, checkpoint, top)
+    con = Console(stderr=True)
+    if "next" in r:
+        words = ", ".join(f"{w['word']} {w['probability']:.3f}" for w in r["next"])
+        con.print(f"after '{' '.join(r['context'][-8:])}': {words}")
+    else:
+        acc = f"; accuracy {r['accuracy']:.4f}" if "accuracy" in r else ""
+        con.print(f"{r['examples']:,} examples predicted{acc}; first: classes {r['classes'][0]}")
+    if out is not None:
+        write_atomic(out, json.dumps(r) + "\n")
+    if as_json:
+        click.echo(json.dumps(r))
+
+
+@click.command()
+@click.argument("run_dir", type=RUN_DIR)
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory to write model.json, weights.safetensors and signature.json to.")
+@CHECKPOINT
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON on stdout.")
+def export(run_dir: Path, out: Path, checkpoint: str | None, as_json: bool) -> None:
+    """Write RUN_DIR's inference graph and weights; `flowctl.load_model(OUT)` runs them without the spec."""
+    from flowctl.training.inference import export_run
+
+    r = export_run(run_dir, out, checkpoint)
+    Console(stderr=True).print(f"exported step {r['step']} ({r['nodes']:,} nodes, {r['weights']} weights, "
+                               f"{r['bytes'] / 2**20:,.1f} MiB) to {r['out']}")
+    if as_json:
+        click.echo(json.dumps(r))
+
+
+COMMANDS = [evaluate, predict, export]

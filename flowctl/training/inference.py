@@ -1,0 +1,225 @@
+"""A trained run used without training it: `flowctl evaluate`, `predict` and `export`.
+
+Each opens the run's spec as `resume` does (with its recorded overrides), builds the model forward
+only (dropout off, batch norm on its moving statistics), and loads a checkpoint's weights: the
+newest valid one, one by step, or `best` (checkpoint.keep_best). Optimizer slots and other state a
+forward pass never reads stay behind.
+
+An export (flowctl.engine.saved_model) is self-contained: `flowctl.load_model(DIR)` runs it
+without the spec, and its outputs are the run's bit for bit on the same device.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import flowctl as fc
+from flowctl.data import InputSpec, make_source
+from flowctl.data.text import UNK, Vocabulary, read_words
+from flowctl.engine import checkpoint as ckpt
+from flowctl.engine.errors import CheckpointError, SpecError
+from flowctl.engine.saved_model import EXPORT_FORMAT, EXPORT_VERSION
+from flowctl.spec.check import LoadedSpec
+from flowctl.training.evaluate import Evaluator
+from flowctl.training.inputs import model_inputs
+from flowctl.training.rundir import RunDir, write_atomic
+from flowctl.training.runs import load_run_spec, override_data
+from flowctl.training.trainer import BEST
+
+
+
+@dataclass
+class RunModel:
+    """A run's model forward only, with a checkpoint's weights loaded."""
+
+    loaded: LoadedSpec
+    evaluator: Evaluator
+    checkpoint: ckpt.Checkpoint
+
+    @property
+    def graph(self) -> fc.Graph:
+        return self.evaluator.graph
+
+    @property
+    def session(self) -> fc.Session:
+        return self.evaluator.session
+
+
+def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = None) -> RunModel:
+    """The run in `run_dir` forward only, on the host, with the weights of `checkpoint` (a step
+    number, `best`, or None for the newest valid one). `data`: another file to read instead of the
+    spec's (arrays or a text corpus)."""
+    run = RunDir(run_dir)
+    loaded, _ = load_run_spec(run)
+    if data:
+        override_data(loaded, data)
+    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0")
+    found = _checkpoint(run, checkpoint)
+    wanted = {n.name for n in evaluator.graph.nodes.values() if n.op == "Variable"}
+    missing = sorted(wanted - set(found.tensors))
+    if missing:
+        raise CheckpointError(f"{found.path}: no tensor for variable {missing[0]!r} of the model")
+    ckpt.apply(evaluator.session, {k: v for k, v in found.tensors.items() if k in wanted}, {"rng": {}},
+               strict=False, origin=found.path)
+    return RunModel(loaded, evaluator, found)
+
+
+def _checkpoint(run: RunDir, which: str | None) -> ckpt.Checkpoint:
+    if which == BEST:
+        best = ckpt.CheckpointDir(run.checkpoints / BEST)
+        if not best.list():
+            raise CheckpointError(f"{run.path}: no best checkpoint (the spec sets no checkpoint.keep_best, or "
+                                  f"no evaluation has run yet)")
+        return best.restore_latest(allow_spec_change=True)
+    store = ckpt.CheckpointDir(run.checkpoints)
+    if which is None:
+        return store.restore_latest(allow_spec_change=True)
+    try:
+        step = int(which)
+    except ValueError:
+        raise CheckpointError(f"--checkpoint {which}: give a step number or 'best'") from None
+    steps = [int(p.name.split("-")[1]) for p in store.list()]
+    if step not in steps:
+        raise CheckpointError(f"{run.path}: no checkpoint at step {step} (checkpoints: "
+                              f"{', '.join(map(str, steps)) or 'none'})")
+    return store.restore(step, allow_spec_change=True)
+
+
+# ---------------------------------------------------------------------------- evaluate
+def evaluate_run(run_dir: Path, data: str | None = None, checkpoint: str | None = None) -> dict[str, Any]:
+    """The spec's metrics on the run's held-out data (or all of `data`, another file)."""
+    m = open_run(run_dir, checkpoint, data)
+    batch = m.loaded.global_batch
+    source = m.evaluator.source(batch, split="train" if data else "validation")
+    scores = m.evaluator.run(source)
+    return {"run_dir": str(run_dir), "checkpoint": str(m.checkpoint.path), "step": m.checkpoint.step,
+            "data": data or "validation", **scores.to_dict()}
+
+
+# ---------------------------------------------------------------------------- predict
+def predict_run(run_dir: Path, input_path: str, checkpoint: str | None = None, top: int = 5) -> dict[str, Any]:
+    """The model on new inputs: an .npz of the model's inputs (the top classes of each example;
+    with the labels there too, the accuracy), or a text file for a language model (the most likely
+    next words after its last tokens)."""
+    m = open_run(run_dir, checkpoint)
+    path = Path(input_path)
+    if not path.exists():
+        raise SpecError(f"{input_path}: no such input file")
+    if path.suffix == ".npz":
+        return {"checkpoint": str(m.checkpoint.path), **_predict_arrays(m, path, top)}
+    return {"checkpoint": str(m.checkpoint.path), **_predict_text(m, path, top)}
+
+
+def _logits_of(m: RunModel) -> fc.Tensor:
+    if m.evaluator.logits is None:
+        raise SpecError("predict needs a model whose loss is softmax_cross_entropy over logits")
+    return m.evaluator.logits
+
+
+def _predict_arrays(m: RunModel, path: Path, top: int) -> dict[str, Any]:
+    logits_t = _logits_of(m)
+    labels = m.evaluator.labels
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    needed = _forward_inputs(m, logits_t)
+    absent = [k for k in needed if k not in arrays]
+    if absent:
+        raise SpecError(f"{path}: no array for input '{absent[0]}' (arrays: {', '.join(arrays)})")
+    dtypes = {i.name: i.dtype for i in model_inputs(m.loaded)}
+    feeds = {m.evaluator.model.inputs[k]: arrays[k].astype(dtypes[k], copy=False) for k in needed}
+    logits = np.asarray(m.session.run(logits_t, feeds))
+    probs = _softmax(logits.reshape(-1, logits.shape[-1]))
+    k = min(top, probs.shape[1])
+    order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    out: dict[str, Any] = {"examples": int(logits.shape[0]), "classes": order.tolist(),
+                           "probabilities": np.take_along_axis(probs, order, axis=1).tolist()}
+    if labels is not None and labels in arrays:
+        truth = arrays[labels].reshape(-1)
+        out["accuracy"] = float((order[:, 0] == truth).mean())
+        out[f"top{k}"] = float((order == truth[:, None]).any(axis=1).mean())
+    return out
+
+
+def _forward_inputs(m: RunModel, target: fc.Tensor) -> list[str]:
+    """The model inputs `target` depends on (a classifier's logits do not need its labels)."""
+    from flowctl.engine.executor import needed_nodes
+
+    need = needed_nodes(m.graph, [target.node], set())
+    return [name for name, t in m.evaluator.model.inputs.items() if t.node in need]
+
+
+def _predict_text(m: RunModel, path: Path, top: int) -> dict[str, Any]:
+    logits_t = _logits_of(m)
+    vocab = _vocabulary(m.loaded)
+    ids = vocab.encode(read_words(path)[:-1])  # the words as written, without the line's end marker
+    (name,) = _forward_inputs(m, logits_t)
+    unroll = int(m.evaluator.model.inputs[name].shape[1])
+    window = np.full(unroll, vocab.ids[UNK], np.int64)
+    tail = ids[-unroll:]
+    window[unroll - len(tail):] = tail
+    x = np.tile(window, (m.loaded.global_batch, 1)).astype(m.evaluator.model.inputs[name].dtype)
+    logits = np.asarray(m.session.run(logits_t, {m.evaluator.model.inputs[name]: x}))
+    last = _softmax(logits.reshape(m.loaded.global_batch, unroll, -1)[0, -1][None, :])[0]
+    order = np.argsort(-last, kind="stable")[:top]
+    return {"context": vocab.decode(window), "next": [{"word": vocab.words[i], "probability": float(last[i])}
+                                                     for i in order]}
+
+
+def _vocabulary(loaded: LoadedSpec) -> Vocabulary:
+    data = loaded.spec.data.model_dump()
+    if data.get("source") != "text":
+        raise SpecError("predicting from text needs a model trained on a text corpus (data.source text)")
+    return Vocabulary.build(read_words(loaded.base_dir / data["path"]), data.get("vocab_size"))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------------------- export
+def export_run(run_dir: Path, out: Path, checkpoint: str | None = None) -> dict[str, Any]:
+    """Write the run's inference graph, weights and signature to `out`."""
+    from safetensors.numpy import save_file
+
+    m = open_run(run_dir, checkpoint)
+    model = m.evaluator.model
+    logits = _logits_of(m) if m.evaluator.logits is not None else None
+    outputs = {"logits": logits.name} if logits is not None else {}
+    assert model.loss is not None
+    outputs["loss"] = model.loss.name
+    signature: dict[str, Any] = {
+        "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": m.loaded.spec.model.name,
+        "step": m.checkpoint.step, "inputs": {name: {"tensor": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+                                               for name, t in model.inputs.items()},
+        "outputs": outputs, "labels": m.evaluator.labels,
+    }
+    if m.loaded.spec.data.model_dump().get("source") == "text":
+        signature["vocabulary"] = _vocabulary(m.loaded).words
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: np.ascontiguousarray(v) for k, v in m.session.variable_values().items()}
+    save_file(weights, str(out / "weights.safetensors"))
+    write_atomic(out / "model.json", m.graph.to_json())
+    write_atomic(out / "signature.json", json.dumps(signature, indent=1) + "\n")
+    return {"out": str(out), "checkpoint": str(m.checkpoint.path), "step": m.checkpoint.step,
+            "nodes": len(m.graph), "weights": len(weights),
+            "bytes": int(sum(v.nbytes for v in weights.values()))}
+
+
+def validation_arrays(run_dir: Path, path: Path) -> Path:
+    """The run's held-out data written as an .npz of its inputs (what `predict` reads)."""
+    loaded, _ = load_run_spec(RunDir(run_dir))
+    inputs: list[InputSpec] = model_inputs(loaded)
+    src = make_source(loaded.spec.data.model_dump(), inputs, loaded.global_batch, base_dir=loaded.base_dir,
+                      split="validation")
+    n = int(getattr(src, "batches_per_epoch", 0) or loaded.spec.data.model_dump().get("validation_batches", 16))
+    batches = [src.next_batch() for _ in range(n)]
+    np.savez(path, **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+    return path
+
+
+__all__ = ["RunModel", "evaluate_run", "export_run", "open_run", "predict_run", "validation_arrays"]

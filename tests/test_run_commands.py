@@ -1,0 +1,124 @@
+"""`flowctl evaluate`, `predict` and `export` on a trained demo run and a tiny language model:
+evaluate reports the spec's metrics, predict on the held-out data agrees with evaluate, an export
+loaded without its spec gives the run's outputs bit for bit, and bad input is one line and the
+documented exit code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import flowctl as fc
+from flowctl.cli.main import cli
+from flowctl.training.inference import open_run, validation_arrays
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("demo") / "run"
+    r = CliRunner().invoke(cli, ["train", str(ROOT / "specs" / "demo.yaml"), "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    return run
+
+
+def _json(args: list[str]) -> dict:
+    r = CliRunner().invoke(cli, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_evaluate_reports_the_demo_above_its_target(demo_run):
+    r = _json(["evaluate", str(demo_run)])
+    assert r["step"] == 600 and r["examples"] == 16 * 64
+    assert r["val/accuracy"] > 0.95 and r["val/loss"] < 0.15
+    # The same figures the run logged at its last evaluation.
+    last = json.loads((demo_run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert r["val/accuracy"] == last["val/accuracy"]
+    assert r["val/loss"] == pytest.approx(last["val/loss"], rel=1e-6)
+    best = _json(["evaluate", str(demo_run), "--checkpoint", "best"])
+    assert best["val/accuracy"] == max(json.loads(x).get("val/accuracy", 0.0)
+                                       for x in (demo_run / "metrics.jsonl").read_text().splitlines())
+    early = _json(["evaluate", str(demo_run), "--checkpoint", "400"])
+    assert early["step"] == 400 and early["val/loss"] > r["val/loss"]
+
+
+def test_predict_on_the_validation_file_matches_evaluate(demo_run, tmp_path):
+    data = validation_arrays(demo_run, tmp_path / "val.npz")
+    p = _json(["predict", str(demo_run), str(data)])
+    e = _json(["evaluate", str(demo_run)])
+    assert p["examples"] == e["examples"]
+    assert p["accuracy"] == e["val/accuracy"]
+    with np.load(data) as z:
+        assert len(p["classes"]) == len(z["label"])
+    probs = np.asarray(p["probabilities"])
+    assert np.all(np.diff(probs, axis=1) <= 0) and np.all(probs.sum(axis=1) <= 1 + 1e-6)
+    # An evaluate on that same file (all of it, no held-out part) agrees as well.
+    again = _json(["evaluate", str(demo_run), "--data", str(data)])
+    assert again["val/accuracy"] == e["val/accuracy"]
+
+
+def test_an_export_gives_the_runs_outputs_bitwise(demo_run, tmp_path):
+    out = tmp_path / "export"
+    r = _json(["export", str(demo_run), "--out", str(out)])
+    assert r["step"] == 600 and (out / "model.json").exists() and (out / "weights.safetensors").exists()
+    model = fc.load_model(out)
+    x = np.random.default_rng(3).standard_normal((32, 16)).astype(np.float32)
+    got = model.predict({"features": x})["logits"]
+    run = open_run(demo_run)
+    want = run.session.run(run.evaluator.logits, {run.evaluator.model.inputs["features"]: x})
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["evaluate", "no/such/run"], 6, "no run here"),
+    (["evaluate", "{run}", "--checkpoint", "7"], 6, "no checkpoint at step 7 (checkpoints: 400, 600)"),
+    (["evaluate", "{run}", "--checkpoint", "latest"], 6, "give a step number or 'best'"),
+    (["predict", "{run}", "no/such.npz"], 2, "no such input file"),
+    (["export", "no/such/run", "--out", "x"], 6, "no run here"),
+])
+def test_bad_input_is_one_line_and_its_exit_code(demo_run, args, code, text):
+    r = CliRunner().invoke(cli, [a.replace("{run}", str(demo_run)) for a in args])
+    assert r.exit_code == code, r.output
+    assert text in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_language_model_predicts_next_words_and_reports_perplexity(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+    corpus.write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(200)))
+    spec = tmp_path / "lm.yaml"
+    spec.write_text("""\
+version: 1
+name: tiny_lm
+model:
+  layers:
+    - {name: tokens, type: input, shape: [6], dtype: int32, classes: 16}
+    - {name: embedding, type: embedding, vocab: 16, dim: 8}
+    - {name: lstm, type: lstm, units: 16}
+    - {name: softmax, type: dense, units: 16}
+    - {name: targets, type: input, shape: [6], dtype: int32, classes: 16}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+data: {source: text, path: corpus.txt, vocab_size: 16, validation_fraction: 0.2}
+training: {optimizer: {type: adam}, learning_rate: 0.02, batch_size: 4, steps: 30, eval_every_steps: 10,
+           metrics: [loss, perplexity, accuracy, top5]}
+""")
+    run = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", str(spec), "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    e = _json(["evaluate", str(run)])
+    assert e["val/perplexity"] == pytest.approx(np.exp(e["val/loss"]))
+    assert 1.0 < e["val/perplexity"] < 16 and 0 <= e["val/accuracy"] <= e["val/top5"] <= 1
+    text = tmp_path / "prompt.txt"
+    text.write_text("the cat sat on the")
+    p = _json(["predict", str(run), str(text), "--top", "3"])
+    assert p["context"][-5:] == ["the", "cat", "sat", "on", "the"]
+    assert len(p["next"]) == 3 and all(w["word"] in words + ["<eos>", "<unk>"] for w in p["next"])
+    assert p["next"][0]["probability"] >= p["next"][1]["probability"]
