@@ -13,13 +13,31 @@ def _direct(op: str, fname: str) -> None:
     kernel(op)(lambda xp, attrs: getattr(xp, fname))
 
 
-for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"), ("Div", "true_divide"),
+for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"),
                 ("Pow", "power"), ("Maximum", "maximum"), ("Minimum", "minimum"), ("Greater", "greater"),
                 ("Less", "less"), ("Equal", "equal"), ("GreaterEqual", "greater_equal"),
                 ("LessEqual", "less_equal"), ("Neg", "negative"), ("Exp", "exp"), ("Log", "log"),
                 ("Sqrt", "sqrt"), ("Square", "square"), ("Tanh", "tanh"), ("Abs", "abs"), ("Sign", "sign"),
                 ("Select", "where"), ("ZerosLike", "zeros_like"), ("OnesLike", "ones_like")):
     _direct(_op, _f)
+
+
+@kernel("Div")
+def div(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Floats: true division. Integers: floor division (Python's `//`, TensorFlow's FloorDiv), so the
+    result keeps the integer dtype the shape function declared; x // 0 is 0 (numpy's and cupy's
+    answer) rather than an error, without numpy's warning."""
+    import numpy as np
+
+    def run(x: Any, y: Any) -> Any:
+        if x.dtype.kind in "fc":
+            return xp.true_divide(x, y)
+        if xp is np:
+            with np.errstate(divide="ignore"):
+                return np.floor_divide(x, y)
+        return xp.floor_divide(x, y)
+
+    return run
 
 
 @kernel("Rsqrt")

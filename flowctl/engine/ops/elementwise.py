@@ -191,7 +191,12 @@ register_op("BroadcastLike", lambda ins, a: [TensorSpec(ins[1].shape, ins[0].dty
 def add(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Add", [x, y], name=name)
 def sub(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Sub", [x, y], name=name)
 def mul(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Mul", [x, y], name=name)
-def div(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Div", [x, y], name=name)
+def div(x: Any, y: Any, name: str | None = None) -> Tensor:
+    """x / y. Floats divide exactly; integers floor-divide (Python's `//`, TensorFlow's FloorDiv:
+    -7 / 2 = -4), keeping the integer dtype, so div(x, y) * y + mod(x, y) == x; an integer division
+    by zero gives 0."""
+    return make1("Div", [x, y], name=name)
+
 def pow_(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Pow", [x, y], name=name)
 def maximum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Maximum", [x, y], name=name)
 def minimum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Minimum", [x, y], name=name)

@@ -1,5 +1,9 @@
-"""Reductions (whitepaper Table 1 "Array operations"): Sum, Mean, Max, ArgMax, and the fused gradient
-ops they use (§4.1), ReduceGrad and ReduceMaxGrad.
+"""Reductions (whitepaper Table 1 "Array operations"): Sum, Prod, Mean, Max, Min, ArgMax, and the
+fused gradient ops they use (§4.1), ReduceGrad, ReduceMaxGrad and ReduceProdGrad.
+
+Over an empty axis each reduction gives its identity, as TensorFlow and ONNX do: Sum 0, Prod 1, Max
+-inf / the dtype's smallest integer / False, Min +inf / the dtype's largest integer / True. Mean has
+no identity and gives NaN (0/0); ArgMax has none either and fails with the node's name.
 
 The reduced axes are a static attribute (`axis`: None for all, else a tuple of ints, negative allowed),
 so a reduction's output shape is known at construction even when some input dims are not; Mean divides
@@ -15,7 +19,7 @@ from flowctl.engine.ops.api import convert, graph_of, make1
 from flowctl.engine.ops.registry import REDUCTION, REQUIRED, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, normalize_axes, normalize_axis
 
-__all__ = ["reduce_sum", "reduce_mean", "reduce_max", "argmax"]
+__all__ = ["reduce_sum", "reduce_prod", "reduce_mean", "reduce_max", "reduce_min", "argmax"]
 
 _AXES_ATTRS = {"axis": ("ints", None), "keepdims": ("bool", False)}
 
@@ -44,6 +48,7 @@ def _mean_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec
 
 
 def _max_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    # Max / Min of bools are any / all.
     x = ins[0]
     return [TensorSpec(_reduced_shape(x.shape, attrs["axis"], attrs["keepdims"]), x.dtype)]
 
@@ -111,6 +116,14 @@ def _g_max(op: Any, dy: list[Tensor]) -> list[Tensor]:
                   {"axis": a["axis"], "keepdims": a["keepdims"]}, name="max_grad")]
 
 
+def _g_prod(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    """Each entry's derivative is the product of the others in its reduction, computed without a
+    division so that zeros in x are handled exactly."""
+    a = op.attrs
+    return [make1("ReduceProdGrad", [dy[0], op.inputs[0]], {"axis": a["axis"], "keepdims": a["keepdims"]},
+                  name="prod_grad")]
+
+
 def _g_reduce_grad(op: Any, dy: list[Tensor]) -> list[Tensor | None]:
     # ReduceGrad is linear in dy: its adjoint is the reduction it came from (second derivatives).
     a = op.attrs
@@ -134,6 +147,10 @@ register_op("Mean", _mean_infer, num_inputs=1, attrs=dict(_AXES_ATTRS), grad=_g_
             group=REDUCTION)
 register_op("Max", _max_infer, num_inputs=1, attrs=dict(_AXES_ATTRS), grad=_g_max, cost=_reduce_cost,
             group=REDUCTION)
+register_op("Min", _max_infer, num_inputs=1, attrs=dict(_AXES_ATTRS), grad=_g_max, cost=_reduce_cost,
+            group=REDUCTION)
+register_op("Prod", _sum_infer, num_inputs=1, attrs=dict(_AXES_ATTRS), grad=_g_prod, cost=_reduce_cost,
+            group=REDUCTION)
 register_op("ArgMax", _argmax_infer, num_inputs=1,
             attrs={"axis": ("int", REQUIRED), "output_type": ("dtype", "int64")}, cost=_reduce_cost,
             group=REDUCTION, differentiable=False)
@@ -143,9 +160,13 @@ register_op("ArgMax", _argmax_infer, num_inputs=1,
 register_op("ReduceGrad", _grad_infer, num_inputs=2,
             attrs={**_AXES_ATTRS, "mean": ("bool", False)}, grad=_g_reduce_grad, cost=_grad_cost,
             group=REDUCTION)
-# ReduceMaxGrad(dy, x, y): dy routed to where x == y (y = Max(x)), split equally among ties.
+# ReduceMaxGrad(dy, x, y): dy routed to where x == y (y = Max(x) or Min(x)), split equally among ties.
 register_op("ReduceMaxGrad", _grad_infer, num_inputs=3, attrs=dict(_AXES_ATTRS), grad=_g_reduce_max_grad,
             cost=_grad_cost, group=REDUCTION)
+# ReduceProdGrad(dy, x): dy times the product of the other entries of each reduction. Its own
+# gradient is not defined here (no second derivatives of Prod).
+register_op("ReduceProdGrad", _grad_infer, num_inputs=2, attrs=dict(_AXES_ATTRS), cost=_grad_cost,
+            group=REDUCTION, differentiable=False)
 
 
 # ---------------------------------------------------------------------------- Python API
@@ -183,6 +204,18 @@ def reduce_max(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool =
                name: str | None = None) -> Tensor:
     """Max over `axis`. Its gradient splits dy equally among tied maxima (as TensorFlow does)."""
     return _reduce("Max", x, axis, keepdims, name)
+
+
+def reduce_min(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False,
+               name: str | None = None) -> Tensor:
+    """Min over `axis`; ties share the gradient equally, as for reduce_max."""
+    return _reduce("Min", x, axis, keepdims, name)
+
+
+def reduce_prod(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False,
+                name: str | None = None) -> Tensor:
+    """Product over `axis` (1 over an empty axis); integers wrap around on overflow, as in numpy."""
+    return _reduce("Prod", x, axis, keepdims, name)
 
 
 def argmax(x: Any, axis: int, output_type: Any = "int64", name: str | None = None) -> Tensor:
