@@ -71,7 +71,8 @@ def _matrix(a, b, m):
 
 
 def _reductions(x):
-    return [fc.reduce_sum(x, axis=1), fc.reduce_mean(x, axis=[0, 2], keepdims=True), fc.reduce_max(x, axis=-1)]
+    return [fc.reduce_sum(x, axis=1), fc.reduce_mean(x, axis=[0, 2], keepdims=True), fc.reduce_max(x, axis=-1),
+            fc.reduce_min(x, axis=[0, 1]), fc.reduce_prod(x + 0.5, axis=[0, 2], keepdims=True), fc.reduce_prod(x)]
 
 
 def _nn(logits, labels_dense, x4, scale, offset, bias):

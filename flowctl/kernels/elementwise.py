@@ -96,7 +96,8 @@ def sum_to_shape(xp: Any, x: Any, shape: tuple) -> Any:
         return x
     lead = x.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1)
-    out = x.sum(axis=axes, keepdims=True) if axes else x
+    # Integers keep their dtype (numpy would widen int8 to int64); floats accumulate as numpy does.
+    out = x.sum(axis=axes, keepdims=True, dtype=None if x.dtype.kind == "f" else x.dtype) if axes else x
     return out.reshape(shape)
 
 

@@ -26,6 +26,12 @@ def _unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpe
     return [ins[0]]
 
 
+def _numeric_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if ins[0].dtype == "bool":
+        raise InferError("needs a numeric input, got bool (cast it first)")
+    return [ins[0]]
+
+
 def _float_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     if not is_float(ins[0].dtype):
         raise InferError(f"needs a float input, got {ins[0].dtype}")
@@ -34,6 +40,13 @@ def _float_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Ten
 
 def _binary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
+
+
+def _arith_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    # numpy turns bool arithmetic into logic (True + True is True) or refuses it; TensorFlow refuses.
+    if ins[0].dtype == "bool" or ins[1].dtype == "bool":
+        raise InferError("arithmetic needs numeric inputs, got bool (cast them first)")
+    return _binary_infer(ins, attrs)
 
 
 def _compare_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
@@ -50,6 +63,8 @@ def _select_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSp
 
 def _addn_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     dt = _same_dtype(ins)
+    if dt == "bool":
+        raise InferError("AddN needs numeric inputs, got bool (cast them first)")
     shape = ins[0].shape
     for s in ins[1:]:
         if len(s.shape) != len(shape) or not all(dims_equal(a, b) for a, b in zip(s.shape, shape)):
@@ -67,6 +82,8 @@ def _reduce_to_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Tenso
 
 
 def _grad_pair_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if not is_float(ins[1].dtype):
+        raise InferError(f"needs float inputs, got {ins[1].dtype}")
     return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
 
 
@@ -151,11 +168,13 @@ _UNARY_GRADS = {
 }
 
 for _name in UNARY:
-    register_op(_name, _float_unary_infer if _name not in ("Neg", "Abs", "Sign", "Square") else _unary_infer,
+    register_op(_name, _float_unary_infer if _name not in ("Neg", "Abs", "Sign", "Square") else _numeric_unary_infer,
                 num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name])
 
 for _name, _g in zip(BINARY, (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum)):
-    register_op(_name, _binary_infer, num_inputs=2, group=ELEMENTWISE, grad=_g)
+    # Maximum / Minimum of bools are or / and, as numpy gives them; the rest is arithmetic.
+    register_op(_name, _binary_infer if _name in ("Maximum", "Minimum") else _arith_infer, num_inputs=2,
+                group=ELEMENTWISE, grad=_g)
 
 for _name in COMPARE:
     register_op(_name, _compare_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)

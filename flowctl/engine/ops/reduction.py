@@ -66,6 +66,8 @@ def _argmax_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSp
 def _grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     # ReduceGrad(dy, x) / ReduceMaxGrad(dy, x, y): a gradient shaped like x, of dy's dtype.
     dy, x = ins[0], ins[1]
+    if len(ins) == 3 and not is_float(dy.dtype):
+        raise InferError(f"ReduceMaxGrad splits dy among ties, so it needs a float dy, got {dy.dtype}")
     want = _reduced_shape(x.shape, attrs["axis"], attrs["keepdims"])
     if len(want) != len(dy.shape) or any(a is not None and b is not None and a != b
                                          for a, b in zip(want, dy.shape)):
