@@ -144,7 +144,10 @@ def _variant(op: str, dtype: str) -> tuple[Graph, Any] | None:
 
 
 def test_every_op_is_covered_or_listed():
-    missing = sorted(set(OPS) - set(TEMPLATES) - set(LEFT_OUT))
+    # Ops that other tests register for their own purposes (their shape functions live in tests) are
+    # not flowctl's.
+    ours = {n for n, d in OPS.items() if d.infer.__module__.startswith("flowctl.")}
+    missing = sorted(ours - set(TEMPLATES) - set(LEFT_OUT))
     assert not missing, f"ops with neither a dtype template nor a reason in LEFT_OUT: {missing}"
     both = sorted(set(TEMPLATES) & set(LEFT_OUT))
     assert not both, f"ops both covered and listed as left out: {both}"

@@ -108,6 +108,14 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
         sys.exit(EXIT_INTERRUPTED)
 
 
+def _lock_run_dir(path: Path) -> None:
+    """One writer per run directory (RunLock), held until this command ends; a directory another
+    process is writing is refused naming its PID (CheckpointError, exit 6)."""
+    from flowctl.training.rundir import RunLock
+
+    click.get_current_context().call_on_close(RunLock(path).acquire().release)
+
+
 @click.command()
 @click.argument("spec", required=False)
 @click.option("--steps", type=int, help="Train this many steps in all (default: training.steps).")
@@ -128,13 +136,15 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     console = Console(stderr=True, soft_wrap=True)
     loaded, text, path = _load(spec, data)
     name = loaded.spec.name or loaded.spec.model.name
+    explicit = run_dir is not None
     if run_dir is None:  # runs/<name>, or the first free runs/<name>-N: a new run never reuses one
         run_dir = Path("runs") / name
         n = 1
         while (run_dir / "run.json").exists():
             n += 1
             run_dir = Path("runs") / f"{name}-{n}"
-    elif (run_dir / "run.json").exists():
+    _lock_run_dir(run_dir)
+    if explicit and (run_dir / "run.json").exists():
         raise FlowctlError(f"{run_dir} already holds a run: continue it with `flowctl resume {run_dir}`, "
                            f"or pass another --run-dir")
     trainer = Trainer(loaded, run_dir, steps=steps, histograms_every=histograms, prefetch=prefetch,
@@ -167,6 +177,7 @@ def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: b
     run = RunDir(run_dir)
     if not run.exists():
         raise CheckpointError(f"{run_dir}: no run here (run.json missing)")
+    _lock_run_dir(run.path)
     info = run.read_info()
     spec_path = info.get("spec_path") or ""
     if spec_path and Path(spec_path).exists():
