@@ -64,7 +64,8 @@ def _extra(x, y, p, m, i, v) -> list[fc.Tensor]:
         fc.random_normal([3, 2], dtype="float64", seed=4), fc.truncated_normal([2, 2], dtype="float64", seed=5),
         fc.dropout(x, 0.5, seed=6), fc.reduce_min(x, axis=0), fc.reduce_prod(x, axis=[0, 1]),
         fc.div(v, fc.constant(np.array([2, -3, 0], np.int32))),
-        fc.gather(p[2], i), fc.split(x, 3, axis=1)[1],
+        fc.gather(p[2], i), fc.split(x, 3, axis=1)[1], fc.is_nan(fc.log(x)), fc.is_inf(fc.log(x) * 0.0),
+        fc.range_(-1, 4.5, 1.5, dtype="float64"), fc.mod(v, fc.constant(np.array([2, -3, 0], np.int32))),
     ]
 
 
@@ -82,7 +83,9 @@ def _templates_from(build: Callable[..., Any], inputs: dict[str, np.ndarray], sh
     new = [n for n in g.nodes.values() if n.op not in found and n.op != "Placeholder"]
     refs = sorted({r for n in new for r in n.inputs})
     feeds = {phs[k]: a for k, a in inputs.items()}
-    values = dict(zip(refs, fc.Session(g, store=fc.ContainerStore()).run(refs, feeds))) if refs else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the log of a negative, meant for IsNaN
+        values = dict(zip(refs, fc.Session(g, store=fc.ContainerStore()).run(refs, feeds))) if refs else {}
     for n in new:
         if n.op not in found:
             ins = [(np.asarray(values[r]), g.nodes[r.split(":")[0]].outputs[int(r.split(":")[1])
@@ -112,7 +115,10 @@ NON_NEGATIVE = {("Pow", 1)}
 
 
 def _as(value: np.ndarray, dtype: str) -> np.ndarray:
-    """A float64 template value in `dtype`, keeping the integers varied and within range."""
+    """A float64 template value in `dtype`, keeping the integers varied and within range (a NaN
+    becomes 0 outside the floats)."""
+    if dtype not in ("float16", "float32", "float64"):
+        value = np.nan_to_num(value, nan=0.0, posinf=100.0, neginf=-100.0)
     if dtype == "bool":
         return value > 0
     if dtype.startswith("uint"):

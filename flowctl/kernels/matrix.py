@@ -58,3 +58,20 @@ def matrix_determinant_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
         return scale * xp.swapaxes(xp.linalg.inv(x), -1, -2)
 
     return run
+
+
+@kernel("Einsum")
+def einsum(xp: Any, attrs: dict[str, Any]) -> Fn:
+    from flowctl.engine.ops.matrix import parse_equation
+
+    equation = attrs["equation"]
+
+    def run(*xs: Any) -> Any:
+        subs, out = parse_equation(equation, len(xs))
+        dtype = xs[0].dtype
+        # optimize: contract pairwise through BLAS rather than numpy's one nested loop. The result
+        # is cast back because a contraction through tensordot may widen small integers.
+        y = xp.einsum(",".join(subs) + "->" + out, *xs, optimize=len(xs) > 1)
+        return xp.asarray(y).astype(dtype, copy=False)
+
+    return run

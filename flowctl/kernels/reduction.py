@@ -180,3 +180,58 @@ def reduce_prod_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
         return (others * dy.reshape(kshape)).astype(dy.dtype, copy=False)
 
     return run
+
+
+@kernel("CumSum")
+def cumsum(xp: Any, attrs: dict[str, Any]) -> Fn:
+    axis, exclusive, reverse = attrs["axis"], attrs["exclusive"], attrs["reverse"]
+    f16 = xp.dtype("float16")
+
+    def run(x: Any) -> Any:
+        ax = axis % x.ndim
+        if reverse:
+            x = xp.flip(x, ax)
+        # dtype: numpy widens small integers to int64 (and half floats accumulate better in float32)
+        out = xp.cumsum(x, axis=ax, dtype=xp.float32 if x.dtype == f16 else x.dtype).astype(x.dtype, copy=False)
+        if exclusive:  # shift by one along the axis: the first entry is 0, the last sum drops off
+            lead = [slice(None)] * x.ndim
+            lead[ax] = slice(0, x.shape[ax] - 1)
+            zero = list(x.shape)
+            zero[ax] = min(1, x.shape[ax])
+            out = xp.concatenate([xp.zeros(zero, dtype=x.dtype), out[tuple(lead)]], axis=ax)
+        return xp.flip(out, ax) if reverse else out
+
+    return run
+
+
+def _descending_order(xp: Any, x: Any) -> Any:
+    """Indices sorting each row of the last axis largest first, equal entries by ascending index:
+    a stable ascending sort of the reversed row, read backwards."""
+    n = x.shape[-1]
+    order = xp.argsort(xp.flip(x, -1), axis=-1, kind="stable")
+    return (n - 1) - xp.flip(order, -1)
+
+
+@kernel("TopK")
+def top_k(xp: Any, attrs: dict[str, Any]) -> Fn:
+    k = attrs["k"]
+
+    def run(x: Any) -> tuple[Any, Any]:
+        idx = _descending_order(xp, x)[..., :k]
+        return xp.take_along_axis(x, idx, axis=-1), idx.astype(xp.int32)
+
+    return run
+
+
+@kernel("TopKGrad")
+def top_k_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(dy: Any, indices: Any, x: Any) -> Any:
+        n, k = x.shape[-1], indices.shape[-1]
+        out = xp.zeros(x.shape, dtype=dy.dtype)
+        rows = indices.size // k if k else 0
+        # The indices of one row are distinct, so a plain assignment through flat positions is exact.
+        flat = (indices.reshape(rows, k) + (xp.arange(rows) * n)[:, None]).reshape(-1)
+        out.reshape(-1)[flat] = dy.reshape(-1)
+        return out
+
+    return run

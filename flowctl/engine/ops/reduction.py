@@ -5,12 +5,16 @@ Over an empty axis each reduction gives its identity, as TensorFlow and ONNX do:
 -inf / the dtype's smallest integer / False, Min +inf / the dtype's largest integer / True. Mean has
 no identity and gives NaN (0/0); ArgMax has none either and fails with the node's name.
 
+CumSum (a scan, kept here with the reductions it generalises) and TopK (the k largest entries of
+the last axis, what top-5 accuracy needs) close the file.
+
 The reduced axes are a static attribute (`axis`: None for all, else a tuple of ints, negative allowed),
 so a reduction's output shape is known at construction even when some input dims are not; Mean divides
 by the element count of the array it actually receives, so a batch dim of None works at run time.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from flowctl.engine.dtypes import is_float
@@ -19,7 +23,7 @@ from flowctl.engine.ops.api import convert, graph_of, make1
 from flowctl.engine.ops.registry import REDUCTION, REQUIRED, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, normalize_axes, normalize_axis
 
-__all__ = ["reduce_sum", "reduce_prod", "reduce_mean", "reduce_max", "reduce_min", "argmax"]
+__all__ = ["reduce_sum", "reduce_prod", "reduce_mean", "reduce_max", "reduce_min", "argmax", "cumsum", "top_k"]
 
 _AXES_ATTRS = {"axis": ("ints", None), "keepdims": ("bool", False)}
 
@@ -171,6 +175,66 @@ register_op("ReduceProdGrad", _grad_infer, num_inputs=2, attrs=dict(_AXES_ATTRS)
             group=REDUCTION, differentiable=False)
 
 
+# ---------------------------------------------------------------------------- scans and selection
+def _cumsum_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    x = ins[0]
+    if x.dtype == "bool":
+        raise InferError("CumSum needs a numeric input, got bool (cast it first)")
+    normalize_axis(attrs["axis"], len(x.shape))
+    if not x.shape:
+        raise InferError("CumSum needs an input of rank >= 1, got a scalar")
+    return [x]
+
+
+def _g_cumsum(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    # Each input feeds the outputs after it (before it, reversed): the adjoint scans the other way.
+    a = op.attrs
+    return [cumsum(dy[0], a["axis"], exclusive=a["exclusive"], reverse=not a["reverse"])]
+
+
+def _topk_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    x, k = ins[0], attrs["k"]
+    if not x.shape:
+        raise InferError("TopK needs an input of rank >= 1, got a scalar")
+    if x.dtype == "bool":
+        raise InferError("TopK needs a numeric input, got bool")
+    n = x.shape[-1]
+    if k < 0 or (n is not None and k > n):
+        raise InferError(f"k={k} is out of range for a last axis of {n}")
+    out = tuple(x.shape[:-1]) + (k,)
+    return [TensorSpec(out, x.dtype), TensorSpec(out, "int32")]
+
+
+def _g_topk(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    return [make1("TopKGrad", [dy[0], op.outputs[1], op.inputs[0]], name="top_k_grad")]
+
+
+def _topk_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [TensorSpec(ins[2].shape, ins[0].dtype)]
+
+
+def _topk_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+               attrs: dict[str, Any]) -> tuple[float, float]:
+    """A sort of each row: n log2 n compares per row."""
+    n = ins[0][-1] if ins[0] else 1
+    rows = 1
+    for d in ins[0][:-1]:
+        rows *= d
+    return float(rows * n * max(1.0, math.log2(max(n, 2)))), memory_bytes(ins, outs, dtypes)
+
+
+register_op("CumSum", _cumsum_infer, num_inputs=1,
+            attrs={"axis": ("int", 0), "exclusive": ("bool", False), "reverse": ("bool", False)},
+            grad=_g_cumsum, cost=_reduce_cost, group=REDUCTION)
+# TopK(x) -> (values, int32 indices) along the last axis, largest first, ties to the lower index.
+register_op("TopK", _topk_infer, num_inputs=1, attrs={"k": ("int", REQUIRED)}, grad=_g_topk,
+            cost=_topk_cost, group=REDUCTION)
+# TopKGrad(dy, indices, x): dy put back where the values came from, zeros elsewhere. Not
+# differentiable itself (no second derivatives of TopK).
+register_op("TopKGrad", _topk_grad_infer, num_inputs=3, cost=_grad_cost, group=REDUCTION,
+            differentiable=False)
+
+
 # ---------------------------------------------------------------------------- Python API
 def _axis_attr(axis: int | Sequence[int] | None, rank: int) -> tuple[int, ...] | None:
     """Canonical axes (sorted, non-negative, unique) so equal reductions have equal attrs (CSE) and
@@ -225,3 +289,21 @@ def argmax(x: Any, axis: int, output_type: Any = "int64", name: str | None = Non
     x = convert(x, graph_of(x))
     return make1("ArgMax", [x], {"axis": int(axis), "output_type": output_type}, name=name or "ArgMax")
 
+
+
+def cumsum(x: Any, axis: int = 0, exclusive: bool = False, reverse: bool = False,
+           name: str | None = None) -> Tensor:
+    """Running sum along `axis`; `exclusive` leaves each entry out of its own sum (the first is 0),
+    `reverse` sums from the end. Integers keep their dtype (and wrap around, as numpy's do)."""
+    x = convert(x, graph_of(x))
+    return make1("CumSum", [x], {"axis": int(axis), "exclusive": bool(exclusive), "reverse": bool(reverse)},
+                 name=name or "CumSum")
+
+
+def top_k(x: Any, k: int, name: str | None = None) -> tuple[Tensor, Tensor]:
+    """The k largest entries of the last axis, largest first (ties: the lower index first), and
+    their int32 indices. The gradient reaches the selected entries only."""
+    x = convert(x, graph_of(x))
+    g = x.graph
+    node = g.add_node("TopK", [x], {"k": int(k)}, name=name or "TopK")
+    return Tensor(g, node.name, 0), Tensor(g, node.name, 1)
