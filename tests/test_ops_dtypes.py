@@ -187,3 +187,21 @@ def test_dtypes_and_shapes_match_inference_with_optimizer_off_and_on(op):
 def test_the_attribute_types_are_what_the_template_rewriting_knows():
     # _variant rewrites dtype and tensor attributes; a new attribute type carrying a dtype would need it too.
     assert set(ATTR_TYPES) == {"int", "float", "bool", "str", "dtype", "shape", "ints", "floats", "strs", "tensor"}
+
+
+def test_folding_never_casts_a_kernel_result_it_disagrees_with():
+    """A kernel at odds with its op's inference (a bug the test above would catch) is not folded:
+    folding would cast its value to the declared dtype and change the answer."""
+    from flowctl.engine.ops.registry import register_op
+    from flowctl.kernels.registry import kernel
+
+    if "DtypeLiarForTest" not in OPS:
+        register_op("DtypeLiarForTest", lambda ins, a: [ins[0]], num_inputs=1)  # declares x's dtype
+        kernel("DtypeLiarForTest")(lambda xp, attrs: lambda x: x / 2)  # but int / 2 is float64
+    g = Graph()
+    with g.as_default():
+        y = make1("DtypeLiarForTest", [fc.constant(np.array([7, -7], np.int32))])
+    off = fc.Session(g, store=fc.ContainerStore()).run(y)
+    on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(y)
+    assert off.dtype == on.dtype == np.float64
+    np.testing.assert_array_equal(on, [3.5, -3.5])

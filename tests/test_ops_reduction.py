@@ -234,8 +234,9 @@ def _identity(op: str, dtype: str):
 
 EMPTY_AXIS = {"Sum": fc.reduce_sum, "Prod": fc.reduce_prod, "Mean": fc.reduce_mean, "Max": fc.reduce_max,
               "Min": fc.reduce_min}
-# Not reductions a model calls: ArgMax has no identity (below), the rest are gradient ops.
-NOT_VALUE_REDUCTIONS = {"ArgMax", "ReduceGrad", "ReduceMaxGrad", "ReduceProdGrad"}
+# Not reductions to a value: ArgMax has no identity (below); CumSum and TopK keep the scanned axis
+# (an empty one stays empty, below); the rest are gradient ops.
+NOT_VALUE_REDUCTIONS = {"ArgMax", "CumSum", "TopK", "ReduceGrad", "ReduceMaxGrad", "ReduceProdGrad", "TopKGrad"}
 
 
 def test_every_reduction_op_has_an_empty_axis_case():
@@ -272,6 +273,14 @@ def test_reduction_over_an_empty_axis_is_the_identity(op, keepdims):
             # reducing the non-empty axes of an empty array leaves an empty result, not an identity
             assert non_empty.shape == ((1, 0, 1) if keepdims else (0,)) and non_empty.dtype == np.dtype(dtype)
     assert seen >= 2 * (3 if op == "Mean" else 9)
+
+
+def test_cumsum_and_top_k_over_an_empty_axis_are_empty():
+    x = np.zeros((2, 0), np.int16)
+    c, e, (v, i) = run(lambda x: [fc.cumsum(x, 1), fc.cumsum(x, 1, exclusive=True, reverse=True),
+                                  list(fc.top_k(x, 0))], x=x)
+    assert c.shape == e.shape == v.shape == i.shape == (2, 0)
+    assert c.dtype == e.dtype == v.dtype == np.int16 and i.dtype == np.int32
 
 
 def test_argmax_over_an_empty_axis_fails_with_the_node_name():

@@ -29,6 +29,15 @@ def start_train(spec_file: Path, run: Path) -> subprocess.Popen:
                              str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP, then wait until the kernel reports it stopped (kill returns before it is)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.time() + 30
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        assert time.time() < deadline, "the holder never stopped"
+        time.sleep(0.01)
+
+
 def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 90) -> None:
     deadline = time.time() + seconds
     while not path.exists():
@@ -57,7 +66,7 @@ def test_two_trains_on_one_run_dir(spec_file, tmp_path):  # noqa: F811
     first = start_train(spec_file, run)
     try:
         wait_for(run / "metrics.jsonl", first)
-        os.kill(first.pid, signal.SIGSTOP)  # frozen, so the directory holds still while we compare
+        stop(first)  # frozen, so the directory holds still while we compare
         before = snapshot(run)
         for args in (["train", str(spec_file), "--run-dir", str(run), "--steps", "2"], ["resume", str(run)]):
             second = run_cli(*args)
