@@ -205,3 +205,28 @@ def test_folding_never_casts_a_kernel_result_it_disagrees_with():
     on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(y)
     assert off.dtype == on.dtype == np.float64
     np.testing.assert_array_equal(on, [3.5, -3.5])
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_return_what_inference_declared():
+    """The same sweep on the gpu (cupy can promote where numpy does not): dtype and shape only."""
+    from flowctl.kernels.registry import has_kernel
+
+    wrong = []
+    for op in sorted(TEMPLATES):
+        if not has_kernel(op, "gpu"):
+            continue
+        for dtype in DTYPES:
+            built = _variant(op, dtype)
+            if built is None:
+                continue
+            g, node = built
+            refs = [make_ref(node.name, p) for p in range(len(node.outputs))]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                outs = fc.Session(g, device="gpu:0", store=fc.ContainerStore()).run(refs)
+            for port, (a, want) in enumerate(zip(outs, node.outputs)):
+                if np.asarray(a).dtype.name != want.dtype or np.shape(a) != tuple(want.shape):
+                    wrong.append(f"{op} on {dtype}, output {port}: {np.asarray(a).dtype}{np.shape(a)}, "
+                                 f"declared {want.dtype}{want.shape}")
+    assert not wrong, "\n".join(wrong)

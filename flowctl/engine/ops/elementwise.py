@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from flowctl.engine.dtypes import as_dtype, is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import graph_of, make1
-from flowctl.engine.ops.registry import ELEMENTWISE, movement_cost, register_op
+from flowctl.engine.ops.registry import ELEMENTWISE, elementwise_cost, movement_cost, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, broadcast, dims_equal
 
 UNARY = ("Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Relu", "Sigmoid", "Tanh", "Abs", "Sign")
@@ -190,8 +190,19 @@ _UNARY_GRADS = {
     "Cos": lambda op, dy: [neg(dy[0] * sin(op.inputs[0]))],
     **{_r: (lambda op, dy: [zeros_like(op.inputs[0])]) for _r in ROUNDING},
 }
+
+
+def _erf_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+              attrs: dict[str, Any]) -> tuple[float, float]:
+    """The kernel (kernels/elementwise.py `erf`) evaluates a 60-term series and an 80-term continued
+    fraction for every element: about 3 * 60 + 2 * 80 + 10 operations."""
+    flops, nbytes = elementwise_cost(ins, outs, dtypes, attrs)
+    return 350.0 * flops, nbytes
+
+
 for _name in ("Erf", "Sin", "Cos") + ROUNDING:
-    register_op(_name, _float_unary_infer, num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name])
+    register_op(_name, _float_unary_infer, num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name],
+                cost=_erf_cost if _name == "Erf" else elementwise_cost)
 for _name in FLOAT_TESTS:
     register_op(_name, _float_test_infer, num_inputs=1, group=ELEMENTWISE, differentiable=False)
 
