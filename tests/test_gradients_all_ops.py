@@ -71,7 +71,8 @@ def _matrix(a, b, m):
 
 
 def _reductions(x):
-    return [fc.reduce_sum(x, axis=1), fc.reduce_mean(x, axis=[0, 2], keepdims=True), fc.reduce_max(x, axis=-1)]
+    return [fc.reduce_sum(x, axis=1), fc.reduce_mean(x, axis=[0, 2], keepdims=True), fc.reduce_max(x, axis=-1),
+            fc.reduce_min(x, axis=[0, 1]), fc.reduce_prod(x + 0.5, axis=[0, 2], keepdims=True), fc.reduce_prod(x)]
 
 
 def _nn(logits, labels_dense, x4, scale, offset, bias):
@@ -85,6 +86,24 @@ def _nn(logits, labels_dense, x4, scale, offset, bias):
 def _conv(x, f):
     y = fc.conv2d(x, f, strides=(2, 2), padding="SAME")
     return [fc.max_pool(y, (2, 2), (1, 1), "VALID"), fc.avg_pool(y, (3, 3), (2, 2), "SAME")]
+
+
+def _math(a, b, c):
+    # a's entries sit away from integers and from the jumps of mod(a, c), where rounding and the
+    # remainder are differentiable (with derivative 0 and 1 and -floor(a / c)).
+    return [fc.floor(a) * a + fc.ceil(a) * b + fc.round_(a * 0.5) * c, fc.mod(a, c), fc.erf(a) + fc.gelu(b),
+            fc.sin(a) * fc.cos(b)]
+
+
+def _scan_select(x, p, u):
+    idx = fc.constant(np.array([[0, 1], [2, 0], [0, 1]], np.int32))
+    return [fc.cumsum(x, axis=1), fc.cumsum(x, axis=0, exclusive=True, reverse=True), fc.top_k(x, 2)[0],
+            fc.gather_nd(p, idx), fc.scatter_nd(idx, u, (3, 2, 4)), fc.reduce_sum(fc.top_k(x, 3)[0])]
+
+
+def _einsum(a, b, v):
+    return [fc.einsum("ij,jk->ik", a, b), fc.einsum("ij,jk,k->i", a, b, v), fc.einsum("ij->", a),
+            fc.einsum("ij,k->jk", a, v), fc.einsum("ij", a)]
 
 
 CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]]] = {
@@ -127,6 +146,15 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]
                         "wrt": ["x", "dy"]}),
     "second_tile_pad": (second_order(lambda x: fc.tile(fc.pad(x, [[1, 0], [0, 1]]), [2, 1])),
                         {"x": arr(2, 2), "dy": arr(6, 3)}, {"wrt": ["dy"]}),
+    "math": (_math, {"a": R.uniform(0.1, 0.4, (2, 3)) + np.array([[-2.0, 0.0, 1.0]]), "b": arr(3),
+                     "c": R.uniform(0.6, 0.9, (2, 3))}, {}),
+    # distinct entries of x: top_k has no ties, where its gradient would be a convention
+    "scan_select": (_scan_select, {"x": R.permutation(12).reshape(3, 4) * 0.1, "p": arr(3, 2, 4),
+                                   "u": arr(3, 4)}, {}),
+    "einsum": (_einsum, {"a": arr(2, 3), "b": arr(3, 4), "v": arr(4)}, {}),
+    "second_gather_nd": (second_order(lambda p: fc.gather_nd(p, fc.constant(np.array([[1], [1], [0]], np.int32))),
+                                      wrt="p"),
+                         {"p": arr(2, 3), "dy": arr(3, 3)}, {"wrt": ["dy"], "shapes": {"p": (None, 3)}}),
     "broadcast_like": (lambda x, like: make1("BroadcastLike", [x, like]) * like,
                        {"x": arr(3), "like": arr(2, 3)}, {}),
     "second_broadcast": (second_order(lambda x, y: x * y, wrt="y"),

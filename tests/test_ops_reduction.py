@@ -213,3 +213,109 @@ def test_gpu_kernels_match_numpy(rng):
     for c, d in zip(cpu, gpu):
         assert c.dtype == d.dtype and c.shape == d.shape
         np.testing.assert_allclose(d, c, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- empty axes
+def _identity(op: str, dtype: str):
+    """The reduction's identity over nothing (TensorFlow's and ONNX's answer); Mean has none: 0/0."""
+    if op == "Sum":
+        return 0
+    if op == "Prod":
+        return 1
+    if op == "Mean":
+        return np.nan
+    if dtype == "bool":
+        return op == "Min"  # all() of nothing is True, any() of nothing is False
+    if dtype.startswith("float"):
+        return -np.inf if op == "Max" else np.inf
+    info = np.iinfo(dtype)
+    return info.min if op == "Max" else info.max
+
+
+EMPTY_AXIS = {"Sum": fc.reduce_sum, "Prod": fc.reduce_prod, "Mean": fc.reduce_mean, "Max": fc.reduce_max,
+              "Min": fc.reduce_min}
+# Not reductions to a value: ArgMax has no identity (below); CumSum and TopK keep the scanned axis
+# (an empty one stays empty, below); the rest are gradient ops.
+NOT_VALUE_REDUCTIONS = {"ArgMax", "CumSum", "TopK", "ReduceGrad", "ReduceMaxGrad", "ReduceProdGrad", "TopKGrad"}
+
+
+def test_every_reduction_op_has_an_empty_axis_case():
+    from flowctl.engine.ops.registry import REDUCTION, ops_in_group
+
+    assert ops_in_group(REDUCTION) - NOT_VALUE_REDUCTIONS == set(EMPTY_AXIS)
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("op", sorted(EMPTY_AXIS))
+def test_reduction_over_an_empty_axis_is_the_identity(op, keepdims):
+    from flowctl.engine.dtypes import DTYPES
+    from flowctl.engine.errors import GraphError
+
+    seen = 0
+    for dtype in DTYPES:
+        for optimize in (False, True):
+            g = fc.Graph()
+            with g.as_default():
+                x = fc.constant(np.zeros((2, 0, 3), dtype))
+                try:
+                    ys = [EMPTY_AXIS[op](x, axis=1, keepdims=keepdims), EMPTY_AXIS[op](x, keepdims=keepdims),
+                          EMPTY_AXIS[op](x, axis=[0, 2], keepdims=keepdims)]
+                except GraphError:
+                    continue  # a dtype the op does not take (Mean of ints, Sum of bools)
+            seen += 1
+            over_empty, everything, non_empty = fc.Session(g, store=fc.ContainerStore(),
+                                                           optimize=optimize).run(ys)
+            want = _identity(op, dtype)
+            for got, shape in ((over_empty, (2, 1, 3) if keepdims else (2, 3)),
+                               (everything, (1, 1, 1) if keepdims else ())):
+                assert got.dtype == np.dtype(dtype) and got.shape == shape, (dtype, got.dtype, got.shape)
+                np.testing.assert_array_equal(got, np.full(shape, want, dtype))
+            # reducing the non-empty axes of an empty array leaves an empty result, not an identity
+            assert non_empty.shape == ((1, 0, 1) if keepdims else (0,)) and non_empty.dtype == np.dtype(dtype)
+    assert seen >= 2 * (3 if op == "Mean" else 9)
+
+
+def test_cumsum_and_top_k_over_an_empty_axis_are_empty():
+    x = np.zeros((2, 0), np.int16)
+    c, e, (v, i) = run(lambda x: [fc.cumsum(x, 1), fc.cumsum(x, 1, exclusive=True, reverse=True),
+                                  list(fc.top_k(x, 0))], x=x)
+    assert c.shape == e.shape == v.shape == i.shape == (2, 0)
+    assert c.dtype == e.dtype == v.dtype == np.int16 and i.dtype == np.int32
+
+
+def test_argmax_over_an_empty_axis_fails_with_the_node_name():
+    g = fc.Graph()
+    with g.as_default():
+        y = fc.argmax(fc.constant(np.zeros((2, 0), np.float32)), axis=1, name="am")
+    with pytest.raises(fc.ExecutionError, match="am"):
+        fc.Session(g, store=fc.ContainerStore()).run(y)
+
+
+def test_min_and_prod_against_loops(rng):
+    x = rng.standard_normal((2, 3, 4))
+    for axis in (None, 1, [0, 2]):
+        got = run(lambda x: fc.reduce_min(x, axis=axis), x=x)
+        np.testing.assert_array_equal(got, loop_reduce(x, axis, False, min))
+        got = run(lambda x: fc.reduce_prod(x, axis=axis, keepdims=True), x=x)
+        np.testing.assert_allclose(got, loop_reduce(x, axis, True, math.prod), rtol=1e-13)
+    xi = rng.integers(-3, 4, (3, 4)).astype(np.int16)
+    got = run(lambda x: fc.reduce_prod(x, axis=0), x=xi)
+    assert got.dtype == np.int16
+    np.testing.assert_array_equal(got, loop_reduce(xi, 0, False, math.prod).astype(np.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_min_prod_and_empty_axes_match_numpy(rng):
+    x = rng.standard_normal((4, 5, 6)).astype(np.float32)
+    g = fc.Graph()
+    with g.as_default():
+        p = fc.placeholder("float32", (4, 5, 6))
+        e = fc.constant(np.zeros((3, 0), np.int16))
+        outs = [fc.reduce_min(p, axis=1), fc.reduce_prod(p, axis=[0, 2]), fc.reduce_max(e, axis=1),
+                fc.reduce_min(e, axis=1), fc.reduce_prod(e, axis=1)]
+        outs += fc.gradients([fc.reduce_sum(outs[0]), fc.reduce_sum(outs[1])], [p])
+    cpu = fc.Session(g, store=fc.ContainerStore()).run(outs, {p: x})
+    gpu = fc.Session(g, device="gpu:0", store=fc.ContainerStore()).run(outs, {p: x})
+    for c, d in zip(cpu, gpu):
+        assert c.dtype == d.dtype and c.shape == d.shape
+        np.testing.assert_allclose(d, c, rtol=1e-5, atol=1e-5)

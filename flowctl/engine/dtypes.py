@@ -12,13 +12,15 @@ DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("float32"),
     "float64": np.dtype("float64"),
     "int8": np.dtype("int8"),
+    "int16": np.dtype("int16"),
     "int32": np.dtype("int32"),
     "int64": np.dtype("int64"),
     "uint8": np.dtype("uint8"),
+    "uint16": np.dtype("uint16"),
     "bool": np.dtype("bool"),
 }
 FLOATS = frozenset({"float16", "float32", "float64"})
-INTS = frozenset({"int8", "int32", "int64", "uint8"})
+INTS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16"})
 
 
 def as_dtype(d: Any) -> str:

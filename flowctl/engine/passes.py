@@ -322,6 +322,9 @@ def fold_constants(graph: Graph, keep: Iterable[str] = ()) -> Graph:
     orphan_roots: list[str] = []
     for name, arrays in values.items():
         node = graph.nodes[name]
+        if any(np.asarray(a).dtype != np_dtype(node.outputs[p].dtype) or np.shape(a) != node.outputs[p].shape
+               for p, a in zip(frontier[name], arrays)):
+            continue  # a kernel at odds with inference stays as it is: a cast here would change the result
         ctrl_list = sorted(folds[name], key=index.__getitem__)
         orphan_roots.extend(parse_ref(r)[0] for r in node.inputs)
         if len(node.outputs) == 1:

@@ -1,3 +1,5 @@
 """The numeric kernels, one per (op, device type), written against an array module (numpy, cupy).
 Importing the package imports every kernel module, which fills the table in `registry`."""
-from flowctl.kernels import array, communication, conv, elementwise, matrix, nn, queues, random, reduction, state  # noqa: F401,E501
+from flowctl.kernels import (  # noqa: F401
+    array, communication, conv, elementwise, indexing, matrix, nn, queues, random, reduction, state,
+)

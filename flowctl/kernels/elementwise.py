@@ -13,13 +13,80 @@ def _direct(op: str, fname: str) -> None:
     kernel(op)(lambda xp, attrs: getattr(xp, fname))
 
 
-for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"), ("Div", "true_divide"),
+for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"),
                 ("Pow", "power"), ("Maximum", "maximum"), ("Minimum", "minimum"), ("Greater", "greater"),
                 ("Less", "less"), ("Equal", "equal"), ("GreaterEqual", "greater_equal"),
                 ("LessEqual", "less_equal"), ("Neg", "negative"), ("Exp", "exp"), ("Log", "log"),
                 ("Sqrt", "sqrt"), ("Square", "square"), ("Tanh", "tanh"), ("Abs", "abs"), ("Sign", "sign"),
-                ("Select", "where"), ("ZerosLike", "zeros_like"), ("OnesLike", "ones_like")):
+                ("Select", "where"), ("ZerosLike", "zeros_like"), ("OnesLike", "ones_like"),
+                ("Floor", "floor"), ("Ceil", "ceil"), ("Round", "rint"), ("Sin", "sin"), ("Cos", "cos"),
+                ("IsNaN", "isnan"), ("IsInf", "isinf")):
     _direct(_op, _f)
+
+
+@kernel("Div")
+def div(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Floats: true division. Integers: floor division (Python's `//`, TensorFlow's FloorDiv), so the
+    result keeps the integer dtype the shape function declared; x // 0 is 0 (numpy's and cupy's
+    answer) rather than an error, without numpy's warning."""
+    import numpy as np
+
+    def run(x: Any, y: Any) -> Any:
+        if x.dtype.kind in "fc":
+            return xp.true_divide(x, y)
+        if xp is np:
+            with np.errstate(divide="ignore"):
+                return np.floor_divide(x, y)
+        return xp.floor_divide(x, y)
+
+    return run
+
+
+@kernel("FloorMod")
+def floor_mod(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """numpy's `mod` is floor modulo (the sign of y), for floats and integers alike."""
+    import numpy as np
+
+    def run(x: Any, y: Any) -> Any:
+        if xp is np and x.dtype.kind not in "fc":
+            with np.errstate(divide="ignore"):
+                return np.mod(x, y)
+        return xp.mod(x, y)
+
+    return run
+
+
+_SERIES_TERMS = 60
+_FRACTION_TERMS = 80
+_SWITCH = 2.5
+
+
+def erf(xp: Any, x: Any) -> Any:
+    """erf in float64 to a few ulp, from two expansions that are exact in the limit:
+    below |x| = 2.5 the all-positive series erf(a) = 2/sqrt(pi) e^(-a^2) sum_n (2a^2)^n a / (2n+1)!!
+    (no cancellation), above it 1 - erfc(a) with erfc's continued fraction
+    e^(-a^2)/sqrt(pi) / (a + (1/2)/(a + 1/(a + (3/2)/(a + ...)))). numpy has no erf, and one source
+    serves numpy and cupy alike."""
+    a = xp.abs(x)
+    s = xp.minimum(a, _SWITCH)
+    two_s2 = 2.0 * s * s
+    term = s
+    total = s
+    for n in range(1, _SERIES_TERMS):
+        term = term * two_s2 / (2 * n + 1)
+        total = total + term
+    series = 1.1283791670955126 * xp.exp(-0.5 * two_s2) * total
+    c = xp.maximum(a, _SWITCH)
+    f = c
+    for k in range(_FRACTION_TERMS, 0, -1):
+        f = c + (0.5 * k) / f
+    tail = 1.0 - 0.5641895835477563 * xp.exp(-c * c) / f
+    return xp.copysign(xp.where(a < _SWITCH, series, tail), x)
+
+
+@kernel("Erf")
+def erf_(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return lambda x: erf(xp, x.astype(xp.float64, copy=False)).astype(x.dtype, copy=False)
 
 
 @kernel("Rsqrt")
@@ -78,7 +145,8 @@ def sum_to_shape(xp: Any, x: Any, shape: tuple) -> Any:
         return x
     lead = x.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1)
-    out = x.sum(axis=axes, keepdims=True) if axes else x
+    # Integers keep their dtype (numpy would widen int8 to int64); floats accumulate as numpy does.
+    out = x.sum(axis=axes, keepdims=True, dtype=None if x.dtype.kind == "f" else x.dtype) if axes else x
     return out.reshape(shape)
 
 

@@ -58,3 +58,19 @@ def matrix_determinant_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
         return scale * xp.swapaxes(xp.linalg.inv(x), -1, -2)
 
     return run
+
+
+@kernel("Einsum")
+def einsum(xp: Any, attrs: dict[str, Any]) -> Fn:
+    # The equation as inference checked it; without '->' numpy's implicit output is the one inference
+    # gave (the letters used once, sorted).
+    equation = attrs["equation"].replace(" ", "")
+
+    def run(*xs: Any) -> Any:
+        dtype = xs[0].dtype
+        # optimize: contract pairwise through BLAS rather than numpy's one nested loop. The result
+        # is cast back because a contraction through tensordot may widen small integers.
+        y = xp.einsum(equation, *xs, optimize=len(xs) > 1)
+        return xp.asarray(y).astype(dtype, copy=False)
+
+    return run

@@ -12,12 +12,15 @@ event files), the graph that was trained, and the checkpoints.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from flowctl.engine.errors import CheckpointError
 
 # Keys that say how long or how often, not what is computed: changing them is not a spec change.
 SCHEDULING_KEYS = ("training.steps", "training.log_every_steps", "checkpoint")
@@ -121,3 +124,50 @@ class RunDir:
         if not self.metrics.exists():
             return []
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+
+class RunLock:
+    """One writer per run directory: an exclusive `flock` on RUN/.lock, which holds the holder's PID.
+
+    The kernel drops a flock when its holder exits, however it exits (SIGKILL included), so a lock
+    file left behind by a dead process never blocks: the next writer takes the lock and writes its
+    own PID. A refused writer only opens the file (no truncation, no write), so it changes nothing
+    in the directory. flock locks belong to the open file, so a second RunLock on the same directory
+    in the same process is refused too."""
+
+    NAME = ".lock"
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file = self.path / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        if self._fd is not None:
+            return self
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(f"{self.path} is in use by another flowctl process (PID {holder}): one "
+                                  f"writer per run directory; wait for it to finish or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock up; the file stays (removing it would race with a writer opening it)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

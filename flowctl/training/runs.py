@@ -15,7 +15,7 @@ from flowctl.spec.check import LoadedSpec
 from flowctl.spec.loader import load_spec, load_text
 from flowctl.spec.overrides import device_names
 from flowctl.spec.schema import ArrayData, TextData
-from flowctl.training.rundir import RunDir, resolved, spec_changes, spec_hash
+from flowctl.training.rundir import RunDir, RunLock, resolved, spec_changes, spec_hash
 from flowctl.training.trainer import Trainer
 
 DEMO = "demo (embedded)"
@@ -63,6 +63,10 @@ def choose_run_dir(name: str, run_dir: Path | None) -> Path:
             raise FlowctlError(f"{run_dir} already holds a run: continue it with `flowctl resume {run_dir}`, "
                                f"or pass another --run-dir")
         return run_dir
+    return _free_run_dir(name)
+
+
+def _free_run_dir(name: str) -> Path:
     run_dir = Path("runs") / name
     n = 1
     while (run_dir / "run.json").exists():
@@ -94,8 +98,16 @@ def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = 
     graph, the devices), ready to `train()`. The caller closes it."""
     loaded, text, path = load_training_spec(spec, data, overrides)
     name = loaded.spec.name or loaded.spec.model.name
-    trainer = Trainer(loaded, choose_run_dir(name, run_dir), steps=steps, histograms_every=histograms,
-                      prefetch=prefetch, on_warning=on_warning)
+    # One writer per run directory: the lock first, so a second train on the same directory is
+    # told who holds it, then the check that no run is there yet.
+    lock = RunLock(run_dir if run_dir is not None else _free_run_dir(name)).acquire()
+    try:
+        trainer = Trainer(loaded, choose_run_dir(name, run_dir) if run_dir is not None else lock.path, steps=steps,
+                          histograms_every=histograms, prefetch=prefetch, on_warning=on_warning)
+    except BaseException:
+        lock.release()
+        raise
+    trainer.lock = lock
     try:
         trainer.start_fresh(text, path)
         info = trainer.run.read_info()
@@ -122,6 +134,18 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     the changes, unless `allow_spec_change`."""
     run = RunDir(run_dir)
     loaded, spec_path = load_run_spec(run)
+    lock = RunLock(run.path).acquire()
+    try:
+        resumed = _resume(run, loaded, spec_path, steps, allow_spec_change, on_warning)
+    except BaseException:
+        lock.release()
+        raise
+    resumed.trainer.lock = lock
+    return resumed
+
+
+def _resume(run: RunDir, loaded: LoadedSpec, spec_path: str, steps: int | None, allow_spec_change: bool,
+            on_warning: Warn | None) -> Resumed:
     changes = _changes(run, loaded)
     if changes and not allow_spec_change:
         raise CheckpointError(f"{spec_path} changed since the run started: "

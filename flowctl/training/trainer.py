@@ -37,7 +37,7 @@ from flowctl.engine.errors import (
 from flowctl.engine.runtime import blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
-from flowctl.training.rundir import RunDir, resolved, spec_hash
+from flowctl.training.rundir import RunDir, RunLock, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
 from flowctl.training.evaluate import Evaluator, improved
 from flowctl.training.inputs import make_sources
@@ -126,6 +126,7 @@ class Trainer:
         self.allow_spec_change = allow_spec_change
         self.resolved = resolved(spec)
         self.hash = spec_hash(self.resolved)
+        self.lock: RunLock | None = None  # the run directory's writer lock, when a command holds it
         self._build()
 
     # ------------------------------------------------------------------ graph and session
@@ -178,6 +179,8 @@ class Trainer:
             if stop is not None:
                 stop()
         self.program.close()
+        if self.lock is not None:
+            self.lock.release()
 
     # ------------------------------------------------------------------ state
     def start_fresh(self, spec_text: str, spec_path: str) -> None:

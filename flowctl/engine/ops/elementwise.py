@@ -1,5 +1,10 @@
 """Element-wise ops (whitepaper Table 1): arithmetic with numpy broadcasting, comparisons, Select,
-Cast, AddN, the activation functions, and the fused gradient ops they use."""
+Cast, AddN, the activation functions, rounding, FloorMod, Erf, Sin/Cos, IsNaN/IsInf, and the fused
+gradient ops they use.
+
+Integer division and remainder are floor division and floor modulo (Python's `//` and `%`,
+TensorFlow's FloorDiv and FloorMod): x == div(x, y) * y + mod(x, y), and the remainder takes the
+sign of y. An integer division or remainder by zero gives 0 (numpy's and cupy's answer)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -7,12 +12,14 @@ from typing import Any, Sequence
 from flowctl.engine.dtypes import as_dtype, is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import graph_of, make1
-from flowctl.engine.ops.registry import ELEMENTWISE, movement_cost, register_op
+from flowctl.engine.ops.registry import ELEMENTWISE, elementwise_cost, movement_cost, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, broadcast, dims_equal
 
 UNARY = ("Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Relu", "Sigmoid", "Tanh", "Abs", "Sign")
 BINARY = ("Add", "Sub", "Mul", "Div", "Pow", "Maximum", "Minimum")
 COMPARE = ("Greater", "Less", "Equal", "GreaterEqual", "LessEqual")
+ROUNDING = ("Floor", "Ceil", "Round")  # piecewise constant: a zero gradient, as Sign has
+FLOAT_TESTS = ("IsNaN", "IsInf")
 
 
 def _same_dtype(ins: list[TensorSpec]) -> str:
@@ -26,6 +33,12 @@ def _unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpe
     return [ins[0]]
 
 
+def _numeric_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if ins[0].dtype == "bool":
+        raise InferError("needs a numeric input, got bool (cast it first)")
+    return [ins[0]]
+
+
 def _float_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     if not is_float(ins[0].dtype):
         raise InferError(f"needs a float input, got {ins[0].dtype}")
@@ -34,6 +47,13 @@ def _float_unary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Ten
 
 def _binary_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
+
+
+def _arith_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    # numpy turns bool arithmetic into logic (True + True is True) or refuses it; TensorFlow refuses.
+    if ins[0].dtype == "bool" or ins[1].dtype == "bool":
+        raise InferError("arithmetic needs numeric inputs, got bool (cast them first)")
+    return _binary_infer(ins, attrs)
 
 
 def _compare_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
@@ -50,12 +70,20 @@ def _select_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSp
 
 def _addn_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     dt = _same_dtype(ins)
+    if dt == "bool":
+        raise InferError("AddN needs numeric inputs, got bool (cast them first)")
     shape = ins[0].shape
     for s in ins[1:]:
         if len(s.shape) != len(shape) or not all(dims_equal(a, b) for a, b in zip(s.shape, shape)):
             raise InferError(f"AddN inputs must share a shape: {', '.join(str(i.shape) for i in ins)}")
         shape = tuple(a if a is not None else b for a, b in zip(shape, s.shape))
     return [TensorSpec(shape, dt)]
+
+
+def _float_test_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if not is_float(ins[0].dtype):
+        raise InferError(f"needs a float input, got {ins[0].dtype}")
+    return [TensorSpec(ins[0].shape, "bool")]
 
 
 def _cast_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
@@ -67,6 +95,8 @@ def _reduce_to_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Tenso
 
 
 def _grad_pair_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if not is_float(ins[1].dtype):
+        raise InferError(f"needs float inputs, got {ins[1].dtype}")
     return [TensorSpec(broadcast(ins[0].shape, ins[1].shape), _same_dtype(ins))]
 
 
@@ -136,6 +166,12 @@ def _g_cast(op: Any, dy: list[Tensor]) -> list[Tensor | None]:
     return [None]
 
 
+def _g_floormod(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    # mod(x, y) = x - floor(x / y) * y: d/dx = 1, d/dy = -floor(x / y) (away from the jumps).
+    x, y = op.inputs
+    return [_reduce(dy[0], x), _reduce(neg(dy[0] * floor(x / y)), y)]
+
+
 _UNARY_GRADS = {
     "Neg": lambda op, dy: [neg(dy[0])],
     "Exp": lambda op, dy: [dy[0] * op.outputs[0]],
@@ -148,14 +184,37 @@ _UNARY_GRADS = {
     "Tanh": lambda op, dy: [make1("TanhGrad", [dy[0], op.outputs[0]])],
     "Abs": lambda op, dy: [dy[0] * sign(op.inputs[0])],
     "Sign": lambda op, dy: [zeros_like(op.inputs[0])],
+    # d erf(x) = 2/sqrt(pi) exp(-x^2)
+    "Erf": lambda op, dy: [dy[0] * 1.1283791670955126 * exp(neg(square(op.inputs[0])))],
+    "Sin": lambda op, dy: [dy[0] * cos(op.inputs[0])],
+    "Cos": lambda op, dy: [neg(dy[0] * sin(op.inputs[0]))],
+    **{_r: (lambda op, dy: [zeros_like(op.inputs[0])]) for _r in ROUNDING},
 }
 
+
+def _erf_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+              attrs: dict[str, Any]) -> tuple[float, float]:
+    """The kernel (kernels/elementwise.py `erf`) evaluates a 60-term series and an 80-term continued
+    fraction for every element: about 3 * 60 + 2 * 80 + 10 operations."""
+    flops, nbytes = elementwise_cost(ins, outs, dtypes, attrs)
+    return 350.0 * flops, nbytes
+
+
+for _name in ("Erf", "Sin", "Cos") + ROUNDING:
+    register_op(_name, _float_unary_infer, num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name],
+                cost=_erf_cost if _name == "Erf" else elementwise_cost)
+for _name in FLOAT_TESTS:
+    register_op(_name, _float_test_infer, num_inputs=1, group=ELEMENTWISE, differentiable=False)
+
 for _name in UNARY:
-    register_op(_name, _float_unary_infer if _name not in ("Neg", "Abs", "Sign", "Square") else _unary_infer,
+    register_op(_name, _float_unary_infer if _name not in ("Neg", "Abs", "Sign", "Square") else _numeric_unary_infer,
                 num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name])
 
-for _name, _g in zip(BINARY, (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum)):
-    register_op(_name, _binary_infer, num_inputs=2, group=ELEMENTWISE, grad=_g)
+for _name, _g in zip(BINARY + ("FloorMod",),
+                     (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum, _g_floormod)):
+    # Maximum / Minimum of bools are or / and, as numpy gives them; the rest is arithmetic.
+    register_op(_name, _binary_infer if _name in ("Maximum", "Minimum") else _arith_infer, num_inputs=2,
+                group=ELEMENTWISE, grad=_g)
 
 for _name in COMPARE:
     register_op(_name, _compare_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
@@ -191,7 +250,12 @@ register_op("BroadcastLike", lambda ins, a: [TensorSpec(ins[1].shape, ins[0].dty
 def add(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Add", [x, y], name=name)
 def sub(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Sub", [x, y], name=name)
 def mul(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Mul", [x, y], name=name)
-def div(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Div", [x, y], name=name)
+def div(x: Any, y: Any, name: str | None = None) -> Tensor:
+    """x / y. Floats divide exactly; integers floor-divide (Python's `//`, TensorFlow's FloorDiv:
+    -7 / 2 = -4), keeping the integer dtype, so div(x, y) * y + mod(x, y) == x; an integer division
+    by zero gives 0."""
+    return make1("Div", [x, y], name=name)
+
 def pow_(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Pow", [x, y], name=name)
 def maximum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Maximum", [x, y], name=name)
 def minimum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Minimum", [x, y], name=name)
@@ -209,6 +273,34 @@ def sigmoid(x: Any, name: str | None = None) -> Tensor: return make1("Sigmoid", 
 def tanh(x: Any, name: str | None = None) -> Tensor: return make1("Tanh", [x], name=name)
 def abs_(x: Any, name: str | None = None) -> Tensor: return make1("Abs", [x], name=name)
 def sign(x: Any, name: str | None = None) -> Tensor: return make1("Sign", [x], name=name)
+def floor(x: Any, name: str | None = None) -> Tensor: return make1("Floor", [x], name=name)
+def ceil(x: Any, name: str | None = None) -> Tensor: return make1("Ceil", [x], name=name)
+def erf(x: Any, name: str | None = None) -> Tensor: return make1("Erf", [x], name=name)
+def sin(x: Any, name: str | None = None) -> Tensor: return make1("Sin", [x], name=name)
+def cos(x: Any, name: str | None = None) -> Tensor: return make1("Cos", [x], name=name)
+def is_nan(x: Any, name: str | None = None) -> Tensor: return make1("IsNaN", [x], name=name)
+def is_inf(x: Any, name: str | None = None) -> Tensor: return make1("IsInf", [x], name=name)
+
+
+def round_(x: Any, name: str | None = None) -> Tensor:
+    """Round to the nearest integer, halves to even (TensorFlow's and numpy's rule: 2.5 -> 2)."""
+    return make1("Round", [x], name=name)
+
+
+def mod(x: Any, y: Any, name: str | None = None) -> Tensor:
+    """Floor modulo (TensorFlow's FloorMod, Python's %): the result takes the sign of y, and
+    div(x, y) * y + mod(x, y) == x for integers. An integer remainder by zero gives 0."""
+    return make1("FloorMod", [x, y], name=name)
+
+
+floormod = mod
+
+
+def gelu(x: Any, name: str | None = None) -> Tensor:
+    """x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2))), the exact (not tanh-approximated) GELU."""
+    return make1("Mul", [make1("Mul", [x, 0.5]), 1.0 + erf(x * 0.7071067811865476)], name=name)
+
+
 def zeros_like(x: Any, name: str | None = None) -> Tensor: return make1("ZerosLike", [x], name=name)
 def ones_like(x: Any, name: str | None = None) -> Tensor: return make1("OnesLike", [x], name=name)
 

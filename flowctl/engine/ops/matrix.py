@@ -1,5 +1,5 @@
 """Matrix ops (whitepaper Table 1 "Matrix operations"): MatMul, BatchMatMul, MatrixInverse,
-MatrixDeterminant, and MatrixDeterminantGrad, the fused gradient of the determinant (§4.1).
+MatrixDeterminant, MatrixDeterminantGrad (the fused gradient of the determinant, §4.1) and Einsum.
 
 Transposes are attributes of the product, never separate nodes: BLAS multiplies a transposed view at
 the speed of a contiguous one, so `A^T B` costs one node and no copy, and every MatMul gradient is
@@ -14,7 +14,7 @@ from flowctl.engine.ops.api import convert, graph_of, make1
 from flowctl.engine.ops.registry import MATRIX, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, broadcast, dims_equal
 
-__all__ = ["matmul", "batch_matmul", "matrix_inverse", "matrix_determinant"]
+__all__ = ["matmul", "batch_matmul", "matrix_inverse", "matrix_determinant", "einsum"]
 
 _LINALG_DTYPES = ("float32", "float64")  # what LAPACK (numpy.linalg, cupy.linalg) accepts
 
@@ -197,3 +197,85 @@ def matrix_inverse(x: Any, name: str | None = None) -> Tensor:
 def matrix_determinant(x: Any, name: str | None = None) -> Tensor:
     """Determinant of each square matrix in the last two dims; shape x.shape[:-2]."""
     return make1("MatrixDeterminant", [x], name=name or "MatrixDeterminant")
+
+
+# ---------------------------------------------------------------------------- Einsum
+def parse_equation(equation: str, n_inputs: int) -> tuple[list[str], str]:
+    """(input subscripts, output subscripts) of an einsum equation. Letters only (no ellipsis);
+    without '->' the output is the letters used exactly once, sorted (numpy's implicit form)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    subs = lhs.split(",")
+    if len(subs) != n_inputs:
+        raise InferError(f"equation {equation!r} names {len(subs)} operand(s), the node has {n_inputs}")
+    letters = "".join(subs)
+    if not all(c.isalpha() for c in letters + out):
+        raise InferError(f"equation {equation!r}: subscripts must be letters (no '...')")
+    if not arrow:
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    if len(set(out)) != len(out) or not set(out) <= set(letters):
+        raise InferError(f"equation {equation!r}: each output letter must appear once, and in an input")
+    return subs, out
+
+
+def _einsum_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    subs, out = parse_equation(attrs["equation"], len(ins))
+    if len({s.dtype for s in ins}) != 1:
+        raise InferError(f"dtypes differ: {', '.join(s.dtype for s in ins)} (insert a Cast)")
+    if ins[0].dtype == "bool":
+        raise InferError("Einsum of bool tensors (cast them to a number type first)")
+    sizes: dict[str, int | None] = {}
+    for sub, spec in zip(subs, ins):
+        if len(sub) != len(spec.shape):
+            raise InferError(f"subscripts {sub!r} name {len(sub)} axes, the operand has shape {spec.shape}")
+        for c, d in zip(sub, spec.shape):
+            if not dims_equal(sizes.get(c), d):
+                raise InferError(f"letter {c!r} is {sizes[c]} in one place and {d} in another")
+            sizes[c] = d if d is not None else sizes.get(c)
+    return [TensorSpec(tuple(sizes[c] for c in out), ins[0].dtype)]
+
+
+def _einsum_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+                 attrs: dict[str, Any]) -> tuple[float, float]:
+    """A multiply-add per point of the full index space (what the naive loop visits)."""
+    subs, _ = parse_equation(attrs["equation"], len(ins))
+    sizes = {c: d for sub, shape in zip(subs, ins) for c, d in zip(sub, shape)}
+    return 2.0 * _prod(tuple(sizes.values())), memory_bytes(ins, outs, dtypes)
+
+
+def _g_einsum(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    """d/dx_i: dy contracted with the other operands onto x_i's subscripts. Letters x_i alone sums
+    over are broadcast back (ExpandDims + BroadcastLike); a repeated letter (a diagonal) has no
+    gradient here."""
+    from flowctl.engine.ops.array import expand_dims
+    from flowctl.engine.errors import GraphError
+
+    xs = list(op.inputs)
+    subs, out = parse_equation(op.attrs["equation"], len(xs))
+    grads = []
+    for i, (x, sub) in enumerate(zip(xs, subs)):
+        if len(set(sub)) != len(sub):
+            raise GraphError(f"Einsum {op.attrs['equation']!r}: no gradient through a repeated letter ({sub!r})")
+        others = [s for j, s in enumerate(subs) if j != i]
+        seen = set(out).union(*others)
+        kept = "".join(c for c in sub if c in seen)
+        eq = ",".join([out] + others) + "->" + kept
+        g = make1("Einsum", [dy[0]] + [t for j, t in enumerate(xs) if j != i], {"equation": eq})
+        if kept != sub:
+            for pos, c in enumerate(sub):
+                if c not in seen:
+                    g = expand_dims(g, pos)
+            g = make1("BroadcastLike", [g, x])
+        grads.append(g)
+    return grads
+
+
+register_op("Einsum", _einsum_infer, min_inputs=1, attrs={"equation": ("str", "")}, grad=_g_einsum,
+            cost=_einsum_cost, group=MATRIX)
+
+
+def einsum(equation: str, *operands: Any, name: str | None = None) -> Tensor:
+    """Einstein summation over letter subscripts, as numpy.einsum ('ij,jk->ik'; no '...')."""
+    g = graph_of(*operands)
+    dtype = next((t.dtype for t in operands if isinstance(t, Tensor)), None)
+    return make1("Einsum", [convert(x, g, dtype) for x in operands], {"equation": equation}, name=name)

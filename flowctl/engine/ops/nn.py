@@ -40,6 +40,7 @@ def _softmax_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorS
 
 
 def _softmax_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    _float(ins[1], "the softmax output")
     _same_dtype(ins[0], ins[1])
     return [ins[1]]
 
@@ -99,6 +100,7 @@ def _bias_add_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Tensor
 
 
 def _bias_add_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    _float(ins[0], "dy")
     if len(ins[0].shape) < 1:
         raise InferError(f"dy must have at least one axis, got {ins[0].shape}")
     return [TensorSpec((ins[0].shape[-1],), ins[0].dtype)]
@@ -118,6 +120,7 @@ def _bn_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorS
     if len(ins) not in (5, 7):
         raise InferError(f"takes (dy, x, scale, mean, var) and optionally (dmean, dvar), got {len(ins)} inputs")
     dy, x, scale = ins[:3]
+    _float(x, "x")
     _same_dtype(dy, x)
     for v in ins[2:]:
         _channels(x, v, "per-channel inputs")

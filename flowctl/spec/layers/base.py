@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.shapes import TensorSpec, num_elements
 
-Activation = Literal["none", "relu", "tanh", "sigmoid"]
+Activation = Literal["none", "relu", "tanh", "sigmoid", "gelu"]
 
 
 class Strict(BaseModel):

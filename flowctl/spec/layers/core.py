@@ -17,7 +17,7 @@ from flowctl.spec.layers.base import (
 def activate(x: Tensor, activation: str) -> Tensor:
     if activation == "none":
         return x
-    return {"relu": fc.relu, "tanh": fc.tanh, "sigmoid": fc.sigmoid}[activation](x, name=activation)
+    return {"relu": fc.relu, "tanh": fc.tanh, "sigmoid": fc.sigmoid, "gelu": fc.gelu}[activation](x, name=activation)
 
 
 def linear(b: Builder, x: Tensor, kernel: Tensor, bias: Tensor | None) -> Tensor:

@@ -1,0 +1,232 @@
+"""Every registered op, on every dtype its shape function accepts: the kernel's result has exactly
+the dtype and shape inference declared, and the optimizer (constant folding, CSE) changes no bit.
+
+How each op is reached: template programs (the finite-difference cases of
+test_gradients_all_ops, with their gradients, plus the non-differentiable ops below) are built on
+float64 placeholders and run once; the first node of each op gives a template (its attrs and the
+values its inputs took). For every dtype, the op is rebuilt in a fresh graph on Consts of those
+values, with each float64 input (and float64 dtype/tensor attribute) turned into that dtype. If
+inference refuses, the op does not take that dtype; if it accepts, the node runs with the optimizer
+off (the kernel) and on (folded into a Const by the same kernel), and both must agree with what was
+declared and with each other, bit for bit.
+
+An op registered later that no template reaches fails `test_every_op_is_covered_or_listed` until it
+gets a template or a line in LEFT_OUT saying why it cannot have one.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine.dtypes import DTYPES
+from flowctl.engine.errors import GraphError
+from flowctl.engine.graph import Graph, make_ref
+from flowctl.engine.ops.api import make1
+from flowctl.engine.ops.registry import ATTR_TYPES, OPS
+from test_gradients_all_ops import CASES
+
+R = np.random.default_rng(7)
+
+LEFT_OUT = {
+    "Placeholder": "a feed, not a computation: its value and dtype are whatever is fed",
+    "Variable": "state in a Container (tests/test_session.py); not foldable, so on/off is moot",
+    "Assign": "writes a Variable (tests/test_session.py)",
+    "AssignAdd": "writes a Variable (tests/test_session.py)",
+    "AssignSub": "writes a Variable (tests/test_session.py)",
+    "FIFOQueue": "a queue resource, no tensor output (tests/test_queues.py)",
+    "RandomShuffleQueue": "a queue resource, no tensor output (tests/test_queues.py)",
+    "Enqueue": "needs a queue resource (tests/test_queues.py)",
+    "EnqueueMany": "needs a queue resource (tests/test_queues.py)",
+    "Dequeue": "needs a filled queue resource (tests/test_queues.py)",
+    "DequeueMany": "needs a filled queue resource (tests/test_queues.py)",
+    "QueueClose": "needs a queue resource (tests/test_queues.py)",
+    "QueueSize": "needs a queue resource (tests/test_queues.py)",
+    "Send": "inserted by partitioning, needs a rendezvous and a peer Recv (tests/test_partition.py)",
+    "Recv": "inserted by partitioning, needs a rendezvous and a peer Send (tests/test_partition.py)",
+    "NoOp": "no outputs",
+    "Group": "no outputs",
+}
+
+
+def _extra(x, y, p, m, i, v) -> list[fc.Tensor]:
+    """Ops the gradient cases do not reach: comparisons, casts, sources, random draws, int inputs."""
+    p = fc.unstack(p)
+    return [
+        fc.less(x, p[0]), fc.equal(x, y), make1("GreaterEqual", [x, p[1]]), make1("LessEqual", [x, y]),
+        fc.cast(x, "int8"), fc.cast(x, "uint16"), fc.cast(x, "float16"), fc.cast(x, "bool"),
+        fc.zeros_like(x), fc.ones_like(x), fc.stop_gradient(x), fc.argmax(x, axis=1),
+        fc.shape(x), fc.rank(x), fc.fill([2, 3], 1.5, dtype="float64"), fc.constant(np.arange(6.0).reshape(2, 3)) * m,
+        fc.one_hot(i, 4, dtype="float64"), fc.random_uniform([3, 2], dtype="float64", seed=3),
+        fc.random_normal([3, 2], dtype="float64", seed=4), fc.truncated_normal([2, 2], dtype="float64", seed=5),
+        fc.dropout(x, 0.5, seed=6), fc.reduce_min(x, axis=0), fc.reduce_prod(x, axis=[0, 1]),
+        fc.div(v, fc.constant(np.array([2, -3, 0], np.int32))),
+        fc.gather(p[2], i), fc.split(x, 3, axis=1)[1], fc.is_nan(fc.log(x)), fc.is_inf(fc.log(x) * 0.0),
+        fc.range_(-1, 4.5, 1.5, dtype="float64"), fc.mod(v, fc.constant(np.array([2, -3, 0], np.int32))),
+    ]
+
+
+def _templates_from(build: Callable[..., Any], inputs: dict[str, np.ndarray], shapes: dict[str, tuple],
+                    grads: bool, found: dict[str, tuple]) -> None:
+    g = Graph(seed=1)
+    with g.as_default():
+        phs = {k: fc.placeholder(a.dtype.name, shapes.get(k, a.shape), name=k) for k, a in inputs.items()}
+        outs = build(**phs)
+        ys = [outs] if isinstance(outs, fc.Tensor) else list(outs)
+        floats = [t for t in ys if t.dtype == "float64"]
+        if grads and floats:
+            wrt = [t for t in phs.values() if t.dtype == "float64"]
+            fc.gradients(floats, wrt, grad_ys=[fc.ones_like(t) * 0.7 for t in floats])
+    new = [n for n in g.nodes.values() if n.op not in found and n.op != "Placeholder"]
+    refs = sorted({r for n in new for r in n.inputs})
+    feeds = {phs[k]: a for k, a in inputs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the log of a negative, meant for IsNaN
+        values = dict(zip(refs, fc.Session(g, store=fc.ContainerStore()).run(refs, feeds))) if refs else {}
+    for n in new:
+        if n.op not in found:
+            ins = [(np.asarray(values[r]), g.nodes[r.split(":")[0]].outputs[int(r.split(":")[1])
+                                                                     if ":" in r else 0].dtype)
+                   for r in n.inputs]
+            found[n.op] = (dict(n.attrs), ins)
+
+
+def _templates() -> dict[str, tuple[dict[str, Any], list[tuple[np.ndarray, str]]]]:
+    found: dict[str, tuple] = {}
+    for name in sorted(CASES):
+        build, inputs, kw = CASES[name]
+        _templates_from(build, inputs, kw.get("shapes", {}), True, found)
+    extra = {"x": R.standard_normal((2, 3)), "y": np.round(R.standard_normal(3)), "p": R.standard_normal((3, 3)),
+             "m": np.arange(6.0).reshape(2, 3), "i": np.array([2, 0, 1], np.int32),
+             "v": np.array([7, -7, 5], np.int32)}
+    _templates_from(_extra, extra, {}, False, found)
+    return found
+
+
+TEMPLATES = _templates()
+
+
+# An integer raised to a negative integer power is an error (numpy's and TensorFlow's), so Pow's
+# integer exponents are drawn non-negative.
+NON_NEGATIVE = {("Pow", 1)}
+
+
+def _as(value: np.ndarray, dtype: str) -> np.ndarray:
+    """A float64 template value in `dtype`, keeping the integers varied and within range (a NaN
+    becomes 0 outside the floats)."""
+    if dtype not in ("float16", "float32", "float64"):
+        value = np.nan_to_num(value, nan=0.0, posinf=100.0, neginf=-100.0)
+    if dtype == "bool":
+        return value > 0
+    if dtype.startswith("uint"):
+        return np.round(np.abs(value) * 3).astype(dtype)
+    if dtype.startswith("int"):
+        return np.round(value * 3).astype(dtype)
+    return value.astype(dtype)
+
+
+def _variant(op: str, dtype: str) -> tuple[Graph, Any] | None:
+    """The op rebuilt on Consts with float64 turned into `dtype`, or None if inference refuses it."""
+    attrs, ins = TEMPLATES[op]
+    spec = OPS[op].attrs
+    attrs = dict(attrs)
+    for k, v in attrs.items():
+        if spec[k][0] == "dtype" and v == "float64":
+            attrs[k] = dtype
+        elif spec[k][0] == "tensor" and v.dtype == np.float64:
+            attrs[k] = _as(v, dtype)
+    g = Graph(seed=1)
+    try:
+        with g.as_default():
+            consts = [fc.constant(_as(np.abs(a) if (op, port) in NON_NEGATIVE else a, dtype) if dt == "float64"
+                                  else a.astype(dt)) for port, (a, dt) in enumerate(ins)]
+            node = g.add_node(op, consts, attrs, name="op")
+    except GraphError:
+        return None
+    return g, node
+
+
+def test_every_op_is_covered_or_listed():
+    # Ops that other tests register for their own purposes (their shape functions live in tests) are
+    # not flowctl's.
+    ours = {n for n, d in OPS.items() if d.infer.__module__.startswith("flowctl.")}
+    missing = sorted(ours - set(TEMPLATES) - set(LEFT_OUT))
+    assert not missing, f"ops with neither a dtype template nor a reason in LEFT_OUT: {missing}"
+    both = sorted(set(TEMPLATES) & set(LEFT_OUT))
+    assert not both, f"ops both covered and listed as left out: {both}"
+
+
+@pytest.mark.parametrize("op", sorted(TEMPLATES))
+def test_dtypes_and_shapes_match_inference_with_optimizer_off_and_on(op):
+    accepted = []
+    for dtype in DTYPES:
+        built = _variant(op, dtype)
+        if built is None:
+            continue
+        g, node = built
+        accepted.append(dtype)
+        refs = [make_ref(node.name, p) for p in range(len(node.outputs))]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # log of a negative, int overflow, ...
+            off = fc.Session(g, store=fc.ContainerStore()).run(refs)
+            on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(refs)
+        for port, (a, b, want) in enumerate(zip(off, on, node.outputs)):
+            where = f"{op} on {dtype}, output {port}"
+            assert isinstance(a, np.ndarray), f"{where}: kernel returned {type(a).__name__}, not an array"
+            assert a.dtype.name == want.dtype, f"{where}: kernel gave {a.dtype}, inference said {want.dtype}"
+            assert a.shape == tuple(want.shape), f"{where}: kernel gave {a.shape}, inference said {want.shape}"
+            assert b.dtype == a.dtype and b.shape == a.shape, f"{where}: optimizer changed {a.dtype}{a.shape}"
+            assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), \
+                f"{where}: optimizer changed values {a!r} -> {b!r}"
+    assert accepted, f"{op} accepts no dtype at all, not even its template's"
+
+
+def test_the_attribute_types_are_what_the_template_rewriting_knows():
+    # _variant rewrites dtype and tensor attributes; a new attribute type carrying a dtype would need it too.
+    assert set(ATTR_TYPES) == {"int", "float", "bool", "str", "dtype", "shape", "ints", "floats", "strs", "tensor"}
+
+
+def test_folding_never_casts_a_kernel_result_it_disagrees_with():
+    """A kernel at odds with its op's inference (a bug the test above would catch) is not folded:
+    folding would cast its value to the declared dtype and change the answer."""
+    from flowctl.engine.ops.registry import register_op
+    from flowctl.kernels.registry import kernel
+
+    if "DtypeLiarForTest" not in OPS:
+        register_op("DtypeLiarForTest", lambda ins, a: [ins[0]], num_inputs=1)  # declares x's dtype
+        kernel("DtypeLiarForTest")(lambda xp, attrs: lambda x: x / 2)  # but int / 2 is float64
+    g = Graph()
+    with g.as_default():
+        y = make1("DtypeLiarForTest", [fc.constant(np.array([7, -7], np.int32))])
+    off = fc.Session(g, store=fc.ContainerStore()).run(y)
+    on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(y)
+    assert off.dtype == on.dtype == np.float64
+    np.testing.assert_array_equal(on, [3.5, -3.5])
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_return_what_inference_declared():
+    """The same sweep on the gpu (cupy can promote where numpy does not): dtype and shape only."""
+    from flowctl.kernels.registry import has_kernel
+
+    wrong = []
+    for op in sorted(TEMPLATES):
+        if not has_kernel(op, "gpu"):
+            continue
+        for dtype in DTYPES:
+            built = _variant(op, dtype)
+            if built is None:
+                continue
+            g, node = built
+            refs = [make_ref(node.name, p) for p in range(len(node.outputs))]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                outs = fc.Session(g, device="gpu:0", store=fc.ContainerStore()).run(refs)
+            for port, (a, want) in enumerate(zip(outs, node.outputs)):
+                if np.asarray(a).dtype.name != want.dtype or np.shape(a) != tuple(want.shape):
+                    wrong.append(f"{op} on {dtype}, output {port}: {np.asarray(a).dtype}{np.shape(a)}, "
+                                 f"declared {want.dtype}{want.shape}")
+    assert not wrong, "\n".join(wrong)
