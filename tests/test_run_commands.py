@@ -122,3 +122,18 @@ training: {optimizer: {type: adam}, learning_rate: 0.02, batch_size: 4, steps: 3
     assert p["context"][-5:] == ["the", "cat", "sat", "on", "the"]
     assert len(p["next"]) == 3 and all(w["word"] in words + ["<eos>", "<unk>"] for w in p["next"])
     assert p["next"][0]["probability"] >= p["next"][1]["probability"]
+
+
+def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvement(tmp_path):
+    """min_delta 10 makes every evaluation after the first count as no improvement: with patience 2
+    the run stops at the third evaluation, checkpointed, with the reason in run.json."""
+    run = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", str(ROOT / "specs" / "demo.yaml"), "--run-dir", str(run), "--json",
+                                 "--set", "training.eval_every_steps=50",
+                                 "--set", "training.early_stopping={metric: val/loss, patience: 2, min_delta: 10}"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["early_stopped"] is True and summary["last_step"] == 150
+    assert json.loads((run / "run.json").read_text())["status"] == "early_stopped"
+    assert (run / "checkpoints" / "ckpt-00000150").is_dir()
+    assert "stopped early" in r.output

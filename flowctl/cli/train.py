@@ -11,13 +11,26 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 
+def _rate(x: float) -> str:
+    """Examples per second to three significant figures: a big model's 0.02 is not 0."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"
+
+
 class _Display:
-    def __init__(self, console: Console, quiet: bool) -> None:
+    """A progress bar (step, loss, examples/s, step time, ETA) while stderr is a terminal; plain
+    lines every `training.log_every_steps` either way, so a log file gets them too."""
+
+    def __init__(self, console: Console, log_every: int) -> None:
         self.console = console
-        self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                 TextColumn("loss {task.fields[loss]:.4f}"),
-                                 TextColumn("{task.fields[eps]:,.0f} ex/s"), TimeRemainingColumn(),
-                                 console=console, transient=True, disable=quiet)
+        self.log_every = log_every
+        self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
+                                 TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]} ex/s"),
+                                 TextColumn("{task.fields[step_time]}/step"), TimeRemainingColumn(),
+                                 console=console, transient=True, disable=not console.is_terminal)
         self.task: Any = None
 
     def __enter__(self) -> "_Display":
@@ -28,27 +41,29 @@ class _Display:
         self.progress.__exit__(*exc)
 
     def start(self, done: int, total: int) -> None:
-        self.task = self.progress.add_task("train", total=total, completed=done, loss=float("nan"), eps=0.0)
+        self.task = self.progress.add_task("train", total=total, completed=done, loss=float("nan"), rate="-",
+                                           step_time="-")
 
     def step(self, e: Any) -> None:
-        self.progress.update(self.task, completed=e.step, loss=e.loss, eps=e.examples_per_s)
-        log_every = getattr(self, "log_every", 0)
-        if log_every and e.step % log_every == 0:
+        step_s = 1.0 / (e.examples_per_s / max(e.batch, 1)) if e.examples_per_s else 0.0
+        self.progress.update(self.task, completed=e.step, loss=e.loss, rate=_rate(e.examples_per_s),
+                             step_time=_duration(step_s))
+        if self.log_every and e.step % self.log_every == 0:
+            evals = "".join(f"  {k} {v:.4f}" for k, v in (e.evaluation or {}).items())
             self.progress.console.print(f"step {e.step:>7}  loss {e.loss:.4f}  lr {e.lr:.4g}  "
-                                        f"{e.examples_per_s:,.0f} examples/s")
+                                        f"{_rate(e.examples_per_s)} examples/s  {_duration(step_s)}/step{evals}")
 
 
 def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) -> None:
     from flowctl.training.trainer import EXIT_INTERRUPTED
 
-    display = _Display(console, quiet=False)
-    display.log_every = trainer.spec.training.log_every_steps  # type: ignore[attr-defined]
+    display = _Display(console, trainer.spec.training.log_every_steps)
     trainer.on_step = display.step
     with display:
         display.start(trainer.step, trainer.total_steps)
         summary = trainer.train()
     summary.restored_from = restored
-    rate = f", {summary.mean_examples_per_s:,.0f} examples/s" if summary.steps_run else ""
+    rate = f", {_rate(summary.mean_examples_per_s)} examples/s" if summary.steps_run else ""
     if summary.staleness is not None:
         console.print(f"staleness: mean {summary.staleness['mean']:.2f}, max {summary.staleness['max']} "
                       f"updates (updates applied by other replicas between a replica's read and its update)")
@@ -56,8 +71,13 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
         console.print(f"interrupted at step {summary.last_step}: checkpoint {summary.checkpoint}; "
                       f"continue with: flowctl resume {summary.run_dir}")
     else:
-        console.print(f"trained steps {summary.first_step + 1}-{summary.last_step} in {summary.seconds:.1f} s"
-                      f"{rate}; final loss {summary.final_loss:.4f}; checkpoint {summary.checkpoint}")
+        stopped = " (stopped early: no improvement)" if summary.early_stopped else ""
+        evals = "".join(f"; {k} {v:.4f}" for k, v in (summary.evaluation or {}).items())
+        console.print(f"trained steps {summary.first_step + 1}-{summary.last_step}{stopped} in {summary.seconds:.1f} s"
+                      f"{rate}; final loss {summary.final_loss:.4f}{evals}; checkpoint {summary.checkpoint}")
+        if summary.best:
+            console.print(f"best {summary.best['metric']} {summary.best['value']:.4f} at step {summary.best['step']}: "
+                          f"{summary.best['checkpoint']}")
     if as_json:
         click.echo(json.dumps(summary.to_dict()))
     if summary.interrupted:

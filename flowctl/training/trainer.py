@@ -57,6 +57,8 @@ class StepEvent:
     lr: float
     examples_per_s: float
     elapsed: float
+    batch: int = 0  # examples in the step (one replica's update under async data parallel)
+    evaluation: dict[str, float] | None = None  # this step's evaluation, when one ran
 
 
 @dataclass
@@ -336,7 +338,8 @@ class Trainer:
                 self._judge(scores)
             if self.histograms_every and self.step % self.histograms_every == 0:
                 writer.histograms(self.step, self.session.variable_values())
-            self.on_step(StepEvent(self.step, self.total_steps, loss_v, lr, eps, time.perf_counter() - t0))
+            self.on_step(StepEvent(self.step, self.total_steps, loss_v, lr, eps, time.perf_counter() - t0, self.batch,
+                                   scores or None))
             if self.early_stopped:
                 return loss_v, rates, last_path, False
             now = time.perf_counter()
@@ -452,7 +455,7 @@ class _AsyncRun:
                            f'"lr": {lr!r}, "examples_per_s": {eps:.1f}, "time": {time.time():.3f}}}\n')
         self.writer.scalars(applied, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps,
                                       "staleness": stale, f"replica_{k}/loss": loss_v})
-        t.on_step(StepEvent(applied, self.total, loss_v, lr, eps, time.perf_counter() - self.t0))
+        t.on_step(StepEvent(applied, self.total, loss_v, lr, eps, time.perf_counter() - self.t0, t.batch))
 
     def run(self, stop: Interrupt) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
         s = self.s
