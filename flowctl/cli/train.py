@@ -97,10 +97,12 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
               help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
 @click.option("--devices", help="Train on these devices: the spec's device names, e.g. cpu:0,cpu:1.")
 @click.option("--algorithm", "-a", help="Placer for a multi-device single-strategy step (default: the spec's).")
+@click.option("--trace", "trace_step", type=int, metavar="STEP",
+              help="Write a timeline of step STEP (RUN/trace-STEP.json: chrome://tracing or ui.perfetto.dev).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str | None, histograms: int,
           prefetch: int, overrides: tuple[str, ...], devices: str | None, algorithm: str | None,
-          as_json: bool) -> None:
+          trace_step: int | None, as_json: bool) -> None:
     """Train SPEC (default: the embedded demo) with progress, metrics and checkpoints.
 
     Ctrl-C finishes the step, writes a checkpoint and exits with code 130."""
@@ -109,7 +111,7 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     console = Console(stderr=True, soft_wrap=True)
     trainer = start_run(spec, run_dir, data, steps, histograms, prefetch,
                         on_warning=lambda m: console.print(f"warning: {m}"),
-                        overrides=command_line_overrides(overrides, devices, algorithm))
+                        overrides=command_line_overrides(overrides, devices, algorithm), trace_step=trace_step)
     try:
         t, n = trainer.model.params()
         unit = "batch per replica" if trainer.program.step.async_step is not None else "batch"

@@ -93,7 +93,7 @@ def command_line_overrides(overrides: Sequence[str] = (), devices: str | None = 
 
 def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = None, steps: int | None = None,
               histograms: int = 0, prefetch: int = 2, on_warning: Warn | None = None,
-              overrides: Sequence[str] = ()) -> Trainer:
+              overrides: Sequence[str] = (), trace_step: int | None = None) -> Trainer:
     """A trainer on a new run directory, initialised and recorded (the spec with its overrides, the
     graph, the devices), ready to `train()`. The caller closes it."""
     loaded, text, path = load_training_spec(spec, data, overrides)
@@ -103,7 +103,7 @@ def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = 
     lock = RunLock(run_dir if run_dir is not None else _free_run_dir(name)).acquire()
     try:
         trainer = Trainer(loaded, choose_run_dir(name, run_dir) if run_dir is not None else lock.path, steps=steps,
-                          histograms_every=histograms, prefetch=prefetch, on_warning=on_warning)
+                          histograms_every=histograms, prefetch=prefetch, on_warning=on_warning, trace_step=trace_step)
     except BaseException:
         lock.release()
         raise

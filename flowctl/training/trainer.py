@@ -34,11 +34,13 @@ from flowctl.engine.errors import (
     NonFiniteError,
     SpecError,
 )
-from flowctl.engine.runtime import blas_limits
+from flowctl.engine.executor import RunStats
+from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
 from flowctl.training.rundir import RunDir, RunLock, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
+from flowctl.training.trace import step_trace, write_trace
 from flowctl.training.evaluate import Evaluator, improved
 from flowctl.training.inputs import make_sources
 from flowctl.training.program import Program, open_program
@@ -111,9 +113,11 @@ class Trainer:
     def __init__(self, loaded: LoadedSpec, run_dir: Path, steps: int | None = None,
                  on_step: Callable[[StepEvent], None] | None = None,
                  on_warning: Callable[[str], None] | None = None, histograms_every: int = 0,
-                 allow_spec_change: bool = False, prefetch: int = 2) -> None:
+                 allow_spec_change: bool = False, prefetch: int = 2, trace_step: int | None = None) -> None:
         """`prefetch`: batches each data source reads ahead on its own thread while the model
-        computes (§4.5); 0 reads them in the step. The checkpointed cursor is exact either way."""
+        computes (§4.5); 0 reads them in the step. The checkpointed cursor is exact either way.
+        `trace_step`: write a timeline of that step (RUN/trace-<step>.json, flowctl.training.trace)."""
+        self.trace_step = trace_step
         spec = loaded.spec
         self.prefetch = prefetch
         if loaded.loss is None:
@@ -320,9 +324,12 @@ class Trainer:
             lr = learning_rate(self.spec.training.learning_rate, self.step)
             feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
             snapshot = self.session.variable_values(), self.session.rng_states()
+            stats = RunStats() if self.trace_step == self.step + 1 else None
             ts = time.perf_counter()
-            loss_arr, _ = self.session.run(fetches, feeds)
+            loss_arr, _ = self._run_step(fetches, feeds, stats)
             dt = time.perf_counter() - ts
+            if stats is not None:
+                self.write_trace(stats, fetches, feeds)
             loss_v = float(loss_arr)
             if not math.isfinite(loss_v):
                 self._explain_non_finite(snapshot, fetches, feeds)
@@ -348,6 +355,26 @@ class Trainer:
                 last_path = self.save()
                 last_save = now
         return loss_v, rates, last_path, False
+
+    def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
+        if stats is None or self.program.cluster is not None:
+            return self.session.run(fetches, feeds, stats=stats)
+        # One device: its straight-line plan keeps no timestamps, the dataflow executor does.
+        executor, self.session.executor = self.session.executor, "dataflow"
+        try:
+            return self.session.run(fetches, feeds, stats=stats)
+        finally:
+            self.session.executor = executor
+
+    def write_trace(self, stats: RunStats, fetches: list[Any], feeds: dict[Any, Any]) -> Path:
+        """The timeline of the step just run, beside the simulator's prediction of it."""
+        if isinstance(self.session, DistributedSession):
+            graphs = self.session.step_plan(fetches, feeds).partitions
+        else:
+            graphs = {self.session.device: self.session.graph}
+        trace = step_trace(stats, graphs, self.program.step.layers, self.program.placed.chosen.simulation,
+                           title=f"{self.spec.name or self.spec.model.name} step {self.step + 1}")
+        return write_trace(self.run.path / f"trace-{self.step + 1}.json", trace)
 
     def _loop_async(self, stop: Interrupt, metrics: IO[str], writer: Any,
                     t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
