@@ -89,6 +89,8 @@ LINKS: dict[str, Link] = {
     # 50-hop ping-pong between two devices on the 2-core CI machine.
     "local": Link(20e9, 33e-6),
     "ethernet10g": Link(1.1e9, 50e-6),
+    # Between Ray worker processes (distributed engine): PROVISIONAL, replaced by measurement.
+    "ray": Link(1e9, 500e-6),
 }
 
 

@@ -153,6 +153,11 @@ class DeviceThreads:
                  stats: Mapping[str, RunStats] | None, check: bool, timeout: float | None) -> list[list[Any]]:
         """Run every plan (with its feeds) as one step; each plan's fetched values, in order. On any
         failure, every partition has stopped before the root cause is raised."""
+        return self.finish_step(self.start_step(plans, feeds, step, stats, check), step, timeout)
+
+    def start_step(self, plans: Sequence[DevicePlan], feeds: Sequence[list[Any]], step: StepContext,
+                   stats: Mapping[str, RunStats] | None, check: bool) -> list[tuple[DevicePlan, cf.Future[Any]]]:
+        """Queue the step's Run on every plan's device thread, all at one point of every queue."""
 
         def job(d: DevicePlan, f: list[Any], st: RunStats | None) -> list[Any]:
             try:
@@ -162,8 +167,12 @@ class DeviceThreads:
                 raise
 
         with self._submit_lock:  # every device queues this step at the same point (see module doc)
-            futures = [(d, self._pools[d.device].submit(job, d, f, None if stats is None else stats[d.device]))
-                       for d, f in zip(plans, feeds)]
+            return [(d, self._pools[d.device].submit(job, d, f, None if stats is None else stats[d.device]))
+                    for d, f in zip(plans, feeds)]
+
+    def finish_step(self, futures: list[tuple[DevicePlan, cf.Future[Any]]], step: StepContext,
+                    timeout: float | None) -> list[list[Any]]:
+        """Wait for a started step; abort it everywhere after `timeout` seconds (None: wait)."""
         done, waiting = cf.wait([f for _, f in futures], timeout=timeout)
         if waiting:
             stuck = [d.device for d, f in futures if f in waiting]

@@ -1,0 +1,304 @@
+"""The distributed engine on a real Ray cluster (whitepaper §3.2.2, §3.3; issue 15): two worker tasks
+on two Ray nodes of this machine train a model to the same numbers as one process; a checkpoint
+moves between a Ray run and a local one both ways; a killed or hung worker fails the step with a
+typed error naming it, and after a restart and a restore the run goes on exactly as one that never
+failed. One Ray cluster (two nodes, one CPU each, a custom resource per node) serves the module."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine import checkpoint as ckpt
+from flowctl.engine import strategies as st
+from flowctl.engine.cluster import Cluster
+from flowctl.engine.devices import canonical
+from flowctl.engine.errors import ExecutionError, PlacementError, WorkerLostError
+from flowctl.engine.optimizers import Adam
+from flowctl.engine.runtime import DistributedSession, count_transfers
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
+
+from flowctl.engine.distributed import RaySession, connect, tasks_of, worker_cluster  # noqa: E402
+
+DIM, HIDDEN, CLASSES, BATCH = 10, 16, 4, 24
+W0, W1 = canonical("worker0/cpu:0"), canonical("worker1/cpu:0")
+PIN = {0: {"pin0": 1.0}, 1: {"pin1": 1.0}}  # task k on node k
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[RayCluster]:
+    """Two Ray nodes (raylets) of one CPU each, in a temporary directory of their own."""
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp  # sockets and logs here, not in a shared /tmp/ray
+    nodes = RayCluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 0, "resources": {"pin0": 1}, "include_dashboard": False,
+        "object_store_memory": 80 << 20})
+    try:
+        nodes.add_node(num_cpus=1, num_gpus=0, resources={"pin1": 1}, object_store_memory=80 << 20)
+        ray.init(address=nodes.address, log_to_driver=False)
+        nodes.wait_for_nodes()
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- the model
+def build(dropout: float = 0.25) -> tuple[fc.Graph, dict[str, Any], list[fc.Tensor], Adam]:
+    """Two dense layers with dropout between them (a random op, so random states matter), Adam (so
+    optimizer slots are state too)."""
+    g = fc.Graph(seed=5)
+    with g.as_default():
+        x = fc.placeholder("float32", (None, DIM), name="x")
+        y = fc.placeholder("int32", (None,), name="y")
+        with g.name_scope("layer0"):
+            w0 = fc.variable(fc.truncated_normal((DIM, HIDDEN), stddev=0.4), name="w")
+            b0 = fc.variable(fc.zeros((HIDDEN,)), name="b")
+            h = fc.dropout(fc.relu(fc.bias_add(fc.matmul(x, w0), b0)), dropout)
+        with g.name_scope("layer1"):
+            w1 = fc.variable(fc.truncated_normal((HIDDEN, CLASSES), stddev=0.4), name="w")
+            b1 = fc.variable(fc.zeros((CLASSES,)), name="b")
+            logits = fc.bias_add(fc.matmul(h, w1), b1)
+        loss = fc.reduce_mean(fc.sparse_softmax_cross_entropy(logits, y), name="loss")
+    return g, {"x": x, "y": y, "loss": loss}, [w0, b0, w1, b1], Adam(0.05)
+
+
+def batches(n: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(n):
+        x = rng.standard_normal((BATCH, DIM)).astype(np.float32)
+        out.append({"x": x, "y": ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0)).astype(np.int32)})
+    return out
+
+
+def model_parallel(devices: tuple[str, str]) -> tuple[st.TrainStep, fc.Tensor]:
+    """Layer k (forward, gradients, variables, slots) on devices[k]; the loss on devices[1]."""
+    g, t, variables, opt = build()
+    assignment = {n: devices[0] for n in g.nodes if n.startswith("layer0/")}
+    step = st.model_parallel(g, t["loss"], {"x": t["x"], "y": t["y"]}, variables, opt, assignment, devices[1])
+    with g.as_default():
+        init = fc.global_variables_initializer(g)
+    assert step.placement is not None
+    step.placement.update({n: devices[1] for n in g.nodes if n not in step.placement})
+    return step, init
+
+
+def train(sess: fc.Session, step: st.TrainStep, data: list[dict[str, np.ndarray]]) -> list[float]:
+    return [float(sess.run([step.loss, step.train_op], step.feeds(b))[0]) for b in data]
+
+
+def same_variables(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Six steps on one device: the losses, the final variables and the checkpoint after each step."""
+    step, init = model_parallel((canonical("cpu:0"), canonical("cpu:0")))
+    sess = fc.Session(step.graph, store=fc.ContainerStore())
+    sess.run(init)
+    losses, states = [], []
+    for b in batches(6):
+        losses += train(sess, step, [b])
+        tensors, state = ckpt.capture(sess)
+        states.append({"tensors": tensors, "state": state})
+    assert losses[-1] < losses[0]
+    return losses, sess.variable_values(), states
+
+
+# ----------------------------------------------------------------------------- equivalence
+def test_model_parallel_over_two_workers_matches_one_device(ray_nodes, reference):
+    step, init = model_parallel((W0, W1))
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN) as s:
+        assert s.workers[0].node_id != s.workers[1].node_id  # each task pinned to its own node
+        assert {s.workers[0].pid, s.workers[1].pid}.isdisjoint({os.getpid()})
+        s.run(init)
+        losses = train(s, step, batches(6))
+        moved = count_transfers(s.partitions([step.loss, step.train_op], step.feeds(batches(1)[0])))
+        assert moved[(W0, W1)] > 0 and moved[(W1, W0)] > 0  # activations forward, gradients back
+        values = s.variable_values()
+    ref_losses, ref_values, _ = reference
+    # Bitwise: the same kernels on the same inputs; a transfer through Ray moves the exact bytes.
+    assert losses == ref_losses
+    same_variables(values, ref_values)
+
+
+def test_sync_data_parallel_over_two_workers_matches_local_replicas(ray_nodes):
+    def run(devices: list[str], ray_session: bool) -> tuple[list[float], dict[str, np.ndarray]]:
+        g, t, variables, opt = build(dropout=0.0)
+        step = st.sync_data_parallel(g, t["loss"], {"x": t["x"], "y": t["y"]}, variables, opt, devices)
+        with g.as_default():
+            init = fc.global_variables_initializer(g)
+        assert step.placement is not None
+        placement = {n: step.placement.get(n, devices[0]) for n in g.nodes}
+        sess: Any = (RaySession(g, worker_cluster(devices), placement, resources=PIN) if ray_session
+                     else DistributedSession(g, Cluster.local(2), placement, store=fc.ContainerStore()))
+        with sess:
+            sess.run(init)
+            return train(sess, step, batches(4)), sess.variable_values()
+
+    local_losses, local_values = run([canonical("cpu:0"), canonical("cpu:1")], False)
+    ray_losses, ray_values = run([W0, W1], True)
+    # Same graph, same kernels, same AddN order: equal to float32 rounding (here, to the bit).
+    np.testing.assert_allclose(ray_losses, local_losses, rtol=1e-6)
+    assert local_values.keys() == ray_values.keys()
+    for name in local_values:
+        np.testing.assert_allclose(ray_values[name], local_values[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_checkpoints_move_between_ray_and_local_runs(ray_nodes, reference):
+    ref_losses, ref_values, states = reference
+    data = batches(6)
+    step, init = model_parallel((W0, W1))
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN) as s:
+        s.run(init)
+        train(s, step, data[:3])
+        tensors, state = ckpt.capture(s)  # gathered from both workers (variables, slots, dropout's state)
+        assert tensors.keys() == states[2]["tensors"].keys()
+        same_variables(tensors, states[2]["tensors"])
+        # ... and the reverse: a local checkpoint (after step 2) into the Ray run, which goes on.
+        ckpt.apply(s, states[1]["tensors"], states[1]["state"])
+        assert train(s, step, data[2:4]) == ref_losses[2:4]
+    local, _ = model_parallel((canonical("cpu:0"), canonical("cpu:0")))
+    sess = fc.Session(local.graph, store=fc.ContainerStore())
+    ckpt.apply(sess, tensors, state)  # the Ray checkpoint (after step 3) in one process
+    assert train(sess, local, data[3:]) == ref_losses[3:]
+    same_variables(sess.variable_values(), ref_values)
+
+
+def test_steps_from_two_client_threads_keep_one_order_on_every_worker(ray_nodes):
+    """Each worker queues steps in the master's order, so concurrent steps cannot wait on each
+    other crosswise (§7 asynchronous training issues Runs from several threads)."""
+    step, init = model_parallel((W0, W1))
+    errors: list[BaseException] = []
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60) as s:
+        s.run(init)
+
+        def client(k: int) -> None:
+            try:
+                for b in batches(8)[k::2]:
+                    assert np.isfinite(s.run(step.loss, step.feeds(b)))
+                    s.run([step.loss, step.train_op], step.feeds(b))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert errors == []
+
+
+# ----------------------------------------------------------------------------- failures
+def test_a_kernel_error_on_one_worker_aborts_the_step_and_names_the_node(ray_nodes):
+    step, init = model_parallel((W0, W1))
+    feeds = step.feeds(batches(1)[0])
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60) as s:
+        with pytest.raises(ExecutionError) as info:
+            s.run([step.loss, step.train_op], feeds)  # not initialised: a Variable holds nothing
+        assert not isinstance(info.value, WorkerLostError)
+        assert "is uninitialized" in str(info.value) and "/job:worker/task:" in str(info.value)
+        assert info.value.node is not None and info.value.node.startswith("layer")
+        s.run(init)  # both workers are still there and take the next step
+        assert np.isfinite(s.run([step.loss, step.train_op], feeds)[0])
+
+
+def _kill_and_recover(s: RaySession, step: st.TrainStep, init: fc.Tensor, sig: int,
+                      reference: Any, expect: str) -> None:
+    ref_losses, ref_values, states = reference
+    data = batches(6)
+    s.run(init)
+    train(s, step, data[:4])  # two steps past the checkpoint after step 2: they will be replayed
+    victim = s.workers[1]
+    os.kill(victim.pid, sig)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerLostError) as info:
+            train(s, step, data[4:5])
+        # Bounded: Ray reports a death at once; a hang is found by the health checks.
+        assert time.monotonic() - started < s.health_interval + s.health_timeout + 10
+        err = info.value
+        assert err.task == 1 and err.node == victim.node and err.exit_code == 5
+        assert "worker task 1 (/job:worker/task:1)" in str(err) and expect in str(err)
+        with pytest.raises(WorkerLostError, match="restart_lost_workers"):
+            s.run(step.loss, step.feeds(data[0]))  # lost stays lost until restarted
+        assert s.restart_lost_workers() == [1]
+        assert s.workers[1].pid != victim.pid and s.workers[1].node_id == victim.node_id
+    finally:
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(victim.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    ckpt.apply(s, states[1]["tensors"], states[1]["state"])  # restore the last checkpoint, replay
+    assert train(s, step, data[2:]) == ref_losses[2:]
+    same_variables(s.variable_values(), ref_values)
+
+
+def test_a_killed_worker_fails_the_step_and_a_restart_with_restore_continues_exactly(ray_nodes, reference):
+    step, init = model_parallel((W0, W1))
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60,
+                    health_interval=1.0, health_timeout=5.0) as s:
+        _kill_and_recover(s, step, init, signal.SIGKILL, reference, "ActorDiedError")
+
+
+def test_a_hung_worker_misses_its_health_check_and_is_replaced(ray_nodes, reference):
+    step, init = model_parallel((W0, W1))
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60,
+                    health_interval=0.5, health_timeout=2.0) as s:
+        _kill_and_recover(s, step, init, signal.SIGSTOP, reference, "health check")
+
+
+# ----------------------------------------------------------------------------- clusters
+def test_worker_device_names_and_the_resources_each_task_asks_for():
+    assert canonical("worker1/gpu:0") == "/job:worker/task:1/device:gpu:0"
+    assert canonical("worker/cpu") == "/job:worker/task:0/device:cpu:0"
+    cl = worker_cluster(["worker0/cpu:0", "worker0/cpu:1", "worker1/gpu:0", "worker1/cpu:0"], threads=2)
+    t0, t1 = tasks_of(cl, {1: {"big_node": 1}})
+    assert (t0.task, t0.num_cpus, t0.num_gpus, t0.resources) == (0, 4.0, 0.0, {})
+    assert (t1.task, t1.num_cpus, t1.num_gpus, t1.resources) == (1, 2.0, 1.0, {"big_node": 1.0})
+    # Planning: a transfer between tasks costs a Ray hop, one within a task an in-process hop.
+    assert cl.link(canonical("worker0/cpu:0"), canonical("worker1/cpu:0")).latency > \
+        cl.link(canonical("worker0/cpu:0"), canonical("worker0/cpu:1")).latency
+    with pytest.raises(PlacementError, match="on job .localhost. .write it as .worker0/cpu:0.."):
+        tasks_of(Cluster.local(2))
+    with pytest.raises(PlacementError, match="no device"):
+        tasks_of(cl, {3: {"x": 1}})
+
+
+@pytest.mark.parametrize("devices, resources, message", [
+    (["worker0/gpu:0"], None, r"worker task 0 \(/job:worker/task:0/device:gpu:0\) needs CPU=1, GPU=1, but no node"),
+    (["worker0/cpu:0"], {0: {"tpu_pod": 1}}, r"needs CPU=1, tpu_pod=1, but no node of the Ray cluster has that"),
+])
+def test_a_resource_no_node_has_is_one_placement_error(ray_nodes, devices, resources, message):
+    g = fc.Graph()
+    with g.as_default():
+        fc.constant(np.ones(2, np.float32), name="c")
+    with pytest.raises(PlacementError, match=message) as info:
+        RaySession(g, worker_cluster(devices), {"c": devices[0]}, resources=resources)
+    assert info.value.exit_code == 4
+
+
+def test_an_unreadable_address_is_one_placement_error():
+    with pytest.raises(PlacementError, match="cannot read Ray address 'http://head'"):
+        connect("http://head")
