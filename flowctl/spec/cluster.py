@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, gpu_profile_for
+from flowctl.engine.cluster import LINKS, Cluster, Device, DeviceProfile, Link, gpu_profile_for
+from flowctl.engine.devices import parse_device
 
 
 def cluster_for(spec: Any, devices: str | None = None) -> Cluster:
@@ -33,5 +34,16 @@ def cluster_for(spec: Any, devices: str | None = None) -> Cluster:
         out.append(Device(e.name, prof, threads=1 if is_gpu else local.devices[0].threads))
         for peer, link in e.links.items():
             links[(e.name, peer)] = Link(link.bandwidth, link.latency)
+    if spec.cluster.type == "ray":  # tensors between worker tasks travel through Ray, unless the spec says
+        for a in out:
+            for b in out:
+                if a.name < b.name and _task(a.name) != _task(b.name) and (a.name, b.name) not in links \
+                        and (b.name, a.name) not in links:
+                    links[(a.name, b.name)] = LINKS["ray"]
     default = local.default_link if not any("device:gpu" in e.name for e in entries) else Cluster.from_spec("gpu").default_link
     return Cluster(out, default_link=default, links=links)
+
+
+def _task(name: str) -> tuple[str, int]:
+    d = parse_device(name)
+    return d.job, d.task

@@ -272,15 +272,28 @@ class CheckpointSpec(Strict):
     keep: int = Field(3, ge=1, description="checkpoints kept; older ones are deleted")
 
 
+_RAY_ADDRESS = re.compile(r"^(auto|ray://[\w.-]+:\d+|[\w.-]+:\d+)$")
+
+
 class ClusterSpec(Strict):
     type: Literal["local", "ray"] = Field("local", description="local: one process; ray: a worker actor per task")
-    address: str | None = Field(None, description="Ray address ('auto', 'ray://host:10001')")
+    address: str | None = Field(None, description="Ray: 'auto' or 'ray://host:10001' joins a running cluster; "
+                                                  "none starts a local one")
     workers: int = Field(0, ge=0, description="Ray: worker tasks to start when address is local")
+    max_failures: int = Field(3, ge=0, description="Ray: lost workers restarted (restoring the last checkpoint) "
+                                                    "before the run ends")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not _RAY_ADDRESS.match(v):
+            raise ValueError(f"cannot read Ray address {v!r}: write 'auto', 'ray://HOST:10001' or 'HOST:6379'")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterSpec":
-        if self.type == "local" and (self.address is not None or self.workers):
-            raise ValueError("a local cluster takes no address or workers (set type: ray)")
+        if self.type == "local" and (self.address is not None or self.workers or self.max_failures != 3):
+            raise ValueError("a local cluster takes no address, workers or max_failures (set type: ray)")
         return self
 
 
