@@ -299,6 +299,9 @@ def test_a_resource_no_node_has_is_one_placement_error(ray_nodes, devices, resou
     assert info.value.exit_code == 4
 
 
-def test_an_unreadable_address_is_one_placement_error():
+def test_a_bad_address_is_one_placement_error_at_once():
     with pytest.raises(PlacementError, match="cannot read Ray address 'http://head'"):
         connect("http://head")
+    for address in ("ray://127.0.0.1:1", "127.0.0.1:1"):  # nothing listens on port 1
+        with pytest.raises(PlacementError, match=f"cannot join a Ray cluster at {address}: nothing answers"):
+            connect(address)

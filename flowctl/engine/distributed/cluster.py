@@ -96,6 +96,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     if address is not None and not _ADDRESS.match(address):
         raise PlacementError(f"cannot read Ray address {address!r}: write 'auto', 'ray://HOST:10001' or "
                              f"'HOST:6379' (or leave it out to start a local cluster)")
+    if address is not None and address != "auto":
+        _reachable(address)
     import ray
 
     if ray.is_initialized():
@@ -117,6 +119,18 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         raise PlacementError(f"cannot {'start' if address is None else 'join'} a Ray cluster {where}: "
                              f"{first}{hint}") from None
     return True
+
+
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail at once on an address nothing listens at (Ray itself would retry for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise PlacementError(f"cannot join a Ray cluster at {address}: nothing answers at {host}:{port} "
+                             f"({e.strerror or e}); start one there with `ray start --head` or fix the address") from None
 
 
 def check_resources(tasks: Sequence[TaskSpec]) -> list[dict[str, Any]]:
