@@ -209,6 +209,44 @@ def test_steps_from_two_client_threads_keep_one_order_on_every_worker(ray_nodes)
     assert errors == []
 
 
+def test_async_data_parallel_replicas_on_two_workers_apply_every_update(ray_nodes):
+    """Figure 7 bottom across processes: each replica's client thread reads the parameters and the
+    update counter from worker 0 and sends its gradients back as one update there."""
+    g, t, variables, opt = build(dropout=0.0)
+    a = st.async_data_parallel(g, t["loss"], {"x": t["x"], "y": t["y"]}, variables, opt, [W0, W1])
+    with g.as_default():
+        init = fc.global_variables_initializer(g)
+    placement = {n: a.placement.get(n, W0) for n in g.nodes}
+    data = batches(8)
+    stale: list[int] = []
+    errors: list[BaseException] = []
+    with RaySession(g, worker_cluster([W0, W1]), placement, resources=PIN, step_timeout=60) as s:
+        s.run(init)
+        first = s.variable_values()
+
+        def replica(k: int) -> None:
+            try:
+                for b in data[k::2]:
+                    loss, grads, read = s.run([a.losses[k], a.grads[k], a.version],
+                                              {a.inputs[k]["x"]: b["x"], a.inputs[k]["y"]: b["y"]})
+                    assert np.isfinite(loss)
+                    applied = int(s.run([a.applied, a.apply], dict(zip(a.grad_inputs, grads)))[0])
+                    stale.append(applied - 1 - int(read))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=replica, args=(k,)) for k in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        last = s.variable_values()
+    assert errors == []
+    assert len(stale) == 8 and min(stale) >= 0
+    assert int(last["async/updates"]) == 8  # every update applied once, none lost between workers
+    assert not np.array_equal(last["layer0/w"], first["layer0/w"])
+
+
 # ----------------------------------------------------------------------------- failures
 def test_a_kernel_error_on_one_worker_aborts_the_step_and_names_the_node(ray_nodes):
     step, init = model_parallel((W0, W1))

@@ -279,6 +279,9 @@ class RaySession(Session):
             stats.devices = per_device
             stats.nodes_run = [n for s in per_device.values() for n in s.nodes_run]
             stats.peak_bytes = sum(s.peak_bytes for s in per_device.values())
+            # perf_counter is each machine's monotonic clock: one timeline per machine, not across.
+            stats.starts = sorted((st for s in per_device.values() for st in s.starts), key=lambda x: x[1])
+            stats.finishes = sorted((st for s in per_device.values() for st in s.finishes), key=lambda x: x[1])
         return self._rebuild(template, iter([writable(v) for v in values]))
 
     def _signature(self, refs: list[str], feed_refs: list[str], targets: list[str]) -> _Signature:
