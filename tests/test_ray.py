@@ -142,16 +142,28 @@ def test_model_parallel_over_two_workers_matches_one_device(ray_nodes, reference
     same_variables(values, ref_values)
 
 
-def test_sync_data_parallel_over_two_workers_matches_local_replicas(ray_nodes):
+def _strategy(name: str, devices: list[str]) -> tuple[st.TrainStep, fc.Tensor]:
+    g, t, variables, opt = build()
+    inputs = {"x": t["x"], "y": t["y"]}
+    if name == "sync_data_parallel":  # Figure 7 top: a replica per task, parameters on task 0
+        step = st.sync_data_parallel(g, t["loss"], inputs, variables, opt, devices)
+    else:  # Figure 9: layer 0 on task 0, layer 1 on task 1, two micro-batches in flight
+        layer0 = {n: devices[0] for n in g.nodes if n.startswith("layer0/")}
+        step = st.pipeline(g, t["loss"], inputs, variables, opt, 2, layer0, devices[1])
+    with g.as_default():
+        init = fc.global_variables_initializer(g)
+    assert step.placement is not None
+    step.placement.update({n: devices[0] for n in g.nodes if n not in step.placement})
+    return step, init
+
+
+@pytest.mark.parametrize("strategy", ["sync_data_parallel", "pipeline"])
+def test_strategies_over_two_workers_match_the_same_placement_in_one_process(ray_nodes, strategy):
     def run(devices: list[str], ray_session: bool) -> tuple[list[float], dict[str, np.ndarray]]:
-        g, t, variables, opt = build(dropout=0.0)
-        step = st.sync_data_parallel(g, t["loss"], {"x": t["x"], "y": t["y"]}, variables, opt, devices)
-        with g.as_default():
-            init = fc.global_variables_initializer(g)
+        step, init = _strategy(strategy, devices)
         assert step.placement is not None
-        placement = {n: step.placement.get(n, devices[0]) for n in g.nodes}
-        sess: Any = (RaySession(g, worker_cluster(devices), placement, resources=PIN) if ray_session
-                     else DistributedSession(g, Cluster.local(2), placement, store=fc.ContainerStore()))
+        sess: Any = (RaySession(step.graph, worker_cluster(devices), step.placement, resources=PIN) if ray_session
+                     else DistributedSession(step.graph, Cluster.local(2), step.placement, store=fc.ContainerStore()))
         with sess:
             sess.run(init)
             return train(sess, step, batches(4)), sess.variable_values()
@@ -163,6 +175,28 @@ def test_sync_data_parallel_over_two_workers_matches_local_replicas(ray_nodes):
     assert local_values.keys() == ray_values.keys()
     for name in local_values:
         np.testing.assert_allclose(ray_values[name], local_values[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_large_tensors_cross_nodes_through_the_object_store(ray_nodes):
+    """Above Ray's 100 KiB inline limit a transfer goes through the object stores of both nodes and
+    arrives as a read-only view: it is copied before kernels and Variables get it."""
+    g = fc.Graph(seed=2)
+    with g.as_default():
+        x = fc.placeholder("float32", (300, 300), name="x")
+        doubled = fc.mul(x, np.float32(2.0), name="doubled")  # on worker 0
+        v = fc.variable(fc.zeros((300, 300)), name="v")  # on worker 1
+        keep = fc.assign(v, doubled, name="keep")
+        total = fc.reduce_sum(fc.add(keep, x), name="total")  # worker 1 reads x too
+    placement = {n: (W0 if n in ("x", "doubled") else W1) for n in g.nodes}
+    value = np.random.default_rng(0).standard_normal((300, 300)).astype(np.float32)
+    with RaySession(g, worker_cluster([W0, W1]), placement, resources=PIN) as s:
+        s.run("v/init")
+        got_total, got_v = s.run([total, keep], {x: value})
+        again = s.variable_values()["v"]
+    np.testing.assert_allclose(got_total, (3 * value.astype(np.float64)).sum(), rtol=1e-5)
+    np.testing.assert_array_equal(got_v, 2 * value)
+    np.testing.assert_array_equal(again, 2 * value)
+    assert got_v.flags.writeable and again.flags.writeable
 
 
 def test_checkpoints_move_between_ray_and_local_runs(ray_nodes, reference):
@@ -335,6 +369,16 @@ def test_a_resource_no_node_has_is_one_placement_error(ray_nodes, devices, resou
     with pytest.raises(PlacementError, match=message) as info:
         RaySession(g, worker_cluster(devices), {"c": devices[0]}, resources=resources)
     assert info.value.exit_code == 4
+
+
+def test_a_worker_on_another_ray_version_is_one_placement_error(ray_nodes, monkeypatch):
+    g = fc.Graph()
+    with g.as_default():
+        fc.constant(np.ones(2, np.float32), name="c")
+    real = ray.__version__
+    monkeypatch.setattr(ray, "__version__", "0.0.1")  # this process claims another Ray than its workers
+    with pytest.raises(PlacementError, match=f"worker task 0 on .* runs Ray {real} .* this process has Ray 0.0.1"):
+        RaySession(g, worker_cluster([W0]), {"c": W0})
 
 
 def test_a_bad_address_is_one_placement_error_at_once():
