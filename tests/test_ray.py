@@ -341,6 +341,36 @@ def test_a_hung_worker_misses_its_health_check_and_is_replaced(ray_nodes, refere
         _kill_and_recover(s, step, init, signal.SIGSTOP, reference, "health check")
 
 
+def test_a_worker_that_cannot_be_restarted_is_a_worker_lost_error_naming_it(ray_nodes):
+    step, init = model_parallel((W0, W1))
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60,
+                    start_timeout=3.0) as s:
+        s.run(init)
+        victim = s.workers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(WorkerLostError):
+            train(s, step, batches(1))
+
+        @ray.remote(num_cpus=0, resources={"pin1": 1})
+        class Squatter:  # holds the only node resource task 1 may run on
+            def ready(self) -> bool:
+                return True
+
+        squatter = Squatter.remote()
+        assert ray.get(squatter.ready.remote(), timeout=60)
+        try:
+            with pytest.raises(WorkerLostError) as info:
+                s.restart_lost_workers()
+            assert info.value.task == 1 and info.value.node == victim.node and info.value.exit_code == 5
+            assert "worker task 1 (/job:worker/task:1) last on" in str(info.value)
+            assert "could not be restarted: worker task(s) [1] did not start within 3 s" in str(info.value)
+        finally:
+            ray.kill(squatter)
+        assert s.restart_lost_workers() == [1]  # once the node is free again
+        s.run(init)
+        assert np.isfinite(train(s, step, batches(1))[0])
+
+
 # ----------------------------------------------------------------------------- clusters
 def test_worker_device_names_and_the_resources_each_task_asks_for():
     assert canonical("worker1/gpu:0") == "/job:worker/task:1/device:gpu:0"

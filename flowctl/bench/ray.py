@@ -69,7 +69,8 @@ def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, r
     return {"latency_s": per[1], "bandwidth_Bps": (4 * MiB4) / extra if extra > 0 else float("inf")}
 
 
-def _mlp(dim: int = 256, hidden: int = 512, classes: int = 10) -> tuple[fc.Graph, dict[str, fc.Tensor], list[fc.Tensor]]:
+def _mlp(dim: int = 256, hidden: int = 512,
+         classes: int = 10) -> tuple[fc.Graph, dict[str, fc.Tensor], list[fc.Tensor]]:
     g = fc.Graph(seed=1)
     with g.as_default():
         x = fc.placeholder("float32", (None, dim), name="x")

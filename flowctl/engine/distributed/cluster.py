@@ -130,7 +130,8 @@ def _reachable(address: str, timeout: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e:
         raise PlacementError(f"cannot join a Ray cluster at {address}: nothing answers at {host}:{port} "
-                             f"({e.strerror or e}); start one there with `ray start --head` or fix the address") from None
+                             f"({e.strerror or e}); start one there with `ray start --head` or fix the "
+                             f"address") from None
 
 
 def check_resources(tasks: Sequence[TaskSpec]) -> list[dict[str, Any]]:

@@ -201,6 +201,8 @@ class RaySession(Session):
         import ray
 
         refs = {t: a.ping.remote() for t, a in self._actors.items() if t not in skip}
+        if not refs:
+            return {}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout or self.health_timeout)
         out = {}
         for t, ref in refs.items():
@@ -220,11 +222,11 @@ class RaySession(Session):
             raise ExecutionError("this RaySession is closed")
         with self._submit_lock, self._plan_lock:
             gone = sorted(self.lost | {t for t, ok in self.health(skip=self.lost).items() if not ok})
-            for t in gone:
-                ray.kill(self._actors.pop(t), no_restart=True)
+            self._kill(gone)  # a hung process holds its resources until Ray kills it
             try:
                 self._start(gone)
             except FlowctlError as e:
+                self._kill(gone)  # a replacement still starting would hold the task's resources too
                 t = gone[0]
                 old = self.workers.get(t)
                 raise WorkerLostError(f"worker task {t} (/job:worker/task:{t}) last on "
@@ -236,6 +238,17 @@ class RaySession(Session):
             self.lost.clear()
         return gone
 
+    def _kill(self, tasks: list[int]) -> None:
+        import ray
+
+        for t in tasks:
+            actor = self._actors.pop(t, None)
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 -- already gone
+                    pass
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """End the workers (and Ray, if this session started it)."""
@@ -245,11 +258,7 @@ class RaySession(Session):
         import ray
 
         if ray.is_initialized():
-            for a in self._actors.values():
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # noqa: BLE001 -- already gone
-                    pass
+            self._kill(list(self._actors))
         self._actors.clear()
         if getattr(self, "_owns_ray", False):
             ray.shutdown()
