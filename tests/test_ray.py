@@ -329,9 +329,14 @@ def _kill_and_recover(s: RaySession, step: st.TrainStep, init: fc.Tensor, sig: i
 
 def test_a_killed_worker_fails_the_step_and_a_restart_with_restore_continues_exactly(ray_nodes, reference):
     step, init = model_parallel((W0, W1))
+    events: list[tuple[int, str, str]] = []
     with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60,
-                    health_interval=1.0, health_timeout=5.0) as s:
+                    health_interval=1.0, health_timeout=5.0, on_worker=lambda *e: events.append(e)) as s:
         _kill_and_recover(s, step, init, signal.SIGKILL, reference, "ActorDiedError")
+    # What a console shows of task 1: its start, its loss and its restart.
+    assert [state for t, state, _ in events if t == 1] == ["starting", "running", "lost", "restarting",
+                                                             "starting", "running"]
+    assert ("CPU=1, pin1=1" in events[1][2] or "CPU=1, pin1=1" in events[0][2])
 
 
 def test_a_hung_worker_misses_its_health_check_and_is_replaced(ray_nodes, reference):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from flowctl.engine.runtime import PartitionSpec, host_feed, split_signature
 from flowctl.engine.session import Session
 
 _MAX_CONCURRENCY = 32  # actor threads: Runs waiting their turn, transfers, aborts, pings
+WorkerEvent = Callable[[int, str, str], None]  # (task, state, detail)
 
 
 @dataclass
@@ -84,13 +85,15 @@ class RaySession(Session):
                  recv_schedule: str = "asap", durations: Mapping[str, float] | None = None,
                  address: str | None = None, resources: Mapping[int, Mapping[str, float]] | None = None,
                  step_timeout: float | None = 600.0, health_interval: float = 2.0, health_timeout: float = 20.0,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, on_worker: WorkerEvent | None = None) -> None:
         """`cluster`: devices of worker tasks (`distributed.worker_cluster`); `placement`: node ->
         device of it, for at least every node a run needs (or a placer's `Placement`). `address`:
         the Ray cluster to join when this process is not connected yet ('auto', 'ray://host:10001';
         None starts a local one). `resources`: task -> extra Ray resources that pin its actor.
         Timeouts in seconds: a step (None: no limit), the wait between health checks during a step
-        and for a ping's answer, and for an actor to start. Other arguments as DistributedSession."""
+        and for a ping's answer, and for an actor to start. `on_worker(task, state, detail)` is told
+        each worker's state as it changes ("starting", "running", "lost", "restarting"), for a
+        console to show. Other arguments as DistributedSession."""
         # The base Session is this process's share: state nodes the placement leaves out, on the host.
         super().__init__(graph, device=CPU0, store=store or ContainerStore(),
                          check_numerics=check_numerics, executor="dataflow")
@@ -110,6 +113,7 @@ class RaySession(Session):
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.start_timeout = start_timeout
+        self._on_worker = on_worker
         self.tasks: dict[int, TaskSpec] = {t.task: t for t in tasks_of(cluster, resources)}
         # Which worker holds each stateful node (§3.3: state lives where its device is).
         self.owner: dict[str, int] = {n.name: parse_device(self.placement[n.name]).task
@@ -153,6 +157,7 @@ class RaySession(Session):
                 max_concurrency=_MAX_CONCURRENCY, max_restarts=0,
             ).remote(t, spec.devices, self.graph.seed, mine, threads)
             self._seq[t] = 0
+            self._tell(t, "starting", ", ".join(f"{k}={v:g}" for k, v in spec.needs.items()))
             refs[t] = self._actors[t].hello.remote()
         ready, waiting = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.start_timeout)
         if waiting:
@@ -166,6 +171,7 @@ class RaySession(Session):
                                      f"version {info['graphdef']}; this process has Ray {ray.__version__} and "
                                      f"version {GRAPHDEF_VERSION}: install the same versions on every node")
             self.workers[t] = WorkerInfo(t, info["pid"], info["node_id"], info["ip"])
+            self._tell(t, "running", f"{self.workers[t].node}, pid {info['pid']}")
 
     def _introduce(self) -> None:
         """Every worker learns every other worker's actor (Sends call them directly)."""
@@ -186,7 +192,7 @@ class RaySession(Session):
             raise ExecutionError(f"worker task {task} failed while {doing}: {_first_line(e)}",
                                  device=f"/job:worker/task:{task}") from None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            self.lost.add(task)
+            self._mark_lost([task], f"{type(e).__name__} while {doing}")
             raise self._lost_error(task, doing, e) from None
 
     def _lost_error(self, task: int, doing: str, err: BaseException | str) -> WorkerLostError:
@@ -222,6 +228,8 @@ class RaySession(Session):
             raise ExecutionError("this RaySession is closed")
         with self._submit_lock, self._plan_lock:
             gone = sorted(self.lost | {t for t, ok in self.health(skip=self.lost).items() if not ok})
+            for t in gone:
+                self._tell(t, "restarting", "")
             self._kill(gone)  # a hung process holds its resources until Ray kills it
             try:
                 self._start(gone)
@@ -237,6 +245,16 @@ class RaySession(Session):
                 ray.get([self._actors[t].load.remote(s.sig, s.wire[t]) for t in gone if t in s.wire])
             self.lost.clear()
         return gone
+
+    def _tell(self, task: int, state: str, detail: str) -> None:
+        if self._on_worker is not None:
+            self._on_worker(task, state, detail)
+
+    def _mark_lost(self, tasks: list[int], reason: str) -> None:
+        for t in tasks:
+            if t not in self.lost:
+                self.lost.add(t)
+                self._tell(t, "lost", reason)
 
     def _kill(self, tasks: list[int]) -> None:
         import ray
@@ -377,7 +395,7 @@ class RaySession(Session):
             ok = self.health()
             dead = sorted(t for t in pending.values() if not ok.get(t, False))
             if dead:
-                self.lost.update(dead)
+                self._mark_lost(dead, "no answer to a health check")
                 error = self._lost_error(dead[0], f"running step {step_id}",
                                          f"no answer to a health check within {self.health_timeout:g} s")
         if error is None:
