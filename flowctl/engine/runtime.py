@@ -32,7 +32,12 @@ global setting; it cannot give one Python thread a different limit from another.
 offers is `blas_limits(cluster)`: a context manager that sets the process-wide BLAS pool to one
 device's share of the cores (Cluster.local splits them evenly), so N concurrent device threads each
 calling BLAS use about the machine's cores, not N times them. Truly separate limits need separate
-processes (one per device), which is what the Ray workers of the distributed engine will give.
+processes (one per device), which is what the Ray workers of the distributed engine give
+(`flowctl.engine.distributed`: each worker sets its own process's pool).
+
+The pieces are separate so that a remote worker reuses them: `split_signature` (pure graph work:
+prune and partition, done by the master), `compile_partition` (bind kernels and resources on the
+device's side) and `DeviceThreads` (one thread per device and the step protocol).
 """
 from __future__ import annotations
 
