@@ -88,6 +88,17 @@ def tasks_of(cluster: Cluster, resources: Mapping[int, Mapping[str, float]] | No
     return out
 
 
+def task_resources(by_name: Mapping[str, Mapping[str, float]]) -> dict[int, dict[str, float]]:
+    """The spec's `cluster.resources` ({"worker1": {"gpu_box": 1}}) keyed by task index."""
+    out = {}
+    for key, res in by_name.items():
+        m = re.fullmatch(r"worker(\d+)", key)
+        if m is None:
+            raise PlacementError(f"resources are keyed by worker task ('worker0', 'worker1', ...), not {key!r}")
+        out[int(m[1])] = {k: float(v) for k, v in res.items()}
+    return out
+
+
 def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None,
             temp_dir: str | None = None, object_store_memory: int | None = None) -> bool:
     """Make this process a Ray driver: join the cluster at `address` ('auto', 'ray://host:10001' or
