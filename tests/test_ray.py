@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster as RayCluster  # noqa: E402
 
 from flowctl.engine.distributed import RaySession, connect, tasks_of, worker_cluster  # noqa: E402
+from flowctl.engine.distributed.recovery import Recovery  # noqa: E402
 
 DIM, HIDDEN, CLASSES, BATCH = 10, 16, 4, 24
 W0, W1 = canonical("worker0/cpu:0"), canonical("worker1/cpu:0")
@@ -344,6 +345,52 @@ def test_a_hung_worker_misses_its_health_check_and_is_replaced(ray_nodes, refere
     with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60,
                     health_interval=0.5, health_timeout=2.0) as s:
         _kill_and_recover(s, step, init, signal.SIGSTOP, reference, "health check")
+
+
+def test_a_training_loop_recovers_up_to_max_failures_then_ends_with_the_checkpoint_intact(ray_nodes, reference):
+    """§3.3 end to end: checkpoints every 2 steps; task 1 killed before steps 3 and 5 (each time one
+    step is replayed from the checkpoint); the run ends with an uninterrupted run's numbers. A third
+    loss, past max_failures = 2, ends the run with exit 5."""
+    ref_losses, ref_values, _ = reference
+    data = batches(6)
+    step, init = model_parallel((W0, W1))
+    saves: dict[int, tuple[dict[str, np.ndarray], dict[str, Any]]] = {}
+    with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60) as s:
+
+        def restore() -> int:
+            last = max(saves)
+            ckpt.apply(s, *saves[last])
+            return last
+
+        recovery = Recovery(s, max_failures=2, restore=restore)
+        s.run(init)
+        saves[0] = ckpt.capture(s)
+        losses: dict[int, float] = {}
+        kill_before = {3, 5}
+        i = 0
+        while i < len(data):
+            if i in kill_before:
+                kill_before.discard(i)
+                os.kill(s.workers[1].pid, signal.SIGKILL)
+            try:
+                losses[i] = train(s, step, [data[i]])[0]
+            except WorkerLostError as e:
+                i = recovery.handle(e, i).resumed_step
+                continue
+            i += 1
+            if i % 2 == 0:
+                saves[i] = ckpt.capture(s)
+        assert [losses[k] for k in range(6)] == ref_losses
+        same_variables(s.variable_values(), ref_values)
+        assert [(r.failure, r.failed_step, r.resumed_step, r.replayed, r.tasks) for r in recovery.restarts] == \
+            [(1, 3, 2, 1, [1]), (2, 5, 4, 1, [1])]
+        os.kill(s.workers[1].pid, signal.SIGKILL)
+        with pytest.raises(WorkerLostError) as lost:
+            train(s, step, data[:1])
+        with pytest.raises(WorkerLostError) as final:
+            recovery.handle(lost.value, 6)
+        assert final.value.exit_code == 5 and final.value.task == 1
+        assert "after 2 restart(s), cluster.max_failures is 2; the last checkpoint is intact" in str(final.value)
 
 
 def test_a_worker_that_cannot_be_restarted_is_a_worker_lost_error_naming_it(ray_nodes):

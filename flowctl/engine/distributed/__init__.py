@@ -3,8 +3,9 @@ task, the master in the client's process. Importing this package does not import
 session does."""
 from flowctl.engine.distributed.cluster import (TaskSpec, check_resources, connect, task_resources, tasks_of,
                                                 worker_cluster)
+from flowctl.engine.distributed.recovery import Recovery, Restart
 from flowctl.engine.distributed.session import RaySession, WorkerInfo
 from flowctl.engine.errors import WorkerLostError
 
-__all__ = ["RaySession", "TaskSpec", "WorkerInfo", "WorkerLostError", "check_resources", "connect", "task_resources",
+__all__ = ["RaySession", "Recovery", "Restart", "TaskSpec", "WorkerInfo", "WorkerLostError", "check_resources", "connect", "task_resources",
            "tasks_of", "worker_cluster"]
