@@ -7,5 +7,5 @@ from flowctl.engine.distributed.recovery import Recovery, Restart
 from flowctl.engine.distributed.session import RaySession, WorkerInfo
 from flowctl.engine.errors import WorkerLostError
 
-__all__ = ["RaySession", "Recovery", "Restart", "TaskSpec", "WorkerInfo", "WorkerLostError", "check_resources", "connect", "task_resources",
-           "tasks_of", "worker_cluster"]
+__all__ = ["RaySession", "Recovery", "Restart", "TaskSpec", "WorkerInfo", "WorkerLostError", "check_resources",
+           "connect", "task_resources", "tasks_of", "worker_cluster"]
