@@ -7,6 +7,8 @@
   the way `flowctl bench` measures links: a chain of Identity ops alternating between the two
   devices, timed against the same chain on one device; the difference per crossing is the cost of
   the crossing (Send, rendezvous, Recv and any copy).
+- What a step costs beyond its kernels: a Run on one Ray worker (the master's call, the feed and
+  the fetch, 4 B and 256 KiB) beside one in this process.
 - Sync data parallel over 2 workers against 1 (examples/s) on a small MLP, beside the same over 1
   and 2 virtual CPUs of one process, and the simulator's prediction for the 2-worker step given the
   measured Ray link.
@@ -67,6 +69,29 @@ def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, r
         per[n] = max(0.0, took["two"] - took["one"]) / hops  # `two` crosses at every hop
     extra = per[MiB4] - per[1]
     return {"latency_s": per[1], "bandwidth_Bps": (4 * MiB4) / extra if extra > 0 else float("inf")}
+
+
+def run_overhead(open_session: OpenSession, device: str, sizes: Sequence[int] = (1, 64 * 1024),
+                 repeat: int = 30) -> dict[str, float]:
+    """Median seconds of a step that feeds one float32 tensor of each size to `device`, passes it
+    through one Identity and fetches it: what a Run costs beyond its kernels (for a Ray worker, the
+    master's call and its answer, with the feed and the fetch)."""
+    out = {}
+    for n in sizes:
+        g = fc.Graph()
+        with g.as_default():
+            x = fc.placeholder("float32", (n,), name="x")
+            y = fc.identity(x, name="y")
+        value = np.ones(n, np.float32)
+        with open_session(g, {"x": device, "y": device}) as s:
+            s.run(y, {x: value})
+            ts = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                s.run(y, {x: value})
+                ts.append(time.perf_counter() - t0)
+        out[f"{4 * n}_bytes_s"] = statistics.median(ts)
+    return out
 
 
 def _mlp(dim: int = 256, hidden: int = 512,
@@ -145,6 +170,10 @@ def measure(repeat: int = 7, steps: int = 20) -> dict[str, Any]:
         "in_process": chain_link(lambda g, pl: local(g, pl), c0, c1, repeat=repeat),
         "ray_workers": chain_link(lambda g, pl: on_ray(g, pl), w0, w1, repeat=repeat),
     }}
+    out["step_overhead"] = {
+        "in_process": run_overhead(lambda g, pl: local(g, pl, [c0]), c0),
+        "ray_worker": run_overhead(lambda g, pl: on_ray(g, pl, [w0]), w0),
+    }
     sync = sync_examples_per_s({"ray_1_worker": (on_ray, [w0]), "ray_2_workers": (on_ray, [w0, w1]),
                                 "local_1_cpu": (local, [c0]), "local_2_cpus": (local, [c0, c1])}, steps=steps)
     two = sync["ray_2_workers"]
