@@ -347,6 +347,24 @@ def test_a_hung_worker_misses_its_health_check_and_is_replaced(ray_nodes, refere
         _kill_and_recover(s, step, init, signal.SIGSTOP, reference, "health check")
 
 
+def test_a_transfer_to_a_dead_worker_fails_the_step_as_that_worker_lost(ray_nodes):
+    """§3.3 (a): task 0 only sends; its delivery to task 1, whose process is gone, fails; the step
+    is reported as task 1 lost (recoverable), whichever of the two failures the master sees first."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (4,), name="x")
+        y = fc.identity(fc.identity(x, name="a"), name="b")
+    with RaySession(g, worker_cluster([W0, W1]), {"x": W0, "a": W0, "b": W1}, resources=PIN,
+                    step_timeout=60) as s:
+        np.testing.assert_array_equal(s.run(y, {x: np.arange(4, dtype=np.float32)}), np.arange(4))
+        os.kill(s.workers[1].pid, signal.SIGKILL)
+        with pytest.raises(WorkerLostError) as info:
+            s.run(y, {x: np.ones(4, np.float32)})
+        assert info.value.task == 1 and s.lost == {1}
+        assert s.restart_lost_workers() == [1]
+        np.testing.assert_array_equal(s.run(y, {x: np.ones(4, np.float32)}), np.ones(4))
+
+
 def test_a_training_loop_recovers_up_to_max_failures_then_ends_with_the_checkpoint_intact(ray_nodes, reference):
     """§3.3 end to end: checkpoints every 2 steps; task 1 killed before steps 3 and 5 (each time one
     step is replayed from the checkpoint); the run ends with an uninterrupted run's numbers. A third
@@ -393,6 +411,7 @@ def test_a_training_loop_recovers_up_to_max_failures_then_ends_with_the_checkpoi
         assert "after 2 restart(s), cluster.max_failures is 2; the last checkpoint is intact" in str(final.value)
 
 
+@pytest.mark.slow  # 6-8 s: the start timeout has to run out
 def test_a_worker_that_cannot_be_restarted_is_a_worker_lost_error_naming_it(ray_nodes):
     step, init = model_parallel((W0, W1))
     with RaySession(step.graph, worker_cluster([W0, W1]), step.placement, resources=PIN, step_timeout=60,

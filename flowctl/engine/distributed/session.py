@@ -400,18 +400,32 @@ class RaySession(Session):
                                          f"no answer to a health check within {self.health_timeout:g} s")
         if error is None:
             return results
-        self._abort(step_id, pending, error)
+        dead = self._abort(step_id, pending, error)
+        if dead and not isinstance(error, WorkerLostError):
+            # A failed transfer to a worker that died is reported as the death: it can be recovered.
+            raise self._lost_error(dead[0], f"running step {step_id}", f"it died ({error})")
         raise error
 
-    def _abort(self, step_id: int, pending: dict[Any, int], error: BaseException) -> None:
-        """Tell every worker still running the step to abort it, and wait (bounded) for them."""
+    def _abort(self, step_id: int, pending: dict[Any, int], error: BaseException) -> list[int]:
+        """Tell every worker still running the step to abort it and wait (bounded) for them; the
+        tasks whose Run ended because their worker died."""
         import ray
 
         live = {ref: t for ref, t in pending.items() if t not in self.lost}
         for t in set(live.values()):
             self._actors[t].abort.remote(step_id, f"step {step_id} was aborted: {error}")
+        dead = []
         if live:
-            ray.wait(list(live), num_returns=len(live), timeout=self.health_timeout)
+            done, _ = ray.wait(list(live), num_returns=len(live), timeout=self.health_timeout)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    dead.append(live[ref])
+                except Exception:  # noqa: BLE001 -- the abort's own error: expected
+                    pass
+        self._mark_lost(dead, "its worker process died")
+        return sorted(dead)
 
     # ------------------------------------------------------------------ state (checkpoints)
     def _by_owner(self, names: Any) -> tuple[dict[int, list[str]], list[str]]:
