@@ -488,3 +488,32 @@ def test_a_bad_address_is_one_placement_error_at_once():
     for address in ("ray://127.0.0.1:1", "127.0.0.1:1"):  # nothing listens on port 1
         with pytest.raises(PlacementError, match=f"cannot join a Ray cluster at {address}: nothing answers"):
             connect(address)
+
+
+@pytest.mark.slow  # starts a Ray cluster of its own (about 10 s)
+def test_without_a_cluster_a_session_starts_a_local_one_and_shuts_it_down(tmp_path):
+    """`cluster: {type: ray, workers: N}` without an address: the session starts Ray for the run and
+    ends it on close (run in a child process, away from this module's cluster)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, ray, flowctl as fc\n"
+        "from flowctl.engine.distributed import RaySession, worker_cluster\n"
+        "g = fc.Graph()\n"
+        "with g.as_default():\n"
+        "    x = fc.placeholder('float32', (3,), name='x')\n"
+        "    y = fc.mul(fc.identity(x, name='a'), np.float32(2), name='b')\n"
+        "pl = {n: 'worker1/cpu:0' for n in g.nodes}\n"
+        "pl.update(x='worker0/cpu:0', a='worker0/cpu:0')\n"
+        "with RaySession(g, worker_cluster(['worker0/cpu:0', 'worker1/cpu:0']), pl) as s:\n"
+        "    assert ray.is_initialized() and len(s.workers) == 2\n"
+        "    print(s.run(y, {x: np.arange(3, dtype=np.float32)}).tolist())\n"
+        "print(ray.is_initialized())\n")
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rt", dir="/tmp")}
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[0.0,", "2.0,", "4.0]", "False"]

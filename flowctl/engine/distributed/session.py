@@ -242,7 +242,9 @@ class RaySession(Session):
                                       task=t, node=old.node if old else None) from None
             self._introduce()
             for s in self._signatures.values():
-                ray.get([self._actors[t].load.remote(s.sig, s.wire[t]) for t in gone if t in s.wire])
+                loads = {t: self._actors[t].load.remote(s.sig, s.wire[t]) for t in gone if t in s.wire}
+                for t, ref in loads.items():
+                    self._get(ref, t, "compiling its partitions again", timeout=self.start_timeout)
             self.lost.clear()
         return gone
 
