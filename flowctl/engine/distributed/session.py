@@ -222,8 +222,6 @@ class RaySession(Session):
         """Replace every lost or unresponsive worker by a new actor and send it its partitions again;
         the restarted tasks. Their state is gone: restore it (every worker's) from the last checkpoint
         before the next step. WorkerLostError naming the task and node when one cannot be restarted."""
-        import ray
-
         if self._closed:
             raise ExecutionError("this RaySession is closed")
         with self._submit_lock, self._plan_lock:
