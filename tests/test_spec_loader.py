@@ -144,6 +144,29 @@ def test_devices_are_canonicalised_and_checked():
     assert ok.spec.devices[1].profile.memory == 16 * 2**30
 
 
+def test_ray_cluster_keys_are_checked():
+    ok = load_text(HEAD + "devices: [worker0/cpu:0, worker1/cpu:0]\ncluster: {type: ray, workers: 2}\n")
+    assert (ok.spec.cluster.workers, ok.spec.cluster.max_failures, ok.spec.cluster.address) == (2, 3, None)
+    from flowctl.engine.cluster import LINKS
+    from flowctl.training.program import cluster_for, step_config
+
+    planned = cluster_for(step_config(ok))  # place and bench plan a transfer between tasks as a Ray hop
+    assert planned.link(*planned.names) == LINKS["ray"]
+    ok = load_text(HEAD + "cluster: {type: ray, address: 'ray://head.example:10001', max_failures: 0}\n")
+    assert ok.spec.cluster.max_failures == 0
+    assert "cannot read Ray address 'http://head'" in _error(HEAD + "cluster: {type: ray, address: 'http://head'}\n")
+    assert "a local cluster takes no address, workers, max_failures or resources" in _error(
+        HEAD + "cluster: {max_failures: 5}\n")
+    pinned = load_text(HEAD + "cluster: {type: ray, resources: {worker1: {gpu_box: 1}}}\n").spec.cluster.resources
+    from flowctl.engine.distributed import task_resources
+
+    assert task_resources(pinned) == {1: {"gpu_box": 1.0}}
+    assert "resources are keyed by worker task ('worker0', 'worker1', ...), not 'gpu1'" in _error(
+        HEAD + "cluster: {type: ray, resources: {gpu1: {x: 1}}}\n")
+    msg = _error(HEAD + "devices: [worker0/cpu:0, worker2/cpu:0]\ncluster: {type: ray, workers: 2}\n")
+    assert "device /job:worker/task:2/device:cpu:0 is on worker task 2, but the cluster starts 2 worker(s)" in msg
+
+
 def test_parallelism_and_batch_rules_give_the_numbers():
     assert load_text(HEAD + "parallelism: {strategy: sync_data_parallel, replicas: 4}\n"
                      "training: {per_replica_batch_size: 8}\n").global_batch == 32

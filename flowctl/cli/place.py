@@ -26,7 +26,13 @@ def _bytes(n: float) -> str:
 
 
 def _short(dev: str) -> str:
-    return dev.split("/device:")[-1] if "/device:" in dev else dev
+    """cpu:1 for this process's devices; worker1/cpu:0 for a worker task's."""
+    if dev.startswith("/job:localhost/task:0/device:"):
+        return dev.split("/device:")[-1]
+    if dev.startswith("/job:worker/task:"):
+        task, _, d = dev[len("/job:worker/task:"):].partition("/device:")
+        return f"worker{task}/{d}"
+    return dev
 
 
 @click.command()

@@ -54,6 +54,11 @@ class _Display:
                                         f"{_rate(e.examples_per_s)} examples/s  {_duration(step_s)}/step{evals}")
 
 
+def _worker_line(console: Console) -> Any:
+    """A remote worker's state as it changes: starting, running (where), lost, restarting."""
+    return lambda task, state, detail: console.print(f"worker {task}: {state}" + (f" ({detail})" if detail else ""))
+
+
 def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) -> None:
     from flowctl.training.trainer import EXIT_INTERRUPTED
 
@@ -111,7 +116,8 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     console = Console(stderr=True, soft_wrap=True)
     trainer = start_run(spec, run_dir, data, steps, histograms, prefetch,
                         on_warning=lambda m: console.print(f"warning: {m}"),
-                        overrides=command_line_overrides(overrides, devices, algorithm), trace_step=trace_step)
+                        overrides=command_line_overrides(overrides, devices, algorithm), trace_step=trace_step,
+                        on_worker=_worker_line(console))
     try:
         t, n = trainer.model.params()
         unit = "batch per replica" if trainer.program.step.async_step is not None else "batch"
@@ -132,7 +138,8 @@ def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: b
     from flowctl.training.runs import resume_run
 
     console = Console(stderr=True, soft_wrap=True)
-    r = resume_run(run_dir, steps, allow_spec_change, on_warning=lambda m: console.print(f"warning: {m}"))
+    r = resume_run(run_dir, steps, allow_spec_change, on_warning=lambda m: console.print(f"warning: {m}"),
+                   on_worker=_worker_line(console))
     trainer = r.trainer
     try:
         cursors = "; ".join(f"replica {k} data epoch {s.epoch} batch {s.position}" for k, s in

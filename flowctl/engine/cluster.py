@@ -88,6 +88,11 @@ LINKS: dict[str, Link] = {
     # 50-hop ping-pong between two devices on the 2-core CI machine.
     "local": Link(20e9, 33e-6),
     "ethernet10g": Link(1.1e9, 50e-6),
+    # Between two Ray worker processes of one machine (the distributed engine's cross-task Send/Recv:
+    # an actor call carrying the tensor, the object store above 100 KiB): measured by
+    # `python -m flowctl.bench.ray` on the 2-core CI machine under load (three runs), 0.91-1.65 ms
+    # per 4-byte crossing and 0.66-0.84 GB/s for 4 MiB. Across machines the network adds its own.
+    "ray": Link(0.7e9, 1.0e-3),
 }
 
 

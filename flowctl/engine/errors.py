@@ -46,3 +46,13 @@ class QueueClosedError(ExecutionError):
 
 class CheckpointError(FlowctlError):
     exit_code = 6
+
+
+class WorkerLostError(ExecutionError):
+    """A remote worker died, stopped answering health checks, or could not be reached by a transfer
+    (§3.3): the step was aborted everywhere. `task` is the worker's task index, `node` where it ran."""
+
+    def __init__(self, message: str, task: int | None = None, node: str | None = None) -> None:
+        super().__init__(message, device=None if task is None else f"/job:worker/task:{task}")
+        self.task = task
+        self.node = node

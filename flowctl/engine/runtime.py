@@ -32,14 +32,19 @@ global setting; it cannot give one Python thread a different limit from another.
 offers is `blas_limits(cluster)`: a context manager that sets the process-wide BLAS pool to one
 device's share of the cores (Cluster.local splits them evenly), so N concurrent device threads each
 calling BLAS use about the machine's cores, not N times them. Truly separate limits need separate
-processes (one per device), which is what the Ray workers of the distributed engine will give.
+processes (one per device), which is what the Ray workers of the distributed engine give
+(`flowctl.engine.distributed`: each worker sets its own process's pool).
+
+The pieces are separate so that a remote worker reuses them: `split_signature` (pure graph work:
+prune and partition, done by the master), `compile_partition` (bind kernels and resources on the
+device's side) and `DeviceThreads` (one thread per device and the step protocol).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import numpy as np
 
@@ -49,12 +54,26 @@ from flowctl.engine.devices import canonical, device_type
 from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, PlacementError
 from flowctl.engine.executor import Plan, RunStats, needed_nodes
-from flowctl.engine.graph import Graph, parse_ref
+from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import COMMUNICATION
 from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
 from flowctl.engine.session import Session, require_device
 from flowctl.kernels.registry import array_module, to_host
+
+
+@dataclass
+class PartitionSpec:
+    """One device's share of a signature before compilation: plain graph data, so a remote worker
+    can be sent it (as GraphDef JSON) and compile it there."""
+
+    device: str
+    graph: Graph
+    fetches: list[str]  # refs this partition returns
+    feeds: list[str]  # refs of its feed placeholders, in feed_index order
+    targets: list[str]
+    feed_index: list[int]  # positions in the signature's feed list
+    fetch_index: list[int]  # positions in the signature's fetch list
 
 
 @dataclass
@@ -79,6 +98,99 @@ class StepPlan:
     @property
     def partitions(self) -> dict[str, Graph]:
         return {d.device: d.graph for d in self.devices}
+
+
+def split_signature(graph: Graph, placement: Mapping[str, str], devices: Sequence[str], refs: list[str],
+                    feed_refs: list[str], targets: list[str], *, compress: bool = False,
+                    recv_schedule: str = "asap", durations: Mapping[str, float] | None = None
+                    ) -> tuple[list[PartitionSpec], list[tuple[int, int]]]:
+    """Prune the graph to what (refs, feed_refs, targets) need (§4.2) and partition it by
+    `placement` (§3.2.2), in `devices` order. Returns the partitions and the (fetch pos, feed pos)
+    pairs of fetches that are fed (answered by the master without running anything)."""
+    for ref in refs + feed_refs:
+        graph.tensor(ref)  # raises with a did-you-mean on an unknown name
+    fed = set(feed_refs)
+    roots = [parse_ref(r)[0] for r in refs if r not in fed] + list(targets)
+    need = needed_nodes(graph, roots, fed)
+    parts = partition(graph, placement, nodes=need, feeds=feed_refs, compress=compress,
+                      recv_schedule=recv_schedule, durations=durations)
+    feed_pos = {r: i for i, r in enumerate(feed_refs)}
+    out: list[PartitionSpec] = []
+    for dev in devices:
+        g = parts.get(dev)
+        if g is None:
+            continue
+        d_feeds = [r for r in feed_refs if feed_node_name(r) in g.nodes]
+        fetch_index = [i for i, r in enumerate(refs) if r not in fed and placement[parse_ref(r)[0]] == dev]
+        d_targets = [t for t in targets if placement[t] == dev]
+        d_targets += [n.name for n in g.nodes.values() if n.op == "Send"]
+        spec = PartitionSpec(dev, g, [refs[i] for i in fetch_index], [f"{feed_node_name(r)}:0" for r in d_feeds],
+                             d_targets, [feed_pos[r] for r in d_feeds], fetch_index)
+        fed_here = set(spec.feeds)
+        ran = needed_nodes(g, [parse_ref(r)[0] for r in spec.fetches if r not in fed_here] + d_targets, fed_here)
+        unrun = {n for n in g.nodes if n in need and n not in ran}
+        if unrun:  # partitioning must keep every needed node reachable from the device's roots
+            raise ExecutionError(f"partition for {dev} would skip needed node(s) {sorted(unrun)[:5]}", device=dev)
+        out.append(spec)
+    fed_fetches = [(i, feed_pos[r]) for i, r in enumerate(refs) if r in fed]
+    return out, fed_fetches
+
+
+def compile_partition(spec: PartitionSpec, resources: Callable[[Node], Any]) -> DevicePlan:
+    """Bind one partition's kernels and resources on its device (done where the device is)."""
+    plan = Plan(spec.graph, spec.fetches, spec.feeds, spec.targets, spec.device, resources)
+    return DevicePlan(spec.device, spec.graph, plan, spec.feed_index, spec.fetch_index)
+
+
+class DeviceThreads:
+    """One execution thread per device, kept for the owner's life, and the step protocol over them:
+    one Run per partition, all queued at once, the first failure aborting the step everywhere (§3.3).
+    Used by `DistributedSession` for this process's devices and by each Ray worker for its own."""
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        # `Device.threads` is not a count of execution threads: it is the device's share of cores,
+        # which only BLAS could use (see blas_limits).
+        self._pools = {d: cf.ThreadPoolExecutor(1, thread_name_prefix=f"flowctl-{short_device(d)}")
+                       for d in devices}
+        self._submit_lock = threading.Lock()
+
+    def run_step(self, plans: Sequence[DevicePlan], feeds: Sequence[list[Any]], step: StepContext,
+                 stats: Mapping[str, RunStats] | None, check: bool, timeout: float | None) -> list[list[Any]]:
+        """Run every plan (with its feeds) as one step; each plan's fetched values, in order. On any
+        failure, every partition has stopped before the root cause is raised."""
+        return self.finish_step(self.start_step(plans, feeds, step, stats, check), step, timeout)
+
+    def start_step(self, plans: Sequence[DevicePlan], feeds: Sequence[list[Any]], step: StepContext,
+                   stats: Mapping[str, RunStats] | None, check: bool) -> list[tuple[DevicePlan, cf.Future[Any]]]:
+        """Queue the step's Run on every plan's device thread, all at one point of every queue."""
+
+        def job(d: DevicePlan, f: list[Any], st: RunStats | None) -> list[Any]:
+            try:
+                return d.plan.run_dataflow(f, st, check, step)
+            except BaseException as e:
+                step.rendezvous.abort(e)  # §3.3: one device's failure stops every device's step
+                raise
+
+        with self._submit_lock:  # every device queues this step at the same point (see module doc)
+            return [(d, self._pools[d.device].submit(job, d, f, None if stats is None else stats[d.device]))
+                    for d, f in zip(plans, feeds)]
+
+    def finish_step(self, futures: list[tuple[DevicePlan, cf.Future[Any]]], step: StepContext,
+                    timeout: float | None) -> list[list[Any]]:
+        """Wait for a started step; abort it everywhere after `timeout` seconds (None: wait)."""
+        done, waiting = cf.wait([f for _, f in futures], timeout=timeout)
+        if waiting:
+            stuck = [d.device for d, f in futures if f in waiting]
+            step.rendezvous.abort(ExecutionError(
+                f"step {step.step_id} timed out after {timeout} s; still running on {', '.join(stuck)}"))
+            cf.wait([f for _, f in futures])  # a Recv wakes on abort; a running kernel finishes first
+        if step.rendezvous.error is not None:
+            raise root_cause(step.rendezvous.error)
+        return [f.result() for _, f in futures]
+
+    def close(self, wait: bool = True) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=wait)
 
 
 class DistributedSession(Session):
@@ -111,12 +223,7 @@ class DistributedSession(Session):
         self.step_timeout = step_timeout
         self._step_plans: dict[tuple[Any, ...], StepPlan] = {}
         self._plan_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
-        # One execution thread per device (its first step starts it), kept for the session's life.
-        # `Device.threads` is not a count of execution threads: it is the device's share of cores,
-        # which only BLAS could use (see blas_limits).
-        self._threads = {d.name: cf.ThreadPoolExecutor(1, thread_name_prefix=f"flowctl-{short_device(d.name)}")
-                         for d in cluster.devices}
+        self._threads = DeviceThreads(cluster.names)  # each device's thread starts with its first step
         self._closed = False
 
     # ------------------------------------------------------------------ lifetime
@@ -124,8 +231,7 @@ class DistributedSession(Session):
         """Stop the device threads (waiting for any step in flight)."""
         if not self._closed:
             self._closed = True
-            for pool in self._threads.values():
-                pool.shutdown(wait=True)
+            self._threads.close()
 
     def __enter__(self) -> "DistributedSession":
         return self
@@ -134,9 +240,9 @@ class DistributedSession(Session):
         self.close()
 
     def __del__(self) -> None:
-        pools = getattr(self, "_threads", {})
-        for pool in pools.values():
-            pool.shutdown(wait=False)
+        threads = getattr(self, "_threads", None)
+        if threads is not None:
+            threads.close(wait=False)
 
     # ------------------------------------------------------------------ Run
     def run(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, stats: RunStats | None = None) -> Any:
@@ -147,7 +253,7 @@ class DistributedSession(Session):
         template = self._flatten(fetches, refs, targets)
         items = sorted((feeds or {}).items(), key=lambda kv: self._ref(kv[0]))
         feed_refs = [self._ref(k) for k, _ in items]
-        feed_vals = [self._host_feed(r, v) for r, (_, v) in zip(feed_refs, items)]
+        feed_vals = [host_feed(self.graph, r, v) for r, (_, v) in zip(feed_refs, items)]
         key = (tuple(refs), tuple(feed_refs), tuple(targets))
         sp = self._step_plans.get(key)
         if sp is None:
@@ -172,64 +278,21 @@ class DistributedSession(Session):
                   stats: RunStats | None) -> dict[str, RunStats]:
         step = StepContext(next_step_id(), LocalRendezvous())
         per_device = {d.device: RunStats() for d in sp.devices}
-        check = self.check_numerics
-
-        def job(d: DevicePlan, feeds: list[Any], st: RunStats | None) -> list[Any]:
-            try:
-                return d.plan.run_dataflow(feeds, st, check, step)
-            except BaseException as e:
-                step.rendezvous.abort(e)  # §3.3: one device's failure stops every device's step
-                raise
-
-        with self._submit_lock:  # every device queues this step at the same point (see module doc)
-            futures = [(d, self._threads[d.device].submit(
-                job, d, [self._on_device(feed_vals[i], d.device) for i in d.feed_index],
-                per_device[d.device] if stats is not None else None)) for d in sp.devices]
-        done, waiting = cf.wait([f for _, f in futures], timeout=self.step_timeout)
-        if waiting:
-            stuck = [d.device for d, f in futures if f in waiting]
-            step.rendezvous.abort(ExecutionError(
-                f"step {step.step_id} timed out after {self.step_timeout} s; still running on "
-                f"{', '.join(stuck)}"))
-            cf.wait([f for _, f in futures])  # a Recv wakes on abort; a running kernel finishes first
-        if step.rendezvous.error is not None:
-            raise _root_cause(step.rendezvous.error)
-        for d, f in futures:
-            out = f.result()
+        feeds = [[on_device(feed_vals[i], d.device) for i in d.feed_index] for d in sp.devices]
+        outs = self._threads.run_step(sp.devices, feeds, step, per_device if stats is not None else None,
+                                      self.check_numerics, self.step_timeout)
+        for d, out in zip(sp.devices, outs):
             for pos, v in zip(d.fetch_index, out):
                 values[pos] = v
         return per_device
 
     # ------------------------------------------------------------------ planning
     def _build(self, refs: list[str], feed_refs: list[str], targets: list[str]) -> StepPlan:
-        graph = self.graph
-        for ref in refs + feed_refs:
-            graph.tensor(ref)  # raises with a did-you-mean on an unknown name
-        fed = set(feed_refs)
-        roots = [parse_ref(r)[0] for r in refs if r not in fed] + list(targets)
-        need = needed_nodes(graph, roots, fed)
-        parts = partition(graph, self.placement, nodes=need, feeds=feed_refs, compress=self.compress,
-                          recv_schedule=self.recv_schedule, durations=self.durations)
-        feed_pos = {r: i for i, r in enumerate(feed_refs)}
-        devices: list[DevicePlan] = []
-        for dev in self.cluster.names:  # cluster order: stable thread submission order
-            g = parts.get(dev)
-            if g is None:
-                continue
-            d_feeds = [r for r in feed_refs if feed_node_name(r) in g.nodes]
-            fetch_index = [i for i, r in enumerate(refs) if r not in fed and self.placement[parse_ref(r)[0]] == dev]
-            d_targets = [t for t in targets if self.placement[t] == dev]
-            d_targets += [n.name for n in g.nodes.values() if n.op == "Send"]
-            plan = Plan(g, [refs[i] for i in fetch_index], [f"{feed_node_name(r)}:0" for r in d_feeds],
-                        d_targets, dev, self._resource)
-            ran = set(plan.order)
-            unrun = {n for n in g.nodes if n in need and n not in ran}
-            if unrun:  # partitioning must keep every needed node reachable from the device's roots
-                raise ExecutionError(f"partition for {dev} would skip needed node(s) {sorted(unrun)[:5]}",
-                                     device=dev)
-            devices.append(DevicePlan(dev, g, plan, [feed_pos[r] for r in d_feeds], fetch_index))
-        fed_fetches = [(i, feed_pos[r]) for i, r in enumerate(refs) if r in fed]
-        return StepPlan(devices, fed_fetches)
+        # Cluster order: a stable thread submission order.
+        specs, fed_fetches = split_signature(self.graph, self.placement, self.cluster.names, refs, feed_refs,
+                                             targets, compress=self.compress, recv_schedule=self.recv_schedule,
+                                             durations=self.durations)
+        return StepPlan([compile_partition(p, self._resource) for p in specs], fed_fetches)
 
     def step_plan(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> StepPlan:
         """The partitions and per-device plans a run with these fetches and feeds uses."""
@@ -246,22 +309,25 @@ class DistributedSession(Session):
     def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> Plan:
         raise ExecutionError("a DistributedSession has one plan per device: use step_plan()")
 
-    # ------------------------------------------------------------------ feeds
-    def _host_feed(self, ref: str, value: Any) -> Any:
-        spec = self.graph.tensor(ref).spec
-        arr = np.asarray(to_host(value), dtype=np_dtype(spec.dtype))
-        if len(arr.shape) != len(spec.shape) or any(
-                d is not None and d != a for d, a in zip(spec.shape, arr.shape)):
-            raise ExecutionError(f"feed for '{ref}' has shape {tuple(arr.shape)}, but the tensor's shape "
-                                 f"is {spec.shape}", node=parse_ref(ref)[0])
-        return arr
 
-    def _on_device(self, value: Any, device: str) -> Any:
-        dtype = device_type(device)
-        return value if dtype == "cpu" else array_module(dtype).asarray(value)
+def host_feed(graph: Graph, ref: str, value: Any) -> np.ndarray:
+    """A fed value as a host array of the tensor's dtype, its shape checked against the tensor's."""
+    spec = graph.tensor(ref).spec
+    arr = np.asarray(to_host(value), dtype=np_dtype(spec.dtype))
+    if len(arr.shape) != len(spec.shape) or any(
+            d is not None and d != a for d, a in zip(spec.shape, arr.shape)):
+        raise ExecutionError(f"feed for '{ref}' has shape {tuple(arr.shape)}, but the tensor's shape "
+                             f"is {spec.shape}", node=parse_ref(ref)[0])
+    return arr
 
 
-def _root_cause(err: BaseException) -> BaseException:
+def on_device(value: Any, device: str) -> Any:
+    dtype = device_type(device)
+    return value if dtype == "cpu" else array_module(dtype).asarray(value)
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The failure behind a chain of aborted Sends and Recvs, as an ExecutionError."""
     while isinstance(err, RendezvousAborted):
         err = err.cause
     if isinstance(err, ExecutionError):

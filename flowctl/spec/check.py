@@ -226,6 +226,10 @@ def _check_devices(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Prob
         if job != "localhost" and spec.cluster.type == "local":
             problems.at(root, ("devices", i), f"device {d.name} is on job '{job}', which needs "
                         f"`cluster: {{type: ray}}` (the cluster is local)")
+        task = int(d.name.split("/")[2][len("task:"):])
+        if job == "worker" and spec.cluster.workers and task >= spec.cluster.workers:
+            problems.at(root, ("devices", i), f"device {d.name} is on worker task {task}, but the cluster "
+                        f"starts {spec.cluster.workers} worker(s) (tasks 0-{spec.cluster.workers - 1})")
     names = loaded.layer_names()
     for i, c in enumerate(spec.placement.constraints):
         _device_ok(root, ("placement", "constraints", i, "device"), c.device, listed, problems)

@@ -318,15 +318,43 @@ class CheckpointSpec(Strict):
                                                          "metric, apart from the rolling ones")
 
 
+_RAY_ADDRESS = re.compile(r"^(auto|ray://[\w.-]+:\d+|[\w.-]+:\d+)$")
+
+
 class ClusterSpec(Strict):
     type: Literal["local", "ray"] = Field("local", description="local: one process; ray: a worker actor per task")
-    address: str | None = Field(None, description="Ray address ('auto', 'ray://host:10001')")
+    address: str | None = Field(None, description="Ray: 'auto' or 'ray://host:10001' joins a running cluster; "
+                                                  "none starts a local one")
     workers: int = Field(0, ge=0, description="Ray: worker tasks to start when address is local")
+    max_failures: int = Field(3, ge=0, description="Ray: lost workers restarted (restoring the last checkpoint) "
+                                                    "before the run ends")
+    resources: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="Ray: extra resources a task's actor asks for, pinning it to nodes "
+                                          "that have them (`worker1: {gpu_box: 1}`)")
+
+    @field_validator("resources")
+    @classmethod
+    def _tasks(cls, v: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for key, res in v.items():
+            if not re.fullmatch(r"worker\d+", key):
+                raise ValueError(f"resources are keyed by worker task ('worker0', 'worker1', ...), not {key!r}")
+            bad = [k for k, amount in res.items() if amount <= 0]
+            if bad:
+                raise ValueError(f"{key}: resource amounts must be > 0 ({bad[0]}: {res[bad[0]]})")
+        return v
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not _RAY_ADDRESS.match(v):
+            raise ValueError(f"cannot read Ray address {v!r}: write 'auto', 'ray://HOST:10001' or 'HOST:6379'")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterSpec":
-        if self.type == "local" and (self.address is not None or self.workers):
-            raise ValueError("a local cluster takes no address or workers (set type: ray)")
+        if self.type == "local" and (self.address is not None or self.workers or self.max_failures != 3
+                                     or self.resources):
+            raise ValueError("a local cluster takes no address, workers, max_failures or resources (set type: ray)")
         return self
 
 

@@ -17,6 +17,7 @@ one is a PlacementError naming the node.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ import flowctl as fc
 from flowctl.engine import strategies as st
 from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, gpu_profile_for
 from flowctl.engine.devices import canonical, parse_device
+from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
+from flowctl.engine.distributed.session import WorkerEvent
 from flowctl.engine.errors import PlacementError, SpecError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
@@ -61,6 +64,16 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Where the devices live: this process (`local`), or Ray worker tasks (`ray`)."""
+
+    type: str = "local"
+    address: str | None = None
+    max_failures: int = 3
+    resources: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()  # task name -> Ray resources
+
+
+@dataclass(frozen=True)
 class StepConfig:
     """What building and placing a training step needs from a spec."""
 
@@ -80,6 +93,7 @@ class StepConfig:
     time_budget_s: float = 60.0
     compress: bool = False  # §5.5: float32 crosses devices as bfloat16
     receive: str = "asap"  # §5.2: when a Recv may start
+    cluster: ClusterConfig = ClusterConfig()
 
     @property
     def device_names(self) -> list[str]:
@@ -115,7 +129,9 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         concurrent_steps=par.concurrent_steps, clip_value=tr.clip_value, clip_norm=tr.clip_norm,
         algorithm=pl.algorithm, constraints=tuple((c.match, c.device) for c in pl.constraints),
         colocate=tuple(tuple(group) for group in pl.colocate), time_budget_s=pl.time_budget_s,
-        compress=pl.transfers.compress == "bf16", receive=pl.transfers.receive)
+        compress=pl.transfers.compress == "bf16", receive=pl.transfers.receive,
+        cluster=ClusterConfig(spec.cluster.type, spec.cluster.address, spec.cluster.max_failures,
+                              tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())))
 
 
 def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
@@ -125,6 +141,11 @@ def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
     describes it (a K40, the learned-placement paper's GPU, where there is none)."""
     if devices:
         return Cluster.from_spec(devices)
+    if config.cluster.type == "ray":
+        # Worker tasks on one machine split its cores like virtual CPU devices; transfers between
+        # tasks cost a trip through Ray (LINKS["ray"], measured by `python -m flowctl.bench.ray`).
+        n_cpu = sum(1 for d in config.devices if parse_device(d.name).type == "cpu")
+        return worker_cluster(config.device_names, threads=max(1, (os.cpu_count() or 1) // max(1, n_cpu)))
     cpus = [d for d in config.devices if parse_device(d.name).type == "cpu"]
     local = Cluster.local(max(1, len(cpus)))
     local_cpu = local.devices[0].profile
@@ -404,12 +425,17 @@ class Program:
 
     @property
     def cluster(self) -> Cluster | None:
-        """The devices of a multi-device session (None for a plain one-device Session)."""
+        """The devices of a multi-device session in this process (None for one device's Session,
+        and for Ray workers, which set their own threads)."""
         return self.placed.cluster if isinstance(self.session, DistributedSession) else None
 
     @property
+    def remote(self) -> bool:
+        return isinstance(self.session, RaySession)
+
+    @property
     def placement(self) -> dict[str, str] | None:
-        return self.placed.assignment if isinstance(self.session, DistributedSession) else None
+        return self.placed.assignment if isinstance(self.session, (DistributedSession, RaySession)) else None
 
     @property
     def devices(self) -> list[str]:
@@ -419,7 +445,7 @@ class Program:
         return self.step.describe(self.devices)
 
     def close(self) -> None:
-        if isinstance(self.session, DistributedSession):
+        if isinstance(self.session, (DistributedSession, RaySession)):
             self.session.close()
 
 
@@ -428,12 +454,11 @@ def place_for_training(loaded: LoadedSpec) -> PlacedStep:
     the spec's placer over a static cost model on this process's devices. `flowctl validate` runs
     it too, so a spec it passes is one `train` starts."""
     config = step_config(loaded)
-    if loaded.spec.cluster.type != "local":
-        raise PlacementError(f"cluster.type {loaded.spec.cluster.type}: this flowctl trains on local clusters "
-                             f"only (cluster.type local)")
     step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config)
     placed = place_step(step, config, cluster, StaticCostModel(cluster, batch=config.per_replica_batch))
+    if config.cluster.type == "ray":
+        return placed  # worker tasks: their devices are checked where they start
     for d in placed.devices_used():
         dev = parse_device(d)
         if (dev.job, dev.task) != ("localhost", 0):
@@ -443,23 +468,28 @@ def place_for_training(loaded: LoadedSpec) -> PlacedStep:
     return placed
 
 
-def open_program(loaded: LoadedSpec) -> Program:
-    """Build, place and open a session: one device's `Session`, or a `DistributedSession` with a
-    thread per device and Send/Recv between them."""
+def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Program:
+    """Build, place and open a session: one device's `Session`, a `DistributedSession` with a
+    thread per device and Send/Recv between them, or for `cluster.type: ray` a `RaySession` with a
+    worker actor per task (`on_worker(task, state, detail)` hears each worker start)."""
     placed = place_for_training(loaded)
     step, cluster = placed.step, placed.cluster
+    config = step_config(loaded)
+    durations = {n: placed.chosen.simulation.finish[n] - placed.chosen.simulation.start[n]
+                 for n in placed.chosen.simulation.start} if config.receive == "alap" else None
+    transfers: dict[str, Any] = {"compress": config.compress, "recv_schedule": config.receive, "durations": durations}
     session: fc.Session
-    if step.fixed is None and len(cluster.devices) == 1:
+    if config.cluster.type == "ray":
+        resources = task_resources({task: dict(res) for task, res in config.cluster.resources})
+        session = RaySession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(),
+                             address=config.cluster.address, resources=resources, on_worker=on_worker, **transfers)
+    elif step.fixed is None and len(cluster.devices) == 1:
         session = fc.Session(step.graph, device=cluster.names[0], store=fc.ContainerStore())
     else:
-        config = step_config(loaded)
-        durations = {n: placed.chosen.simulation.finish[n] - placed.chosen.simulation.start[n]
-                     for n in placed.chosen.simulation.start} if config.receive == "alap" else None
-        session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(),
-                                     compress=config.compress, recv_schedule=config.receive, durations=durations)
-    return Program(step, placed, session, step_config(loaded))
+        session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(), **transfers)
+    return Program(step, placed, session, config)
 
 
-__all__ = ["DATA_PARALLEL", "STRATEGIES", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
+__all__ = ["DATA_PARALLEL", "STRATEGIES", "ClusterConfig", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
            "StepConfig", "apply_constraints", "build_step", "cluster_for", "gradient_process", "layer_of",
            "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config"]

@@ -20,6 +20,7 @@ from flowctl.training.trainer import Trainer
 
 DEMO = "demo (embedded)"
 Warn = Callable[[str], None]
+WorkerEvent = Callable[[int, str, str], None]  # (task, state, detail): a remote worker starting or lost
 
 
 def load_training_spec(spec: str | None, data: str | None = None,
@@ -93,7 +94,8 @@ def command_line_overrides(overrides: Sequence[str] = (), devices: str | None = 
 
 def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = None, steps: int | None = None,
               histograms: int = 0, prefetch: int = 2, on_warning: Warn | None = None,
-              overrides: Sequence[str] = (), trace_step: int | None = None) -> Trainer:
+              overrides: Sequence[str] = (), trace_step: int | None = None,
+              on_worker: WorkerEvent | None = None) -> Trainer:
     """A trainer on a new run directory, initialised and recorded (the spec with its overrides, the
     graph, the devices), ready to `train()`. The caller closes it."""
     loaded, text, path = load_training_spec(spec, data, overrides)
@@ -103,7 +105,8 @@ def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = 
     lock = RunLock(run_dir if run_dir is not None else _free_run_dir(name)).acquire()
     try:
         trainer = Trainer(loaded, choose_run_dir(name, run_dir) if run_dir is not None else lock.path, steps=steps,
-                          histograms_every=histograms, prefetch=prefetch, on_warning=on_warning, trace_step=trace_step)
+                          histograms_every=histograms, prefetch=prefetch, on_warning=on_warning, trace_step=trace_step,
+                          on_worker=on_worker)
     except BaseException:
         lock.release()
         raise
@@ -128,7 +131,7 @@ class Resumed:
 
 
 def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool = False,
-               on_warning: Warn | None = None) -> Resumed:
+               on_warning: Warn | None = None, on_worker: WorkerEvent | None = None) -> Resumed:
     """The run in `run_dir` restored from its newest valid checkpoint. The spec is read again from
     where the run found it (else the run's copy); a change to what it computes is refused, listing
     the changes, unless `allow_spec_change`."""
@@ -136,7 +139,7 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     loaded, spec_path = load_run_spec(run)
     lock = RunLock(run.path).acquire()
     try:
-        resumed = _resume(run, loaded, spec_path, steps, allow_spec_change, on_warning)
+        resumed = _resume(run, loaded, spec_path, steps, allow_spec_change, on_warning, on_worker)
     except BaseException:
         lock.release()
         raise
@@ -145,14 +148,15 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
 
 
 def _resume(run: RunDir, loaded: LoadedSpec, spec_path: str, steps: int | None, allow_spec_change: bool,
-            on_warning: Warn | None) -> Resumed:
+            on_warning: Warn | None, on_worker: WorkerEvent | None) -> Resumed:
     changes = _changes(run, loaded)
     if changes and not allow_spec_change:
         raise CheckpointError(f"{spec_path} changed since the run started: "
                               f"{_listing(changes)}. Pass --allow-spec-change to resume anyway")
     if changes and on_warning is not None:
         on_warning(f"resuming with a changed spec: {_listing(changes)}")
-    trainer = Trainer(loaded, run.path, steps=steps, allow_spec_change=allow_spec_change, on_warning=on_warning)
+    trainer = Trainer(loaded, run.path, steps=steps, allow_spec_change=allow_spec_change, on_warning=on_warning,
+                      on_worker=on_worker)
     try:
         restored = trainer.restore()
     except BaseException:

@@ -13,6 +13,7 @@ the updates that follow are not bit-reproducible.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import threading
@@ -33,8 +34,10 @@ from flowctl.engine.errors import (
     ExecutionError,
     NonFiniteError,
     SpecError,
+    WorkerLostError,
 )
 from flowctl.engine.executor import RunStats
+from flowctl.engine.distributed import Recovery
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
@@ -109,15 +112,41 @@ class Interrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
+class _Appender:
+    """The metrics file open for appending, reopened after a restore rewrote it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: IO[str] = open(path, "a")
+
+    def write(self, text: str) -> None:
+        self.file.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def reopen(self) -> None:
+        self.file.close()
+        self.file = open(self.path, "a")
+
+    def __enter__(self) -> "_Appender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.file.close()
+
+
 class Trainer:
     def __init__(self, loaded: LoadedSpec, run_dir: Path, steps: int | None = None,
                  on_step: Callable[[StepEvent], None] | None = None,
                  on_warning: Callable[[str], None] | None = None, histograms_every: int = 0,
-                 allow_spec_change: bool = False, prefetch: int = 2, trace_step: int | None = None) -> None:
+                 allow_spec_change: bool = False, prefetch: int = 2, trace_step: int | None = None,
+                 on_worker: Callable[[int, str, str], None] | None = None) -> None:
         """`prefetch`: batches each data source reads ahead on its own thread while the model
         computes (§4.5); 0 reads them in the step. The checkpointed cursor is exact either way.
         `trace_step`: write a timeline of that step (RUN/trace-<step>.json, flowctl.training.trace)."""
         self.trace_step = trace_step
+        self.on_worker = on_worker  # a remote run: (task, state, detail) as each worker starts or is lost
         spec = loaded.spec
         self.prefetch = prefetch
         if loaded.loss is None:
@@ -137,7 +166,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ graph and session
     def _build(self) -> None:
-        self.program: Program = open_program(self.loaded)
+        self.program: Program = open_program(self.loaded, on_worker=self.on_worker)
+        # §3.3: a remote run restarts lost workers and restores the last checkpoint.
+        self.recovery = Recovery(self.program.session, self.spec.cluster.max_failures, self._restore_step) \
+            if self.program.remote else None
         p = self.program
         step = p.step
         self.strategy = step.strategy
@@ -227,6 +259,10 @@ class Trainer:
         self.run.write_info(info)
         return str(c.path)
 
+    def _restore_step(self) -> int:
+        self.restore()
+        return self.step
+
     def save(self) -> str:
         tensors, state = ckpt.capture(self.session, self.optimizer)
         data: Any = [s.state() for s in self.sources] if self.program.step.async_step is not None else self.data.state()
@@ -283,7 +319,7 @@ class Trainer:
         # N device threads each calling BLAS: give each its share of the cores (runtime.blas_limits).
         limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
         try:
-            with Interrupt() as stop, open(self.run.metrics, "a") as metrics, limits:
+            with Interrupt() as stop, _Appender(self.run.metrics) as metrics, limits:
                 if self.program.step.async_step is not None:
                     loss_v, rates, last_path, interrupted, stale = self._loop_async(stop, metrics, writer, t0)
                 else:
@@ -308,7 +344,7 @@ class Trainer:
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
                        evaluation=tr["last"], best=best, early_stopped=self.early_stopped)
 
-    def _loop(self, stop: Interrupt, metrics: IO[str], writer: Any,
+    def _loop(self, stop: Interrupt, metrics: _Appender, writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
         assert self.program.step.train is not None
         step_feeds = self.program.step.train.feeds
@@ -323,10 +359,16 @@ class Trainer:
             feeds: dict[Any, Any] = step_feeds(self.data.next_batch())
             lr = learning_rate(self.spec.training.learning_rate, self.step)
             feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
-            snapshot = self.session.variable_values(), self.session.rng_states()
+            # Assignments replace arrays, so holding the references is free here; a remote run would
+            # pull every variable across the network, so it keeps none.
+            snapshot = None if self.program.remote else (self.session.variable_values(), self.session.rng_states())
             stats = RunStats() if self.trace_step == self.step + 1 else None
             ts = time.perf_counter()
-            loss_arr, _ = self._run_step(fetches, feeds, stats)
+            try:
+                loss_arr, _ = self._run_step(fetches, feeds, stats)
+            except WorkerLostError as e:
+                self._recover(e, metrics)
+                continue
             dt = time.perf_counter() - ts
             if stats is not None:
                 self.write_trace(stats, fetches, feeds)
@@ -356,6 +398,21 @@ class Trainer:
                 last_save = now
         return loss_v, rates, last_path, False
 
+    def _recover(self, error: WorkerLostError, metrics: _Appender) -> None:
+        """§3.3: a worker was lost mid-step. Restart it, put the last checkpoint back, and carry on
+        from there (the steps since it are run again); past cluster.max_failures, end the run with
+        the last checkpoint as it is."""
+        if self.recovery is None:
+            raise error
+        metrics.flush()
+        r = self.recovery.handle(error, self.step + 1)
+        metrics.reopen()  # the restore rewrote the metrics file up to the checkpoint
+        metrics.write(json.dumps({"step": self.step, "event": "restart", **r.to_dict()}) + "\n")
+        metrics.flush()
+        self.on_warning(f"worker task {', '.join(map(str, r.tasks))} lost at step {r.failed_step} ({r.node or '?'}); "
+                        f"restarted ({r.failure} of {self.recovery.max_failures}), {r.replayed} step(s) replayed "
+                        f"from checkpoint {r.resumed_step}")
+
     def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
         if stats is None or self.program.cluster is not None:
             return self.session.run(fetches, feeds, stats=stats)
@@ -376,14 +433,17 @@ class Trainer:
                            title=f"{self.spec.name or self.spec.model.name} step {self.step + 1}")
         return write_trace(self.run.path / f"trace-{self.step + 1}.json", trace)
 
-    def _loop_async(self, stop: Interrupt, metrics: IO[str], writer: Any,
+    def _loop_async(self, stop: Interrupt, metrics: _Appender, writer: Any,
                     t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
         return _AsyncRun(self, metrics, writer, t0).run(stop)
 
-    def _explain_non_finite(self, snapshot: tuple[dict[str, Any], dict[str, Any]], fetches: list[Any],
+    def _explain_non_finite(self, snapshot: tuple[dict[str, Any], dict[str, Any]] | None, fetches: list[Any],
                             feeds: dict[Any, Any]) -> None:
         """The loss went NaN/Inf: put back the state from before the step, replay it with every
         output checked, and stop with the first node that produced a non-finite value (§6)."""
+        if snapshot is None:
+            raise NonFiniteError(f"step {self.step + 1}: the loss is not finite (resume the last checkpoint in a "
+                                 f"local run to find the node that produced it)")
         values, rng = snapshot
         self.session.load_variables(values)
         self.session.set_rng_states(rng)
@@ -425,7 +485,7 @@ class _AsyncRun:
     taken with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C,
     errors. A metrics line per update carries the replica and the update's staleness."""
 
-    def __init__(self, trainer: Trainer, metrics: IO[str], writer: Any, t0: float) -> None:
+    def __init__(self, trainer: Trainer, metrics: _Appender, writer: Any, t0: float) -> None:
         a = trainer.program.step.async_step
         assert a is not None
         self.t, self.a, self.metrics, self.writer, self.t0 = trainer, a, metrics, writer, t0

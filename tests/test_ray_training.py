@@ -1,0 +1,143 @@
+"""Training on Ray worker tasks through the trainer (issue 15): the same numbers as a local run,
+exact resume of a Ray run, and a worker killed mid-run restarted with the last checkpoint restored,
+ending where an uninterrupted run ends; past cluster.max_failures the run ends with exit 5 and its
+last checkpoint intact. One local Ray instance serves the module."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from flowctl.engine.errors import WorkerLostError
+from flowctl.spec.loader import load_text
+from flowctl.training.trainer import Trainer
+
+ray = pytest.importorskip("ray")
+
+MODEL = """\
+version: 1
+name: mlp
+model:
+  layers:
+    - {name: x, type: input, shape: [10]}
+    - {name: h, type: dense, units: 16, activation: relu}
+    - {name: logits, type: dense, units: 4}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+data: {source: synthetic, task: learnable, seed: 3}
+training: {optimizer: {type: adam}, learning_rate: 0.05, batch_size: 16, steps: 8, seed: 2}
+checkpoint: {every_steps: 3, keep: 3}
+"""
+RAY = "cluster: {type: ray, workers: 2, max_failures: %d}\ndevices: [worker0/cpu:0, worker1/cpu:0]\n"
+LOCAL = "devices: [cpu:0, cpu:1]\n"
+MODEL_PARALLEL = "parallelism: {strategy: model_parallel, groups: [{layers: [h], device: %s}, " \
+                 "{layers: [logits, loss], device: %s}]}\n"
+SYNC = "parallelism: {strategy: sync_data_parallel, replicas: 2}\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20,
+             _temp_dir=tmp)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def trainer(text: str, run: Path, steps: int | None = None, resume: bool = False) -> Trainer:
+    t = Trainer(load_text(text, filename="mlp.yaml"), run, steps=steps, prefetch=0)
+    if resume:
+        t.restore()
+    else:
+        t.start_fresh(text, "")
+    return t
+
+
+def train(text: str, run: Path, steps: int | None = None, resume: bool = False, on_step=None) -> dict:
+    t = trainer(text, run, steps, resume)
+    if on_step is not None:
+        t.on_step = lambda e: on_step(t, e)
+    try:
+        t.train()
+        return t.session.variable_values()
+    finally:
+        t.close()
+
+
+def losses(run: Path) -> list[float]:
+    import json
+
+    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def test_model_parallel_over_two_workers_gives_the_single_device_losses(tmp_path):
+    single = train(MODEL, tmp_path / "one")
+    remote = train(MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0"), tmp_path / "ray")
+    assert losses(tmp_path / "ray") == losses(tmp_path / "one")
+    for k, v in single.items():
+        np.testing.assert_array_equal(remote[k], v, err_msg=k)
+
+
+def test_sync_data_parallel_over_two_workers_equals_it_on_two_local_devices(tmp_path):
+    local = train(MODEL + LOCAL + SYNC, tmp_path / "local")
+    remote = train(MODEL + RAY % 3 + SYNC, tmp_path / "ray")
+    np.testing.assert_allclose(losses(tmp_path / "ray"), losses(tmp_path / "local"), rtol=1e-6)
+    for k, v in local.items():
+        np.testing.assert_allclose(remote[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_a_ray_run_resumes_exactly(tmp_path):
+    spec = MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0")
+    straight = train(spec, tmp_path / "full")
+    train(spec, tmp_path / "split", steps=5)
+    again = train(spec, tmp_path / "split", resume=True)
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+    for k, v in straight.items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def _killer(at: set[int]):
+    def kill(t: Trainer, e) -> None:
+        if e.step in at:
+            at.discard(e.step)
+            os.kill(t.session.workers[1].pid, signal.SIGKILL)
+    return kill
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    spec = MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0")
+    straight = train(spec, tmp_path / "full")
+    survived = train(spec, tmp_path / "killed", on_step=_killer({5}))
+    for k, v in straight.items():
+        np.testing.assert_array_equal(survived[k], v, err_msg=k)
+    metrics = (tmp_path / "killed" / "metrics.jsonl").read_text()
+    assert '"event": "restart"' in metrics and '"failed_step": 6' in metrics and '"resumed_step": 3' in metrics
+    assert losses(tmp_path / "killed") == losses(tmp_path / "full")  # the restore rewrote the lost steps
+
+
+def test_past_max_failures_the_run_ends_with_exit_5_and_its_checkpoint_intact(tmp_path):
+    spec = MODEL + RAY % 1 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0")
+    with pytest.raises(WorkerLostError) as e:
+        train(spec, tmp_path / "run", on_step=_killer({4, 5}))
+    assert e.value.exit_code == 5 and "max_failures is 1" in str(e.value) and "intact" in str(e.value)
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest == "ckpt-00000003"
+    again = train(spec, tmp_path / "run", resume=True)  # resumable: and it ends where a clean run does
+    straight = train(spec, tmp_path / "full")
+    for k, v in straight.items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
