@@ -22,6 +22,12 @@ class FlowctlGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as e:
+            # The stages map the failures they expect (a run's files: exit 6); this is the net for
+            # the rest, so that an operating-system error is still one line, not a traceback.
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"error: {where}{e.strerror or e}", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=FlowctlGroup, context_settings={"help_option_names": ["-h", "--help"]})

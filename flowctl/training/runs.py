@@ -4,7 +4,6 @@ the spec as it is now (§3.3: a resumed run must compute what the interrupted on
 `flowctl train` and `flowctl resume` call `start_run` and `resume_run` and only render."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -100,16 +99,23 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     """The run in `run_dir` restored from its newest valid checkpoint. The spec is read again from
     where the run found it (else the run's copy); a change to what it computes is refused, listing
     the changes, unless `allow_spec_change`."""
-    run = RunDir(run_dir)
+    run = RunDir(run_dir, on_warning)
     if not run.exists():
         raise CheckpointError(f"{run_dir}: no run here (run.json missing)")
-    info = run.read_info()
-    spec_path = info.get("spec_path") or ""
-    data = info.get("overrides", {}).get("data")
+    info = run.info_or_empty()
+    spec_path = str(info.get("spec_path") or "")
+    overrides = info.get("overrides")
+    data = overrides.get("data") if isinstance(overrides, dict) else None
     if spec_path and Path(spec_path).exists():
         loaded, _, _ = load_training_spec(spec_path, data)
     else:
-        loaded = load_text((run.path / "spec.yaml").read_text(), filename=str(run.path / "spec.yaml"))
+        copy = run.path / "spec.yaml"
+        try:
+            text = copy.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{copy}: unreadable ({getattr(e, 'strerror', None) or e}), and the spec "
+                                  f"the run started from is {spec_path or 'not recorded'}") from None
+        loaded = load_text(text, filename=str(copy))
         if data:
             override_data(loaded, data)
     changes = _changes(run, loaded)
@@ -121,14 +127,24 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     trainer = Trainer(loaded, run.path, steps=steps, allow_spec_change=allow_spec_change, on_warning=on_warning)
     try:
         restored = trainer.restore()
+        if changes is None:  # the checkpoint's own spec hash matched: record the spec again
+            run.write_json("spec.resolved.json", {"sha256": trainer.hash, "spec": trainer.resolved})
     except BaseException:
         trainer.close()
         raise
-    return Resumed(trainer, restored, changes)
+    return Resumed(trainer, restored, changes or [])
 
 
-def _changes(run: RunDir, loaded: LoadedSpec) -> list[str]:
-    before: dict[str, Any] = json.loads((run.path / "spec.resolved.json").read_text())
+def _changes(run: RunDir, loaded: LoadedSpec) -> list[str] | None:
+    """How the spec differs from the run's; None when spec.resolved.json is damaged (a warning:
+    the checkpoints' manifests carry the spec hash too, and restoring compares it)."""
+    try:
+        before: Any = run.read_json("spec.resolved.json")
+        if not isinstance(before, dict) or not isinstance(before.get("sha256"), str) or "spec" not in before:
+            raise CheckpointError(f"{run.path / 'spec.resolved.json'}: damaged (no sha256 and spec)")
+    except CheckpointError as e:
+        run.on_warning(f"{e}; comparing the spec with the checkpoint's hash instead")
+        return None
     now = resolved(loaded.spec)
     if spec_hash(now) == before["sha256"]:
         return []
