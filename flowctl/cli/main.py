@@ -36,7 +36,8 @@ def cli() -> None:
     """Declarative runner for dataflow machine learning (TensorFlow whitepaper, 2015).
 
     Exit codes: 0 ok, 1 other error, 2 spec error, 3 graph error, 4 placement error,
-    5 execution error, 6 checkpoint error, 130 interrupted.
+    5 execution error, 6 checkpoint or run-directory error (a damaged checkpoint, a failed write),
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM); both write a checkpoint first.
     """
 
 

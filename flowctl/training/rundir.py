@@ -112,8 +112,8 @@ def _short(v: Any) -> str:
 def write_failed(path: Path, e: OSError) -> CheckpointError:
     """One line for a failed write of a run's file: which, why, the free space there, and that the
     checkpoints were not touched (they are written apart from the metrics and the metadata)."""
-    return CheckpointError(f"{path}: write failed ({why_write_failed(e)}; {free_space(path)}); the checkpoints "
-                           f"are untouched, `flowctl resume` continues from the newest once it can write")
+    return CheckpointError(f"{path}: write failed ({why_write_failed(e)}; {free_space(path)}); "
+                           f"the checkpoints are untouched")
 
 
 class Damaged(ValueError):

@@ -103,6 +103,8 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     if not run.exists():
         raise CheckpointError(f"{run_dir}: no run here (run.json missing)")
     info = run.info_or_empty()
+    if not info:  # damaged (a warning said so): what it recorded is taken from the run's own copies
+        run.write_info({"status": "running", "spec_path": "", "overrides": {}})
     spec_path = str(info.get("spec_path") or "")
     overrides = info.get("overrides")
     data = overrides.get("data") if isinstance(overrides, dict) else None

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from flowctl.engine.runtime import blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
 from flowctl.training.faults import Stop, check_finite, checked_learning_rate
-from flowctl.training.rundir import RunDir, resolved, spec_hash
+from flowctl.training.rundir import MetricsLog, RunDir, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
 from flowctl.training.inputs import make_sources
 from flowctl.training.program import Program, open_program
@@ -231,7 +231,7 @@ class Trainer:
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
                        exit_code=stop.exit_code if interrupted else 0)
 
-    def _loop(self, stop: Stop, metrics: IO[str], writer: Any,
+    def _loop(self, stop: Stop, metrics: MetricsLog, writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
         assert self.program.step.train is not None
         step_feeds = self.program.step.train.feeds
@@ -269,7 +269,7 @@ class Trainer:
                 last_save = now
         return loss_v, rates, last_path, False
 
-    def _loop_async(self, stop: Stop, metrics: IO[str], writer: Any,
+    def _loop_async(self, stop: Stop, metrics: MetricsLog, writer: Any,
                     t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
         return _AsyncRun(self, metrics, writer, t0).run(stop)
 
@@ -318,7 +318,7 @@ class _AsyncRun:
     taken with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C,
     errors. A metrics line per update carries the replica and the update's staleness."""
 
-    def __init__(self, trainer: Trainer, metrics: IO[str], writer: Any, t0: float) -> None:
+    def __init__(self, trainer: Trainer, metrics: MetricsLog, writer: Any, t0: float) -> None:
         a = trainer.program.step.async_step
         assert a is not None
         self.t, self.a, self.metrics, self.writer, self.t0 = trainer, a, metrics, writer, t0
