@@ -50,8 +50,8 @@ def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide run.json from other readers
         with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide run.json from other readers
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -120,20 +120,20 @@ class Damaged(ValueError):
     """A metrics line or metadata file that does not parse as what it should be."""
 
 
-def parse_json(raw: bytes | str, what: str = "JSON") -> Any:
+def parse_json(raw: bytes | str) -> Any:
     """`json.loads`, with every way bytes can fail to be JSON (undecodable, truncated, nested past
     the parser's stack) as one `Damaged`."""
     try:
         return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
     except RecursionError:
-        raise Damaged(f"{what} nested too deeply") from None
+        raise Damaged("JSON nested too deeply") from None
     except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise Damaged(f"not {what}: {str(e)[:80]}") from None
+        raise Damaged(f"not JSON: {str(e)[:80]}") from None
 
 
 def metrics_record(line: bytes) -> dict[str, Any]:
     """One metrics.jsonl line as a record with an integer `step`, else `Damaged`."""
-    rec = parse_json(line, "JSON")
+    rec = parse_json(line)
     if not isinstance(rec, dict):
         raise Damaged(f"a JSON {type(rec).__name__}, not an object")
     step = rec.get("step")

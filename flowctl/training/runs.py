@@ -150,7 +150,10 @@ def _changes(run: RunDir, loaded: LoadedSpec) -> list[str] | None:
     now = resolved(loaded.spec)
     if spec_hash(now) == before["sha256"]:
         return []
-    return spec_changes(before["spec"], now) or ["the resolved spec's hash changed"]
+    try:
+        return spec_changes(before["spec"], now) or ["the resolved spec's hash changed"]
+    except RecursionError:  # nested deeper than any spec: damaged, and its hash differs anyway
+        return ["spec.resolved.json is damaged (nested too deeply) and its hash differs"]
 
 
 def _listing(changes: list[str]) -> str:
