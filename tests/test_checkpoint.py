@@ -386,7 +386,7 @@ def test_a_failed_rename_puts_the_replaced_checkpoint_back(tmp_path, monkeypatch
 def test_an_unwritable_directory_fails_the_save(tmp_path):
     blocker = tmp_path / "run"
     blocker.write_text("a file where the checkpoint directory should be")  # works as root, unlike chmod
-    with pytest.raises(fc.CheckpointError, match=r"run: write failed \(.*\); no earlier checkpoint$"):
+    with pytest.raises(fc.CheckpointError, match=r"run: write failed \(.*\); no earlier checkpoint; [0-9.]+ [KMGT]?i?B free there$"):
         CheckpointDir(blocker).save(1, {"x": np.ones(2)}, {})
     if os.geteuid() != 0:
         ro = tmp_path / "ro"

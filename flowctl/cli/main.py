@@ -22,6 +22,12 @@ class FlowctlGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as e:
+            # The stages map the failures they expect (a run's files: exit 6); this is the net for
+            # the rest, so that an operating-system error is still one line, not a traceback.
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"error: {where}{e.strerror or e}", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=FlowctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +36,8 @@ def cli() -> None:
     """Declarative runner for dataflow machine learning (TensorFlow whitepaper, 2015).
 
     Exit codes: 0 ok, 1 other error, 2 spec error, 3 graph error, 4 placement error,
-    5 execution error, 6 checkpoint error, 130 interrupted.
+    5 execution error, 6 checkpoint or run-directory error (a damaged checkpoint, a failed write),
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM); both write a checkpoint first.
     """
 
 

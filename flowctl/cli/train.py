@@ -86,7 +86,7 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
     if as_json:
         click.echo(json.dumps(summary.to_dict()))
     if summary.interrupted:
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(summary.exit_code or EXIT_INTERRUPTED)  # 130 for Ctrl-C, 143 for SIGTERM
 
 
 @click.command()
@@ -110,7 +110,7 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
           trace_step: int | None, as_json: bool) -> None:
     """Train SPEC (default: the embedded demo) with progress, metrics and checkpoints.
 
-    Ctrl-C finishes the step, writes a checkpoint and exits with code 130."""
+    Ctrl-C (or SIGTERM) finishes the step, writes a checkpoint and exits with code 130 (143)."""
     from flowctl.training.runs import command_line_overrides, start_run
 
     console = Console(stderr=True, soft_wrap=True)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from flowctl.engine.errors import CheckpointError
+from flowctl.engine.errors import CheckpointError, FlowctlError
 from flowctl.version import __version__
 
 if TYPE_CHECKING:
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Checkpoint", "CheckpointInvalid", "CheckpointDir", "CheckpointWarning", "SAVE_PHASES",
-    "apply", "capture", "decode_state", "encode_state", "load",
+    "apply", "capture", "decode_state", "encode_state", "free_space", "load",
+    "why_write_failed",
 ]
 
 FORMAT = "flowctl.checkpoint"
@@ -233,7 +234,8 @@ def load(path: str | Path, spec_hash: str | None = None, allow_spec_change: bool
         entries: dict[str, dict[str, Any]] = manifest["tensors"]
         tfile: dict[str, Any] = manifest["tensor_file"]
         state = decode_state(manifest["state"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        # RecursionError: JSON nested deeper than the parser's (or decode_state's) stack allows.
         raise CheckpointInvalid(manifest_path, "unreadable", f"{type(e).__name__}: {e}") from None
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointInvalid(manifest_path, "unreadable", f"not a {FORMAT} v{FORMAT_VERSION} manifest")
@@ -391,14 +393,12 @@ class CheckpointDir:
         return payload, {"name": TENSORS, "size": len(payload), "sha256": _sha256(payload)}, entries
 
     def _write_failed(self, e: OSError, where: Path) -> CheckpointError:
-        what = os.strerror(e.errno) if e.errno else str(e)
-        if e.errno == errno.ENOSPC:
-            what = "no space left on device"
-        elif e.errno == errno.EEXIST and where == self.directory:
+        what = why_write_failed(e)
+        if e.errno == errno.EEXIST and where == self.directory:
             what = "exists and is not a directory"
         last = self.latest()
         kept = f"the last good checkpoint {last.name} is untouched" if last else "no earlier checkpoint"
-        return CheckpointError(f"{where}: write failed ({what}); {kept}")
+        return CheckpointError(f"{where}: write failed ({what}); {kept}; {free_space(where)}")
 
     def _commit(self, tmp: Path, final: Path) -> Path | None:
         """Rename the finished directory into place (the commit point). An existing checkpoint of the
@@ -474,11 +474,18 @@ class CheckpointDir:
         """Load and verify the checkpoint of `step` (no fallback)."""
         return load(self.path_for(step), self.spec_hash, allow_spec_change)
 
-    def restore_latest(self, allow_spec_change: bool = False) -> Checkpoint:
+    def restore_latest(self, allow_spec_change: bool = False,
+                       accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint:
         """The newest checkpoint whose checks pass. Damaged ones are skipped with a warning (in
         `Checkpoint.warnings` and to `on_warning`); leftover `.tmp-*` entries are deleted and
         `latest` is pointed at the checkpoint restored. A spec mismatch is raised, not skipped: every
-        checkpoint of the run has the same spec. Raises `CheckpointError` when none is valid."""
+        checkpoint of the run has the same spec. Raises `CheckpointError` when none is valid.
+
+        `accept`, when given, is called on each checkpoint that passed the file checks, newest first,
+        and usually loads it; if it raises a `FlowctlError` (or the KeyError, TypeError, ValueError,
+        IndexError or AttributeError of a state it cannot use: a cursor without its keys, a bad RNG
+        state), that checkpoint is skipped as damaged and the previous one is tried, so a caller that
+        loads state piecewise must let a later call overwrite all of it."""
         self.remove_temporaries()
         candidates = sorted(self._all_dirs(), key=lambda p: _step_of(p) or 0, reverse=True)
         if not candidates:
@@ -487,6 +494,8 @@ class CheckpointDir:
         for path in candidates:
             try:
                 ckpt = load(path, self.spec_hash, allow_spec_change)
+                if accept is not None:
+                    _accepted(accept, ckpt)
             except CheckpointInvalid as e:
                 if e.check == "spec mismatch":
                     raise
@@ -502,6 +511,11 @@ class CheckpointDir:
                     ckpt.warnings.append(f"could not update {self.directory / LATEST}")
             return ckpt
         raise CheckpointError(f"{self.directory}: no valid checkpoint ({'; '.join(skipped)})")
+
+    def empty(self) -> bool:
+        """No checkpoint directory at all, committed or damaged (a run stopped before its first
+        save; `.tmp-*` debris does not count)."""
+        return not self._all_dirs()
 
     def remove_temporaries(self) -> list[Path]:
         """Delete `.tmp-*` debris of interrupted saves; return what was removed. A checkpoint that
@@ -537,9 +551,12 @@ class CheckpointDir:
 
     def _read_latest(self) -> str | None:
         try:
-            return (self.directory / LATEST).read_text().strip()
+            raw = (self.directory / LATEST).read_bytes()
         except OSError:
             return None
+        # A damaged pointer (binary, NULs) names no checkpoint; restore scans the directories anyway.
+        name = raw.decode("ascii", errors="replace").strip()
+        return name if _NAME.match(name) else None
 
     def _all_dirs(self) -> builtins.list[Path]:
         if not self.directory.is_dir():
@@ -555,6 +572,43 @@ class CheckpointDir:
     def list(self) -> builtins.list[Path]:
         """Committed checkpoint directories (commit marker present), oldest first."""
         return sorted((p for p in self._all_dirs() if (p / COMMIT).is_file()), key=lambda p: _step_of(p) or 0)
+
+
+def _accepted(accept: Callable[[Checkpoint], None], ckpt: Checkpoint) -> None:
+    try:
+        accept(ckpt)
+    except CheckpointInvalid:
+        raise
+    except (FlowctlError, KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as e:
+        detail = str(e) if isinstance(e, FlowctlError) else f"{type(e).__name__}: {e}"
+        raise CheckpointInvalid(ckpt.path / MANIFEST, "inconsistent", f"its state cannot be restored: {detail}"
+                                ) from None
+
+
+_WHY = {errno.ENOSPC: "no space left on device", errno.EFBIG: "file too large",
+        errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded"}
+
+
+def why_write_failed(e: OSError) -> str:
+    """The reason for a failed write, in words (the usual storage failures in lower case)."""
+    return _WHY.get(e.errno or 0) or (os.strerror(e.errno) if e.errno else str(e))
+
+
+def free_space(path: str | Path) -> str:
+    """`N GiB free there`, for the filesystem holding `path` (its nearest existing ancestor)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return "free space unknown"
+    size = float(free)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{size:.0f} {unit} free there" if unit == "B" else f"{size:.1f} {unit} free there"
 
 
 # ---------------------------------------------------------------------------- session glue

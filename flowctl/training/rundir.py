@@ -9,21 +9,41 @@ event files), the graph that was trained, and the checkpoints.
     RUN/metrics.jsonl       one line per step: step, loss, learning rate, examples/s, time
     RUN/events/             TensorBoard event files
     RUN/checkpoints/        ckpt-<step>/ directories and the `latest` pointer
+
+What a run directory survives (issue 21): every file is written atomically (metadata) or appended
+(metrics, events), never through a symlink that leads out of the directory; a failed write (a full
+disk, a read-only one) is one `CheckpointError` naming the file and the free space, and leaves the
+checkpoints as they were; a damaged metrics line (torn by a crash, garbage) is skipped with a
+warning and dropped when a resume rewrites the file; a damaged run.json or spec.resolved.json is
+a warning, the run's spec.yaml and the checkpoints' own spec hash stand in for them.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
+from flowctl.engine.checkpoint import free_space, why_write_failed
 from flowctl.engine.errors import CheckpointError
+
+Warn = Callable[[str], None]
 
 # Keys that say how long or how often, not what is computed: changing them is not a spec change.
 SCHEDULING_KEYS = ("training.steps", "training.log_every_steps", "checkpoint")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -32,6 +52,7 @@ def write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide run.json from other readers
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -89,41 +110,209 @@ def _short(v: Any) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-class RunDir:
+def write_failed(path: Path, e: OSError) -> CheckpointError:
+    """One line for a failed write of a run's file: which, why, the free space there, and that the
+    checkpoints were not touched (they are written apart from the metrics and the metadata)."""
+    return CheckpointError(f"{path}: write failed ({why_write_failed(e)}; {free_space(path)}); "
+                           f"the checkpoints are untouched")
+
+
+class Damaged(ValueError):
+    """A metrics line or metadata file that does not parse as what it should be."""
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """`json.loads`, with every way bytes can fail to be JSON (undecodable, truncated, nested past
+    the parser's stack) as one `Damaged`."""
+    try:
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    except RecursionError:
+        raise Damaged("JSON nested too deeply") from None
+    except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise Damaged(f"not JSON: {str(e)[:80]}") from None
+
+
+def metrics_record(line: bytes) -> dict[str, Any]:
+    """One metrics.jsonl line as a record with an integer `step`, else `Damaged`."""
+    rec = parse_json(line)
+    if not isinstance(rec, dict):
+        raise Damaged(f"a JSON {type(rec).__name__}, not an object")
+    step = rec.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise Damaged("no integer step")
+    return rec
+
+
+class MetricsLog:
+    """metrics.jsonl open for appending: never through a symlink (O_NOFOLLOW), and a failed write
+    or flush is `write_failed`. Used as the trainer's file: `write(line)`, `flush()`."""
+
     def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] = self._open()
+
+    def _open(self) -> IO[str]:
+        path = self.path
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointError(f"{path}: is a symlink; refusing to write a run's metrics through it "
+                                      f"(replace it with a plain file)") from None
+            raise write_failed(path, e) from None
+        return os.fdopen(fd, "a")
+
+    def write(self, line: str) -> None:
+        try:
+            self._file.write(line)
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+
+    def reopen(self) -> None:
+        """Open the file again, after a restore rewrote it (a remote run's recovery)."""
+        self.close()
+        self._file = self._open()
+
+    def close(self, failing: bool = False) -> None:
+        """Flush and close; when `failing` (another error is on its way out) a second failure is
+        dropped so that the first is the one reported."""
+        try:
+            self._file.close()
+        except OSError as e:
+            if not failing:
+                raise write_failed(self.path, e) from None
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        self.close(failing=kind is not None)
+
+
+class RunDir:
+    def __init__(self, path: Path, on_warning: Warn | None = None) -> None:
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
         self.metrics = self.path / "metrics.jsonl"
         self.events = self.path / "events"
+        self.on_warning = on_warning or (lambda m: None)
 
     def exists(self) -> bool:
         return (self.path / "run.json").exists()
 
+    def create(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+
+    def inside(self, path: Path) -> Path:
+        """`path`, once it is known not to lead out of the run directory (a symlink to elsewhere
+        would make the run write where nobody asked it to)."""
+        root = self.path.resolve()
+        real = path.resolve()
+        if real != root and root not in real.parents:
+            raise CheckpointError(f"{path}: leads to {real}, outside the run directory {root} (a symlink); "
+                                  f"refusing to write there")
+        return path
+
+    # ------------------------------------------------------------------ metadata
+    def read_json(self, name: str) -> Any:
+        """A metadata file; `CheckpointError` when it is missing, unreadable or not JSON."""
+        path = self.path / name
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
+        try:
+            return parse_json(raw)
+        except Damaged as e:
+            raise CheckpointError(f"{path}: damaged ({e})") from None
+
     def read_info(self) -> dict[str, Any]:
-        return json.loads((self.path / "run.json").read_text())
+        info = self.read_json("run.json")
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{self.path / 'run.json'}: damaged (a JSON {type(info).__name__}, not an object)")
+        return info
+
+    def info_or_empty(self) -> dict[str, Any]:
+        """run.json, or {} with a warning when it is damaged: what it records (the spec's path, the
+        overrides) is then taken from the run's own copies, and it is rewritten on the next update."""
+        try:
+            return self.read_info()
+        except CheckpointError as e:
+            self.on_warning(f"{e}; using the run's spec.yaml (its relative paths are read from the current "
+                            f"directory), and rewriting run.json")
+            return {}
+
+    def update_info(self, **fields: Any) -> None:
+        info = self.info_or_empty()
+        info.update(fields)
+        self.write_info(info)
 
     def write_info(self, info: dict[str, Any]) -> None:
-        write_atomic(self.path / "run.json", json.dumps(info, indent=2) + "\n")
+        self._write(self.path / "run.json", json.dumps(info, indent=2) + "\n")
 
     def write_json(self, name: str, data: Any) -> None:
-        write_atomic(self.path / name, json.dumps(data, indent=2) + "\n")
+        self._write(self.path / name, json.dumps(data, indent=2) + "\n")
 
     def write_text(self, name: str, text: str) -> None:
-        write_atomic(self.path / name, text)
+        self._write(self.path / name, text)
+
+    def _write(self, path: Path, text: str) -> None:
+        self.inside(path)
+        try:
+            write_atomic(path, text)
+        except OSError as e:
+            raise write_failed(path, e) from None
+
+    # ------------------------------------------------------------------ metrics
+    def open_metrics(self) -> MetricsLog:
+        return MetricsLog(self.metrics)
+
+    def _metric_lines(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """The lines of metrics.jsonl that parse, each with its record; one warning for the rest."""
+        try:
+            raw = self.metrics.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise CheckpointError(f"{self.metrics}: unreadable ({e.strerror or e})") from None
+        good: list[tuple[bytes, dict[str, Any]]] = []
+        bad: list[str] = []
+        for n, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                good.append((line, metrics_record(line)))
+            except Damaged as e:
+                bad.append(f"line {n}: {e}")
+        if bad:
+            more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+            self.on_warning(f"{self.metrics}: skipped {len(bad)} damaged line(s) ({'; '.join(bad[:3])}{more})")
+        return good
 
     def truncate_metrics(self, after_step: int) -> None:
-        """Drop metric lines past `after_step` (steps a crashed run took after its last checkpoint,
-        which the resumed run is about to take again)."""
-        if not self.metrics.exists():
+        """Keep the readable lines up to `after_step`: steps a crashed run took after its last
+        checkpoint are about to be taken again, and damaged lines (a torn tail) are dropped."""
+        if not self.metrics.exists() and not self.metrics.is_symlink():
             return
-        keep = [line for line in self.metrics.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= after_step]
-        write_atomic(self.metrics, "".join(line + "\n" for line in keep))
+        keep = [line for line, rec in self._metric_lines() if rec["step"] <= after_step]
+        self.inside(self.metrics)
+        try:
+            write_atomic(self.metrics, b"".join(line + b"\n" for line in keep).decode())
+        except OSError as e:
+            raise write_failed(self.metrics, e) from None
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics.exists():
-            return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        """The metric records in order; damaged lines are skipped with a warning."""
+        return [rec for _, rec in self._metric_lines()]
 
 
 class RunLock:
@@ -145,8 +334,14 @@ class RunLock:
     def acquire(self) -> "RunLock":
         if self._fd is not None:
             return self
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_failed(self.path, e) from None
+        try:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise write_failed(self.file, e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

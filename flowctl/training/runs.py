@@ -4,7 +4,6 @@ the spec as it is now (§3.3: a resumed run must compute what the interrupted on
 `flowctl train` and `flowctl resume` call `start_run` and `resume_run` and only render."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -135,7 +134,7 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
     """The run in `run_dir` restored from its newest valid checkpoint. The spec is read again from
     where the run found it (else the run's copy); a change to what it computes is refused, listing
     the changes, unless `allow_spec_change`."""
-    run = RunDir(run_dir)
+    run = RunDir(run_dir, on_warning)
     loaded, spec_path = load_run_spec(run)
     lock = RunLock(run.path).acquire()
     try:
@@ -159,41 +158,65 @@ def _resume(run: RunDir, loaded: LoadedSpec, spec_path: str, steps: int | None, 
                       on_worker=on_worker)
     try:
         restored = trainer.restore()
+        if changes is None:  # the checkpoint's own spec hash matched: record the spec again
+            run.write_json("spec.resolved.json", {"sha256": trainer.hash, "spec": trainer.resolved})
     except BaseException:
         trainer.close()
         raise
-    return Resumed(trainer, restored, changes)
+    return Resumed(trainer, restored, changes or [])
 
 
 def load_run_spec(run: RunDir) -> tuple[LoadedSpec, str]:
     """The spec of the run in `run`, read again from where the run found it (else the run's own
-    copy), with the run's `--set` overrides and `--data` file; and the path it was read from."""
+    copy), with the run's `--set` overrides and `--data` file; and the path it was read from. A
+    damaged run.json (a warning said so) is rewritten, and the run's own copies stand in for it."""
     if not run.exists():
         raise CheckpointError(f"{run.path}: no run here (run.json missing)")
-    info = run.read_info()
-    spec_path = info.get("spec_path") or ""
-    data = info.get("overrides", {}).get("data")
-    overrides = info.get("overrides", {}).get("set", [])
+    info = run.info_or_empty()
+    if not info:
+        run.write_info({"status": "running", "spec_path": "", "overrides": {}})
+    spec_path = str(info.get("spec_path") or "")
+    recorded = info.get("overrides")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    data = recorded.get("data")
+    overrides = [str(o) for o in recorded.get("set", []) if isinstance(o, str)]
     if spec_path and Path(spec_path).exists():
         loaded, _, _ = load_training_spec(spec_path, data, overrides)
         return loaded, spec_path
     copy = run.path / "spec.yaml"
-    loaded = load_text(copy.read_text(), filename=str(copy), overrides=overrides)
+    try:
+        text = copy.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{copy}: unreadable ({getattr(e, 'strerror', None) or e}), and the spec "
+                              f"the run started from is {spec_path or 'not recorded'}") from None
+    loaded = load_text(text, filename=str(copy), overrides=overrides)
     if data:
         override_data(loaded, data)
     return loaded, str(copy)
 
 
-def _changes(run: RunDir, loaded: LoadedSpec) -> list[str]:
-    before: dict[str, Any] = json.loads((run.path / "spec.resolved.json").read_text())
+def _changes(run: RunDir, loaded: LoadedSpec) -> list[str] | None:
+    """How the spec differs from the run's; None when spec.resolved.json is damaged (a warning:
+    the checkpoints' manifests carry the spec hash too, and restoring compares it)."""
+    try:
+        before: Any = run.read_json("spec.resolved.json")
+        if not isinstance(before, dict) or not isinstance(before.get("sha256"), str) or "spec" not in before:
+            raise CheckpointError(f"{run.path / 'spec.resolved.json'}: damaged (no sha256 and spec)")
+    except CheckpointError as e:
+        run.on_warning(f"{e}; comparing the spec with the checkpoint's hash instead")
+        return None
     now = resolved(loaded.spec)
     if spec_hash(now) == before["sha256"]:
         return []
-    return spec_changes(before["spec"], now) or ["the resolved spec's hash changed"]
+    try:
+        return spec_changes(before["spec"], now) or ["the resolved spec's hash changed"]
+    except RecursionError:  # nested deeper than any spec: damaged, and its hash differs anyway
+        return ["spec.resolved.json is damaged (nested too deeply) and its hash differs"]
 
 
 def _listing(changes: list[str]) -> str:
     return "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more" if len(changes) > 12 else "")
 
 
-__all__ = ["DEMO", "Resumed", "choose_run_dir", "command_line_overrides", "load_run_spec", "load_training_spec", "override_data", "resume_run", "start_run"]
+__all__ = ["DEMO", "Resumed", "choose_run_dir", "command_line_overrides", "load_run_spec", "load_training_spec",
+           "override_data", "resume_run", "start_run"]

@@ -15,13 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,7 +39,8 @@ from flowctl.engine.distributed import Recovery
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
-from flowctl.training.rundir import RunDir, RunLock, resolved, spec_hash
+from flowctl.training.faults import Stop, check_finite, checked_learning_rate
+from flowctl.training.rundir import MetricsLog, RunDir, RunLock, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
 from flowctl.training.trace import step_trace, write_trace
 from flowctl.training.evaluate import Evaluator, improved
@@ -50,7 +49,7 @@ from flowctl.training.program import Program, open_program
 
 __all__ = ["BEST", "EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer"]
 
-EXIT_INTERRUPTED = 130  # Ctrl-C: a checkpoint was written, `flowctl resume` continues
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGTERM: 143): a checkpoint was written, `flowctl resume` continues
 BEST = "best"  # RUN/checkpoints/best/: the checkpoint with the best evaluation (checkpoint.keep_best)
 
 
@@ -83,57 +82,10 @@ class Summary:
     evaluation: dict[str, float] | None = None  # the last evaluation's val/<metric> values
     best: dict[str, Any] | None = None  # the best evaluation so far: metric, value, step, checkpoint
     early_stopped: bool = False
+    exit_code: int = 0  # interrupted: 128 + the signal that stopped it (130 Ctrl-C, 143 SIGTERM)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-class Interrupt:
-    """First Ctrl-C: finish the step, checkpoint, stop. Second: stop at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __enter__(self) -> "Interrupt":
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: Ctrl-C stays Python's default
-            self._previous = None
-        return self
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
-class _Appender:
-    """The metrics file open for appending, reopened after a restore rewrote it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file: IO[str] = open(path, "a")
-
-    def write(self, text: str) -> None:
-        self.file.write(text)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def reopen(self) -> None:
-        self.file.close()
-        self.file = open(self.path, "a")
-
-    def __enter__(self) -> "_Appender":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.file.close()
 
 
 class Trainer:
@@ -153,10 +105,10 @@ class Trainer:
             raise SpecError("the spec names no loss layer (model.loss), so there is nothing to train")
         self.loaded = loaded
         self.spec = spec
-        self.run = RunDir(run_dir)
         self.total_steps = spec.training.steps if steps is None else steps
         self.on_step = on_step or (lambda e: None)
         self.on_warning = on_warning or (lambda m: None)
+        self.run = RunDir(run_dir, self.on_warning)
         self.histograms_every = histograms_every
         self.allow_spec_change = allow_spec_change
         self.resolved = resolved(spec)
@@ -224,7 +176,7 @@ class Trainer:
     def start_fresh(self, spec_text: str, spec_path: str) -> None:
         self.session.run(self.init)
         self.step = 0
-        self.run.path.mkdir(parents=True, exist_ok=True)
+        self.run.create()
         self.run.write_text("spec.yaml", spec_text)
         self.run.write_json("spec.resolved.json", {"sha256": self.hash, "spec": self.resolved})
         self.run.write_json("devices.json", [d if isinstance(d, str) else d.model_dump(mode="json")
@@ -238,10 +190,26 @@ class Trainer:
         self.run.truncate_metrics(-1)
 
     def restore(self) -> str:
-        """Load the newest valid checkpoint; returns its path."""
-        c = self.checkpoints.restore_latest(allow_spec_change=self.allow_spec_change)
-        for w in c.warnings:
-            self.on_warning(w)
+        """Load the newest valid checkpoint; returns its path. A checkpoint whose files pass but
+        whose state does not restore (a cursor or RNG state it cannot use) is skipped like a
+        damaged one. A run stopped before its first checkpoint starts again from step 0."""
+        self.run.inside(self.run.checkpoints)
+        if self.checkpoints.empty():
+            self.checkpoints.remove_temporaries()
+            self.session.run(self.init)
+            self.step = 0
+            self.on_warning("the run stopped before its first checkpoint: starting it again from step 0")
+            origin = "the initial state (no checkpoint was written)"
+        else:
+            c = self.checkpoints.restore_latest(allow_spec_change=self.allow_spec_change, accept=self._load)
+            for w in c.warnings:
+                self.on_warning(w)
+            origin = str(c.path)
+        self.run.truncate_metrics(self.step)
+        self.run.update_info(status="running", step=self.step)
+        return origin
+
+    def _load(self, c: ckpt.Checkpoint) -> None:
         ckpt.apply(self.session, c.tensors, c.state, origin=c.path)
         data = c.state["data"]
         # async_data_parallel saves one cursor per replica; the synchronous strategies one.
@@ -252,19 +220,18 @@ class Trainer:
         for src, cur in zip(self.sources, cursors):
             src.restore(cur)
         self.step = int(c.state["step"])
-        self.tracking.update(c.state.get("tracking") or {})
-        self.run.truncate_metrics(self.step)
-        info = self.run.read_info()
-        info.update(status="running", step=self.step)
-        self.run.write_info(info)
-        return str(c.path)
+        tracking = c.state.get("tracking")
+        if isinstance(tracking, dict):
+            self.tracking.update(tracking)
 
     def _restore_step(self) -> int:
         self.restore()
         return self.step
 
     def save(self) -> str:
+        self.run.inside(self.run.checkpoints)
         tensors, state = ckpt.capture(self.session, self.optimizer)
+        check_finite(tensors, self.step)  # never a checkpoint of non-finite weights
         data: Any = [s.state() for s in self.sources] if self.program.step.async_step is not None else self.data.state()
         state.update(step=self.step, data=data, strategy=self.strategy,
                      lr=learning_rate(self.spec.training.learning_rate, self.step), tracking=dict(self.tracking))
@@ -314,12 +281,13 @@ class Trainer:
 
         first = self.step
         t0 = time.perf_counter()
-        writer = EventWriter(self.run.events, purge_step=first + 1, histograms_every=self.histograms_every)
+        writer = EventWriter(self.run.inside(self.run.events), purge_step=first + 1,
+                             histograms_every=self.histograms_every)
         cluster = self.program.cluster
         # N device threads each calling BLAS: give each its share of the cores (runtime.blas_limits).
         limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
         try:
-            with Interrupt() as stop, _Appender(self.run.metrics) as metrics, limits:
+            with Stop() as stop, self.run.open_metrics() as metrics, limits:
                 if self.program.step.async_step is not None:
                     loss_v, rates, last_path, interrupted, stale = self._loop_async(stop, metrics, writer, t0)
                 else:
@@ -328,12 +296,12 @@ class Trainer:
                 metrics.flush()
                 if self.step > first or interrupted or last_path is None:
                     last_path = self.save()
-        finally:
-            writer.close()
-        info = self.run.read_info()
+        except BaseException:
+            writer.close(failing=True)  # the first error is the one to report
+            raise
+        writer.close()
         status = "interrupted" if interrupted else ("early_stopped" if self.early_stopped else "finished")
-        info.update(status=status, step=self.step)
-        self.run.write_info(info)
+        self.run.update_info(status=status, step=self.step)
         elapsed = time.perf_counter() - t0
         tr = self.tracking
         best = None
@@ -342,9 +310,10 @@ class Trainer:
                     "checkpoint": str(self.best_checkpoints.path_for(tr["best_step"]))}
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
-                       evaluation=tr["last"], best=best, early_stopped=self.early_stopped)
+                       evaluation=tr["last"], best=best, early_stopped=self.early_stopped,
+                       exit_code=stop.exit_code if interrupted else 0)
 
-    def _loop(self, stop: Interrupt, metrics: _Appender, writer: Any,
+    def _loop(self, stop: Stop, metrics: MetricsLog, writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
         assert self.program.step.train is not None
         step_feeds = self.program.step.train.feeds
@@ -357,7 +326,7 @@ class Trainer:
             if stop.requested:
                 return loss_v, rates, last_path, True
             feeds: dict[Any, Any] = step_feeds(self.data.next_batch())
-            lr = learning_rate(self.spec.training.learning_rate, self.step)
+            lr = checked_learning_rate(self.spec.training.learning_rate, self.step)
             feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
             # Assignments replace arrays, so holding the references is free here; a remote run would
             # pull every variable across the network, so it keeps none.
@@ -398,7 +367,7 @@ class Trainer:
                 last_save = now
         return loss_v, rates, last_path, False
 
-    def _recover(self, error: WorkerLostError, metrics: _Appender) -> None:
+    def _recover(self, error: WorkerLostError, metrics: MetricsLog) -> None:
         """§3.3: a worker was lost mid-step. Restart it, put the last checkpoint back, and carry on
         from there (the steps since it are run again); past cluster.max_failures, end the run with
         the last checkpoint as it is."""
@@ -433,7 +402,7 @@ class Trainer:
                            title=f"{self.spec.name or self.spec.model.name} step {self.step + 1}")
         return write_trace(self.run.path / f"trace-{self.step + 1}.json", trace)
 
-    def _loop_async(self, stop: Interrupt, metrics: _Appender, writer: Any,
+    def _loop_async(self, stop: Stop, metrics: MetricsLog, writer: Any,
                     t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
         return _AsyncRun(self, metrics, writer, t0).run(stop)
 
@@ -485,7 +454,7 @@ class _AsyncRun:
     taken with no update in flight, so each replica's data cursor matches the parameters), Ctrl-C,
     errors. A metrics line per update carries the replica and the update's staleness."""
 
-    def __init__(self, trainer: Trainer, metrics: _Appender, writer: Any, t0: float) -> None:
+    def __init__(self, trainer: Trainer, metrics: MetricsLog, writer: Any, t0: float) -> None:
         a = trainer.program.step.async_step
         assert a is not None
         self.t, self.a, self.metrics, self.writer, self.t0 = trainer, a, metrics, writer, t0
@@ -530,7 +499,7 @@ class _AsyncRun:
         is the schedule's at this update's index."""
         t, a, s = self.t, self.a, self.s
         feeds: dict[Any, Any] = dict(zip(a.grad_inputs, grads))
-        lr = learning_rate(t.spec.training.learning_rate, t.step)
+        lr = checked_learning_rate(t.spec.training.learning_rate, t.step)
         feeds[t.lr] = np.asarray(lr, dtype=t.lr.dtype)
         applied = int(t.session.run([a.applied, a.apply], feeds)[0])
         t.step = applied
@@ -544,7 +513,7 @@ class _AsyncRun:
                                       "staleness": stale, f"replica_{k}/loss": loss_v})
         t.on_step(StepEvent(applied, self.total, loss_v, lr, eps, time.perf_counter() - self.t0, t.batch))
 
-    def run(self, stop: Interrupt) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
+    def run(self, stop: Stop) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
         s = self.s
         threads = [threading.Thread(target=self.replica, args=(k,), name=f"flowctl-replica-{k}", daemon=True)
                    for k in range(len(self.a.losses))]
@@ -567,7 +536,7 @@ class _AsyncRun:
         rates = [len(s.staleness) * self.t.batch / elapsed] if s.staleness and elapsed > 0 else []
         return s.loss, rates, last_path, interrupted, stale
 
-    def coordinate(self, stop: Interrupt) -> tuple[str | None, bool]:
+    def coordinate(self, stop: Stop) -> tuple[str | None, bool]:
         """Wait for updates; checkpoint at each hold; stop on Ctrl-C, an error or the last update."""
         s, t = self.s, self.t
         last_save = self.t0
