@@ -16,6 +16,9 @@ DTYPES: dict[str, np.dtype] = {
     "int64": np.dtype("int64"),
     "uint8": np.dtype("uint8"),
     "bool": np.dtype("bool"),
+    # A handle on per-step state that is no array (a control-flow accumulator, §4.4): never
+    # differentiated, folded or sent off the process.
+    "variant": np.dtype(object),
 }
 FLOATS = frozenset({"float16", "float32", "float64"})
 INTS = frozenset({"int8", "int32", "int64", "uint8"})
@@ -29,6 +32,8 @@ def as_dtype(d: Any) -> str:
         name = np.dtype(d).name
     except TypeError as e:
         raise GraphError(f"unknown dtype {d!r}; known: {', '.join(DTYPES)}") from e
+    if name == "object":
+        return "variant"
     if name not in DTYPES:
         raise GraphError(f"unsupported dtype {name!r}; known: {', '.join(DTYPES)}")
     return name

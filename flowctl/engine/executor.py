@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
+from flowctl.engine.frame_executor import FrameTables, run_frames
+from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import COMMUNICATION, SOURCE
 from flowctl.kernels.registry import bind
@@ -162,6 +164,8 @@ class Plan:
                 self.slot_uses[s] += 1
 
         self._compiled: dict[tuple[bool, bool], tuple[Callable[..., Any], str, list[int]]] = {}
+        # §4.4: a plan with control flow runs on the frame-aware executor (tagged values).
+        self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) else None
 
     def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
         attrs = dict(node.attrs)
@@ -229,7 +233,8 @@ class Plan:
 
     def run(self, feeds: Sequence[Any], stats: RunStats | None = None, check_numerics: bool = False,
             step: "StepContext | None" = None) -> list[Any]:
-        if self.has_async:  # straight-line code cannot wait for a continuation (§5.3)
+        if self.has_async or self.frame_tables is not None:
+            # Straight-line code cannot wait for a continuation (§5.3) nor loop (§4.4).
             return self.run_dataflow(feeds, stats, check_numerics, step)
         fn, filename, owner = self._compile(stats is not None, check_numerics)
         ran: list[int] = []
@@ -266,6 +271,8 @@ class Plan:
                      check_numerics: bool = False, step: "StepContext | None" = None) -> list[Any]:
         """Run the plan with a pending count per node and a ready queue (§3.1). `step` is the
         context handed to asynchronous kernels (§5.3); a plan without them ignores it."""
+        if self.frame_tables is not None:
+            return run_frames(self, feeds, stats, check_numerics, step)
         values: list[Any] = [None] * self.num_slots
         for i, v in enumerate(feeds):
             values[i] = v

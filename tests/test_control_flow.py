@@ -1,0 +1,159 @@
+"""§4.4 control flow: cond and while_loop against plain Python, frames in the executor, shape
+invariants at construction, and loops in GraphDef JSON."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.engine.control_flow import cond, while_loop
+from flowctl.engine.errors import ExecutionError, GraphError
+
+
+def f64(v: float) -> fc.Tensor:
+    return fc.constant(v, dtype="float64")
+
+
+def i32(v: int) -> fc.Tensor:
+    return fc.constant(v, dtype="int32")
+
+
+def _halving(parallel: int) -> tuple[fc.Graph, fc.Tensor, list[fc.Tensor]]:
+    """while k > 1: k = k / 2 if k > 10 else k - 1 -- a trip count that depends on the data."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (), name="x")
+
+        def body(k, steps, total):
+            k2 = cond(fc.greater(k, f64(10.0)), lambda: k / 2.0, lambda: k - 1.0)
+            return k2, steps + 1, total + k2
+
+        out = while_loop(lambda k, s, t: fc.greater(k, f64(1.0)), body, [x, i32(0), f64(0.0)],
+                         parallel_iterations=parallel)
+    return g, x, out
+
+
+def _halving_py(k: float) -> tuple[float, int, float]:
+    steps, total = 0, 0.0
+    while k > 1:
+        k = k / 2 if k > 10 else k - 1
+        steps += 1
+        total += k
+    return k, steps, total
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_data_dependent_trip_count_matches_python(parallel: int) -> None:
+    g, x, out = _halving(parallel)
+    sess = fc.Session(g)
+    for start in [0.5, 1.0, 3.0, 10.5, 137.5, 4096.25]:
+        k, steps, total = sess.run(out, {x: np.float64(start)})
+        rk, rsteps, rtotal = _halving_py(start)
+        assert int(steps) == rsteps
+        assert float(k) == rk and float(total) == pytest.approx(rtotal, rel=1e-15)
+
+
+def test_parallel_iterations_give_the_same_numbers() -> None:
+    """A loop whose iterations are independent apart from the counter: 8 in flight == 1 in flight."""
+    rng = np.random.default_rng(0)
+    w, xs = rng.standard_normal((4, 4)), rng.standard_normal((9, 4))
+    results = []
+    for parallel in (1, 8):
+        g = fc.Graph()
+        with g.as_default():
+            wt, xt = fc.constant(w), fc.constant(xs)
+
+            def body(i, acc):
+                row = fc.reshape(fc.gather(xt, fc.reshape(i, [1]), axis=0), [1, 4])
+                return i + 1, acc + fc.tanh(fc.matmul(row, wt))
+
+            _, acc = while_loop(lambda i, a: fc.less(i, i32(9)), body, [i32(0), fc.zeros([1, 4], "float64")],
+                                parallel_iterations=parallel)
+        results.append(fc.Session(g).run(acc))
+    ref = np.tanh(xs @ w).sum(axis=0, keepdims=True)
+    np.testing.assert_allclose(results[0], ref, rtol=1e-12)
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_nested_loops() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        n = fc.placeholder("int32", (), name="n")
+
+        def outer(i, acc):
+            _, inner = while_loop(lambda j, a: fc.less(j, i), lambda j, a: (j + 1, a + j * i), [i32(0), acc])
+            return i + 1, inner
+
+        _, total = while_loop(lambda i, a: fc.less(i, n), outer, [i32(0), i32(0)])
+    sess = fc.Session(g)
+    for k in [0, 1, 5, 12]:
+        assert int(sess.run(total, {n: np.int32(k)})) == sum(j * i for i in range(k) for j in range(i))
+
+
+def test_loop_on_an_untaken_branch_is_dead_and_a_taken_one_runs() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        n = fc.placeholder("int32", (), name="n")
+        z = cond(fc.greater(n, i32(5)),
+                 lambda: while_loop(lambda i: fc.less(i, n), lambda i: i + 2, i32(0)),
+                 lambda: n * 10)
+    sess = fc.Session(g)
+    for k in [2, 5, 6, 9]:
+        stats = fc.RunStats()
+        got = int(sess.run(z, {n: np.int32(k)}, stats=stats))
+        assert got == ((k + k % 2) if k > 5 else 10 * k)
+        loop_body_runs = sum(1 for name in stats.nodes_run if name.endswith("/Add"))
+        assert (loop_body_runs > 0) == (k > 5)
+
+
+def test_cond_captures_outside_tensors_and_constants() -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((3, 2)), rng.standard_normal((3, 2))
+    g = fc.Graph()
+    with g.as_default():
+        p = fc.placeholder("bool", (), name="p")
+        x, y = fc.constant(a), fc.constant(b)
+        out = cond(p, lambda: (x * 2.0, fc.reduce_sum(y)), lambda: (x + y, f64(7.0)))
+    sess = fc.Session(g)
+    t = sess.run(out, {p: True})
+    np.testing.assert_allclose(t[0], a * 2)
+    assert float(t[1]) == pytest.approx(b.sum())
+    f = sess.run(out, {p: False})
+    np.testing.assert_allclose(f[0], a + b)
+    assert float(f[1]) == 7.0
+
+
+def test_shape_invariants_are_checked_at_construction() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        v = fc.constant(np.ones(2))
+        with pytest.raises(GraphError, match=r"loop variable 1 .*\(2,\).*\(4,\).*shape_invariants"):
+            while_loop(lambda i, x: fc.less(i, i32(3)), lambda i, x: (i + 1, fc.concat([x, x], axis=0)),
+                       [i32(0), v])
+        with pytest.raises(GraphError, match="branches disagree"):
+            cond(fc.less(i32(0), i32(1)), lambda: v, lambda: fc.reshape(v, [1, 2]))
+    g = fc.Graph()
+    with g.as_default():
+        v = fc.constant(np.ones(2))
+        _, grown = while_loop(lambda i, x: fc.less(i, i32(3)), lambda i, x: (i + 1, fc.concat([x, x], axis=0)),
+                              [i32(0), v], shape_invariants=[None, (None,)])
+        assert grown.shape == (None,)
+    assert fc.Session(g).run(grown).shape == (16,)
+
+
+def test_loops_round_trip_through_json() -> None:
+    g, x, out = _halving(3)
+    back = fc.Graph.from_json(g.to_json())
+    assert back.to_json() == g.to_json()
+    got = fc.Session(back).run([t.name for t in out], {x.name: np.float64(99.0)})
+    want = fc.Session(g).run(out, {x: np.float64(99.0)})
+    assert [float(v) for v in got] == [float(v) for v in want]
+
+
+def test_fetching_a_tensor_inside_a_loop_is_refused() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        while_loop(lambda i: fc.less(i, i32(3)), lambda i: i + 1, [i32(0)], name="loop")
+    body = next(n for n in g.nodes if n.startswith("loop/Add"))
+    with pytest.raises(ExecutionError, match="inside loop frame"):
+        fc.Session(g).run(body + ":0")
