@@ -233,7 +233,7 @@ class FrameStep:
                 self.finishes.append((plan.order[i], time.perf_counter()))
             if self.check:
                 self._check(i, outs)
-        self.ran.append(plan.order[i])
+            self.ran.append(plan.order[i])  # a dead node is accounted as done, not as run
         if f is self.root:
             self.root_ran += 1
         kind = self.t.kind[i]
