@@ -157,3 +157,65 @@ def test_fetching_a_tensor_inside_a_loop_is_refused() -> None:
     body = next(n for n in g.nodes if n.startswith("loop/Add"))
     with pytest.raises(ExecutionError, match="inside loop frame"):
         fc.Session(g).run(body + ":0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gradients (§4.1 with §4.4): finite differences through the project's gradcheck, in float64.
+
+def _rnn(parallel: int):
+    def build(x, w):
+        def body(i, h):
+            return i + 1, fc.tanh(fc.matmul(h, w)) + h * 0.5
+
+        _, h = while_loop(lambda i, h: fc.less(i, i32(4)), body, [i32(0), x], parallel_iterations=parallel)
+        return h
+    return build
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_while_gradient_against_finite_differences(parallel: int) -> None:
+    from flowctl.engine.gradcheck import check_gradients
+
+    rng = np.random.default_rng(3)
+    check_gradients(_rnn(parallel), {"x": rng.standard_normal((2, 3)), "w": rng.standard_normal((3, 3))})
+
+
+def test_gradient_of_a_data_dependent_loop_and_a_cond_inside_it() -> None:
+    from flowctl.engine.gradcheck import check_gradients
+
+    def growth(x, w):
+        def body(h, acc):
+            h2 = cond(fc.less(fc.reduce_sum(h), f64(0.0)), lambda: h * 1.5, lambda: fc.tanh(fc.matmul(h, w)) + h)
+            return h2, acc + fc.reduce_sum(h2 * h2)
+
+        return while_loop(lambda h, acc: fc.less(fc.reduce_sum(h * h), f64(40.0)), body, [x, f64(0.0)])
+
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        check_gradients(growth, {"x": rng.standard_normal((2, 3)), "w": rng.standard_normal((3, 3)) * 0.5})
+
+
+def test_cond_gradient_differentiates_the_taken_branch() -> None:
+    from flowctl.engine.gradcheck import check_gradients
+
+    def build(x):
+        return cond(fc.greater(fc.reduce_sum(x), f64(0.0)), lambda: fc.tanh(x) * 2.0, lambda: x * x)
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3))
+    check_gradients(build, {"x": x if x.sum() > 0 else -x})
+    check_gradients(build, {"x": -x if x.sum() > 0 else x})
+
+
+def test_gradient_of_nested_loops_is_refused_clearly() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (2,), name="x")
+
+        def outer(i, h):
+            _, h2 = while_loop(lambda j, a: fc.less(j, i32(2)), lambda j, a: (j + 1, a * 2.0), [i32(0), h])
+            return i + 1, h2
+
+        _, y = while_loop(lambda i, h: fc.less(i, i32(2)), outer, [i32(0), x])
+        with pytest.raises(GraphError, match="nested loops are not supported"):
+            fc.gradients(y, [x])

@@ -50,8 +50,13 @@ def _between(graph: Graph, ys: Sequence[Tensor], xs: Sequence[Tensor]) -> set[st
 
 
 def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
-              grad_ys: Sequence[Any] | None = None, name: str = "gradients") -> list[Tensor | None]:
-    """d(sum of ys)/d(each x). A y's gradient defaults to ones; an x no y depends on gets None."""
+              grad_ys: Sequence[Any] | None = None, name: str = "gradients",
+              stop_at: set[str] | frozenset[str] = frozenset()) -> list[Tensor | None]:
+    """d(sum of ys)/d(each x). A y's gradient defaults to ones; an x no y depends on gets None.
+    Nodes named in `stop_at` pass no gradient to their inputs.
+
+    §4.4: a while loop met on the way is differentiated as a unit once the gradients of all its
+    Exits are known (engine/control_grad.py); a cond's Switch and Merge have gradients of their own."""
     from flowctl.engine.ops import elementwise as ew
 
     ys = [ys] if isinstance(ys, Tensor) else list(ys)
@@ -61,6 +66,7 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
     graph = ys[0].graph
     relevant = _between(graph, ys, xs)
     contribs: dict[str, list[Tensor]] = {}
+    loops = _Loops(graph, relevant, ys[0].node)
 
     with graph.as_default(), graph.name_scope(name):
         for i, y in enumerate(ys):
@@ -73,10 +79,15 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
         for name_ in reversed(graph.topo_order(relevant)):
             node = graph.nodes[name_]
             out_refs = [f"{name_}:{p}" for p in range(len(node.outputs))]
+            if loops.inside(name_):
+                for ref, g in loops.exit_reached(node, contribs, name):
+                    if ref.split(":")[0] in relevant and is_float(graph.tensor(ref).dtype):
+                        contribs.setdefault(ref, []).append(g)
+                continue
             if not any(r in contribs for r in out_refs):
                 continue
             opdef = node.opdef
-            if not opdef.differentiable or not node.inputs:
+            if not opdef.differentiable or not node.inputs or name_ in stop_at:
                 continue
             if opdef.grad is None:
                 raise GraphError(f"no gradient registered for op {node.op} (node '{name_}'), which lies "
@@ -118,3 +129,46 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
                 with graph.name_scope(x.node), graph.following(x.node):
                     result.append(ew.add_n(parts, name="sum_fanout"))
     return result
+
+
+class _Loops:
+    """The while loops a gradient walk meets: their nodes are skipped one by one, and each loop is
+    differentiated when the walk (in reverse topological order) has passed all its relevant Exits,
+    which is after every use of their values."""
+
+    def __init__(self, graph: Graph, relevant: set[str], y: str) -> None:
+        from flowctl.engine.frames import assign_frames, has_control_flow
+
+        self.graph = graph
+        self.frames = assign_frames(graph) if has_control_flow(graph.nodes.values()) else None
+        self.here = self.frames.out_frame[y] if self.frames else ""
+        self.waiting: dict[str, int] = {}
+        if self.frames:
+            for n in relevant:
+                node = graph.nodes[n]
+                if node.op == "Exit" and self.frames.parent.get(node.attrs["frame_name"]) == self.here:
+                    f = node.attrs["frame_name"]
+                    self.waiting[f] = self.waiting.get(f, 0) + 1
+
+    def inside(self, name: str) -> bool:
+        return self.frames is not None and self.frames.exec_frame.get(name, self.here) != self.here
+
+    def exit_reached(self, node: Node, contribs: dict[str, list[Tensor]], scope: str) -> list[tuple[str, Tensor]]:
+        from flowctl.engine.control_grad import while_gradient
+        from flowctl.engine.ops import elementwise as ew
+
+        if node.op != "Exit" or node.attrs["frame_name"] not in self.waiting:
+            return []
+        frame = node.attrs["frame_name"]
+        self.waiting[frame] -= 1
+        if self.waiting[frame]:
+            return []
+        exit_grads: dict[str, Tensor] = {}
+        for n in self.graph.nodes.values():
+            if n.op == "Exit" and n.attrs["frame_name"] == frame:
+                parts = contribs.get(f"{n.name}:0")
+                if parts:
+                    exit_grads[n.name] = parts[0] if len(parts) == 1 else ew.add_n(parts, name="sum_fanout")
+        if not exit_grads:
+            return []
+        return list(while_gradient(self.graph, frame, exit_grads, "grad").items())

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from flowctl.engine.rendezvous import StepContext
 
 NORMAL, ENTER, EXIT, NEXT, MERGE = range(5)
+DEAD_TOLERANT = frozenset({"AccPush"})
 _KINDS = {"Enter": ENTER, "Exit": EXIT, "NextIteration": NEXT, "Merge": MERGE}
 
 
@@ -52,6 +53,9 @@ class FrameTables:
         self.exec_frame = [frames.exec_frame[n.name] for n in nodes]
         self.child = [n.attrs["frame_name"] if n.op == "Enter" else "" for n in nodes]
         self.constant = [bool(n.op == "Enter" and n.attrs["is_constant"]) for n in nodes]
+        # An accumulator push stays alive when its value is dead (a cond's untaken branch inside a
+        # loop): the slot keeps the iteration count right, and the gradient that reads it is dead.
+        self.dead_if_first = [n.op in DEAD_TOLERANT for n in nodes]
         self.parallel = dict(frames.parallel)
         self.enters: dict[str, int] = {}
         self.exits: dict[str, list[int]] = {}
@@ -63,6 +67,12 @@ class FrameTables:
         # Successors that count down a pending count, and Merge inputs: (merge, position, port).
         self.succ: list[list[int]] = [[c for c in plan.succ[i] if self.kind[c] != MERGE] for i in range(len(nodes))]
         self.merge_succ: list[list[tuple[int, int, int]]] = [[] for _ in nodes]
+        # Control successors: a dead node makes them dead (data successors see its dead values).
+        self.ctrl_succ: list[list[int]] = [[] for _ in nodes]
+        for c, n in enumerate(nodes):
+            for p in n.control_inputs:
+                if p in index:
+                    self.ctrl_succ[index[p]].append(c)
         self.merge_need = [0] * len(nodes)
         fed = set(plan.feeds)
         for c, n in enumerate(nodes):
@@ -196,7 +206,10 @@ class FrameStep:
             return
         ins = [it.values[s] for s in plan.in_slots[i]]
         self._release(it, plan.in_slots[i])
-        dead = i in it.dead or any(x is DEAD for x in ins)
+        if self.t.dead_if_first[i]:
+            dead = i in it.dead or ins[0] is DEAD
+        else:
+            dead = i in it.dead or any(x is DEAD for x in ins)
         if dead:
             self._finish(i, f, k, None, dead=True)
         elif plan.is_async[i]:
@@ -304,9 +317,9 @@ class FrameStep:
                     self.live += _nbytes(v)
                     self.peak = max(self.peak, self.live)
         pending0 = plan.pending0
+        if dead:
+            it.dead.update(self.t.ctrl_succ[i])
         for c in self.t.succ[i]:
-            if dead:
-                it.dead.add(c)
             p = it.pending.get(c, pending0[c]) - 1
             if p == 0:
                 it.pending.pop(c, None)
