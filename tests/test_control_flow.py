@@ -219,3 +219,31 @@ def test_gradient_of_nested_loops_is_refused_clearly() -> None:
         _, y = while_loop(lambda i, h: fc.less(i, i32(2)), outer, [i32(0), x])
         with pytest.raises(GraphError, match="nested loops are not supported"):
             fc.gradients(y, [x])
+
+
+def test_cse_and_constant_folding_keep_frames_apart() -> None:
+    """The same expression inside and outside a loop, constants pinned in a body and two loop
+    variables entering from one tensor: optimized, the loop has the same frames and results."""
+    from flowctl.engine.frames import assign_frames
+    from flowctl.engine.passes import optimize
+
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (), name="x")
+        outside = x * 2.0 + f64(1.0) * f64(3.0)
+        start = i32(0)
+
+        def body(i, j, h):
+            inside = h * 2.0 + f64(1.0) * f64(3.0)  # folds to a Const pinned in the frame
+            return i + 1, j + 2, inside
+
+        i, j, h = while_loop(lambda i, j, h: fc.less(i, i32(3)), body, [start, start, x])
+        out = [i, j, h, outside]
+    want = fc.Session(g).run(out, {x: np.float64(0.5)})
+    opt = optimize(g.copy(), keep={x.node} | {t.node for t in out})
+    frames = assign_frames(opt)
+    assert frames.out_frame["while/Exit"] == "" and frames.exec_frame["while/Exit"] == "while"
+    assert len([n for n in opt.nodes.values() if n.op == "Enter" and not n.attrs["is_constant"]]) == 3
+    assert len(opt) < len(g)  # something was folded or merged
+    got = fc.Session(opt).run([t.name for t in out], {x.name: np.float64(0.5)})
+    assert [float(v) for v in got] == [float(v) for v in want] == [3.0, 6.0, 0.5 * 8 + 3 * 7, 4.0]
