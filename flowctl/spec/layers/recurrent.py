@@ -1,13 +1,17 @@
-"""Recurrent layers: an LSTM unrolled over time, and content-based attention for encoder-decoders.
+"""Recurrent layers: an LSTM over time, and content-based attention for encoder-decoders.
 
-The graph is static (whitepaper §4.4's control flow is not needed for a fixed unroll length), so
-an LSTM over T steps is T copies of the cell, each with one fused-gate MatMul of [x_t, h] against
-a [(in + units), 4 * units] kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell.
+Each step of the LSTM is one fused-gate MatMul of [x_t, h] against a [(in + units), 4 * units]
+kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell. `unroll: static` makes T copies
+of the cell; `unroll: dynamic` makes one, in a while loop over the time axis (whitepaper §4.4), so
+the graph holds a few dozen nodes whatever T is. Both compute step 0 outside any loop (the state
+is zero there, so only the input rows of the kernel contribute) and the same cell after it, so
+they agree up to float32 rounding.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+import numpy as np
 from pydantic import Field
 
 import flowctl as fc
@@ -27,6 +31,8 @@ class LSTM(Layer):
     return_sequences: bool = True
     forget_bias: float = Field(0.0, description="added to the forget gate (BasicLSTMCell's forget_bias)")
     init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
+    unroll: Literal["static", "dynamic"] = Field(
+        "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
         x = ins[0]
@@ -47,32 +53,79 @@ class LSTM(Layer):
         x = ins[0]
         d, u = int(x.shape[2]), self.units
         kernel, bias = (b.variable(w) for w in self.weights([x.spec]))
-        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
         # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing them
         # avoids materialising a zero state whose batch size is unknown until run time.
         w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
+        if self.unroll == "dynamic":
+            return self._build_dynamic(x, kernel, bias, w_in)
+        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
         h: Tensor | None = None
         c: Tensor | None = None
         outs: list[Tensor] = []
         for t, xt in enumerate(steps):
             with b.graph.name_scope(f"t{t}"):
                 if h is None:
-                    z = fc.bias_add(fc.matmul(xt, w_in, name="matmul"), bias, name="bias_add")
+                    h, c = self._first(xt, w_in, bias)
                 else:
-                    z = fc.bias_add(fc.matmul(fc.concat([xt, h], axis=1, name="concat"), kernel, name="matmul"),
-                                    bias, name="bias_add")
-                i, f, g, o = fc.split(z, 4, axis=1, name="gates")
-                if self.forget_bias:
-                    f = f + self.forget_bias
-                ig = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
-                c = ig if c is None else fc.sigmoid(f, name="forget_gate") * c + ig
-                h = fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c")
+                    h, c = self._cell(xt, h, c, kernel, bias)
                 outs.append(h)
         if not self.return_sequences:
             return fc.identity(outs[-1], name="last")
         y = fc.stack(outs, axis=1, name="stack")  # runs only if a non-recurrent layer reads it
         b.steps[y.name] = outs
         return y
+
+    def _gates(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        i, f, g, o = fc.split(z, 4, axis=1, name="gates")
+        if self.forget_bias:
+            f = f + self.forget_bias
+        return i, f, g, o
+
+    def _first(self, xt: Tensor, w_in: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        i, f, g, o = self._gates(fc.bias_add(fc.matmul(xt, w_in, name="matmul"), bias, name="bias_add"))
+        c = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
+        return fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c"), c
+
+    def _cell(self, xt: Tensor, h: Tensor, c: Tensor, kernel: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        z = fc.bias_add(fc.matmul(fc.concat([xt, h], axis=1, name="concat"), kernel, name="matmul"),
+                        bias, name="bias_add")
+        i, f, g, o = self._gates(z)
+        ig = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
+        c = fc.sigmoid(f, name="forget_gate") * c + ig
+        return fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c"), c
+
+    def _build_dynamic(self, x: Tensor, kernel: Tensor, bias: Tensor, w_in: Tensor) -> Tensor:
+        """Steps 1..T-1 in a while loop (§4.4). The outputs collect in a [T, batch, units] loop
+        variable: step t adds its h times the one-hot row t, which is exact (the other rows add 0)
+        and needs no forward value but h saved for the gradient."""
+        from flowctl.engine.control_flow import while_loop
+
+        T, d, u = int(x.shape[1]), int(x.shape[2]), self.units
+        xs = fc.transpose(x, [1, 0, 2], name="time_major")  # [T, batch, d]
+
+        def step_input(t: Tensor) -> Tensor:
+            return fc.reshape(fc.gather(xs, fc.reshape(t, [1]), axis=0), [-1, d], name="x_t")
+
+        def row(t: Tensor) -> Tensor:  # [T, 1, 1], one at t
+            eye = fc.constant(np.eye(T, dtype=x.dtype)[:, :, None, None], name="one_hot_rows")
+            return fc.reshape(fc.gather(eye, fc.reshape(t, [1]), axis=0), [T, 1, 1], name="row")
+
+        with x.graph.name_scope("t0"):
+            t0 = fc.constant(0, dtype="int32")
+            h, c = self._first(step_input(t0), w_in, bias)
+        keep = self.return_sequences
+        outs = row(t0) * fc.expand_dims(h, 0) if keep else fc.constant(0, dtype="int32")
+
+        def body(t: Tensor, h: Tensor, c: Tensor, outs: Tensor) -> tuple[Tensor, ...]:
+            h2, c2 = self._cell(step_input(t), h, c, kernel, bias)
+            return t + 1, h2, c2, (outs + row(t) * fc.expand_dims(h2, 0)) if keep else outs
+
+        _, h, _, outs = while_loop(lambda t, h, c, o: fc.less(t, fc.constant(T, dtype="int32")), body,
+                                   [fc.constant(1, dtype="int32"), h, c, outs],
+                                   shape_invariants=[None, (None, u), (None, u), None], name="time_loop")
+        if not keep:
+            return fc.identity(h, name="last")
+        return fc.transpose(outs, [1, 0, 2], name="batch_major")
 
 
 @register
