@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 NORMAL, ENTER, EXIT, NEXT, MERGE = range(5)
 DEAD_TOLERANT = frozenset({"AccPush"})
+# A Send runs even with a dead input, to hand the dead token to its Recv (§4.4 across devices).
+ALWAYS_RUN = frozenset({"Send"})
 _KINDS = {"Enter": ENTER, "Exit": EXIT, "NextIteration": NEXT, "Merge": MERGE}
 
 
@@ -56,6 +58,7 @@ class FrameTables:
         # An accumulator push stays alive when its value is dead (a cond's untaken branch inside a
         # loop): the slot keeps the iteration count right, and the gradient that reads it is dead.
         self.dead_if_first = [n.op in DEAD_TOLERANT for n in nodes]
+        self.always_run = [n.op in ALWAYS_RUN for n in nodes]
         self.parallel = dict(frames.parallel)
         self.enters: dict[str, int] = {}
         self.exits: dict[str, list[int]] = {}
@@ -173,7 +176,7 @@ class FrameStep:
                 self.outstanding_async -= 1
                 if err is not None:
                     raise self.plan._error(err, i) from err
-                self._finish(i, f, k, out, dead=False)
+                self._finish(i, f, k, out, dead=out is DEAD)  # a Recv of a dead token
             elif self.ready:
                 self._execute(*self.ready.popleft())
             elif self.outstanding_async:
@@ -206,7 +209,9 @@ class FrameStep:
             return
         ins = [it.values[s] for s in plan.in_slots[i]]
         self._release(it, plan.in_slots[i])
-        if self.t.dead_if_first[i]:
+        if self.t.always_run[i]:
+            dead = False
+        elif self.t.dead_if_first[i]:
             dead = i in it.dead or ins[0] is DEAD
         else:
             dead = i in it.dead or any(x is DEAD for x in ins)

@@ -36,6 +36,7 @@ from flowctl.engine.errors import GraphError, PlacementError
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.ops.communication import COMPRESSIBLE
 from flowctl.engine.ops.registry import COMMUNICATION, CONTROL, get_op
+from flowctl.engine.partition_loops import add_control_loops
 
 RECV_SCHEDULES = ("asap", "alap")
 
@@ -105,6 +106,7 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
         members = [n for n in graph.nodes if n in wanted]
     members = _with_ref_producers(graph, members)
     where = _devices(graph, members, placement)
+    graph, members, where, frames, anchors = add_control_loops(graph, members, where)
 
     # Pass 1: find every transfer and every fed tensor each device consumes.
     transfers: dict[tuple[str, str], _Transfer] = {}
@@ -192,6 +194,11 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
             for extra in _send_nodes(graph, t, compress):
                 _add(g, extra, new=True)
 
+    if frames is not None:  # §4.4: a Recv inside a loop runs once per iteration of its frame
+        for t in transfers.values():
+            frame = frames.out_frame[t.ref[1:] if t.ref.startswith("^") else parse_ref(t.ref)[0]]
+            if frame:
+                parts[t.dst].nodes[t.recv].control_inputs.append(anchors[(frame, t.dst)])
     if recv_schedule == "alap":
         _schedule_receives(graph, members, where, parts, transfers, durations or {})
     for d, g in parts.items():
