@@ -15,6 +15,7 @@ import pytest
 import flowctl as fc
 from flowctl.engine import autodiff
 from flowctl.engine.control_flow import cond, while_loop
+from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
 from flowctl.engine.gradcheck import check_gradients
 from flowctl.engine.ops.api import make1
 from flowctl.engine.ops.registry import OPS
@@ -92,12 +93,13 @@ def _control(x, w):
     zero = fc.constant(0.0, dtype="float64")
     y = cond(fc.greater(fc.reduce_sum(x), zero), lambda: fc.tanh(x) * 2.0, lambda: x * x)
 
-    def body(i, h):
+    def body(i, h, acc):
         h2 = cond(fc.less(fc.reduce_sum(h), zero), lambda: h * 0.5, lambda: fc.tanh(fc.matmul(h, w)))
-        return i + 1, h2
+        return i + 1, h2, acc_push(acc, h2 * h2)
 
-    return while_loop(lambda i, h: fc.less(i, fc.constant(3, dtype="int32")), body,
-                      [fc.constant(0, dtype="int32"), y])[1]
+    _, h, acc = while_loop(lambda i, h, a: fc.less(i, fc.constant(3, dtype="int32")), body,
+                           [fc.constant(0, dtype="int32"), y, accumulator()])
+    return [h, acc_stack(acc, y)]
 
 
 CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]]] = {

@@ -114,7 +114,9 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
                 if g is None:
                     continue
                 src, port = parse_ref(ref)
-                if src not in relevant or not is_float(graph.nodes[src].outputs[port].dtype):
+                dtype = graph.nodes[src].outputs[port].dtype
+                # A "variant" gradient is an accumulator's: a stack of per-iteration gradients.
+                if src not in relevant or not (is_float(dtype) or dtype == "variant"):
                     continue
                 contribs.setdefault(f"{src}:{port}", []).append(g)
 

@@ -145,12 +145,20 @@ class _Backward:
         with g.control_dependencies([j]):
             one = constant(1, "int32", graph=g)
         self.index = n - j - one  # backward iteration j reads forward iteration n-1-j
-        before = set(g.nodes)
         nv = len(self.fvars)
-        grads = autodiff.gradients([Tensor(g, *parse_ref(v.next.inputs[0])) for v in self.fvars],
-                                   [Tensor(g, v.body.name, 0) for v in self.fvars]
+        ys = [Tensor(g, *parse_ref(v.next.inputs[0])) for v in self.fvars]
+        gys = body[1:1 + nv]
+        for pushed, stack_grad in self.stacked(exit_grads):
+            # An accumulator stacked after the loop (AccStack): iteration t's pushed value gets
+            # row t of the stack's gradient.
+            from flowctl.engine.ops.array import gather, reshape, squeeze
+
+            ys.append(g.tensor(pushed))
+            gys.append(squeeze(gather(self.enter(stack_grad.name), reshape(self.index, [1])), [0]))
+        before = set(g.nodes)
+        grads = autodiff.gradients(ys, [Tensor(g, v.body.name, 0) for v in self.fvars]
                                    + [Tensor(g, e.name, 0) for e in self.finv],
-                                   grad_ys=body[1:1 + nv], name="body_grad",
+                                   grad_ys=gys, name="body_grad",
                                    stop_at={v.body.name for v in self.loop.vars})
         made = [node for name, node in g.nodes.items() if name not in before]
         for node in made:
@@ -170,6 +178,18 @@ class _Backward:
             g.nodes[m_.node].inputs[1] = nxt.name
         out = {v.enter.inputs[0]: exits[1 + k] for k, v in enumerate(self.fvars)}
         out.update({e.inputs[0]: exits[1 + nv + m] for m, e in enumerate(self.finv)})
+        return out
+
+    def stacked(self, exit_grads: dict[str, Tensor]) -> list[tuple[str, Tensor]]:
+        """(pushed ref, gradient of the stack) for each accumulator variable with a gradient."""
+        out = []
+        for v in self.loop.vars:
+            if v.exit.outputs[0].dtype == "variant" and v.exit.name in exit_grads:
+                push = self.g.nodes[parse_ref(v.next.inputs[0])[0]]
+                if push.op != "AccPush":
+                    raise GraphError(f"loop '{self.loop.frame}': accumulator '{v.enter.name}' is not "
+                                     f"advanced by one AccPush per iteration")
+                out.append((push.inputs[1], exit_grads[v.exit.name]))
         return out
 
     def enter(self, ref: str) -> Tensor:

@@ -66,3 +66,13 @@ def acc_read(xp: Any, attrs: dict[str, Any]) -> Callable[[list, Any], Any]:
         return acc[i]
 
     return run
+
+
+@kernel("AccStack")
+def acc_stack(xp: Any, attrs: dict[str, Any]) -> Callable[[list], Any]:
+    def run(acc: list) -> Any:
+        if not acc:
+            raise ValueError("AccStack of an accumulator that holds no value (a loop that never iterated)")
+        return xp.stack(acc)
+
+    return run

@@ -128,6 +128,16 @@ register_op("AccRead", _acc_read, num_inputs=2, group=STATE, cost=_none, statefu
             differentiable=False, attrs={"dtype": ("dtype", REQUIRED), "shape": ("shape", REQUIRED)})
 
 
+def _acc_stack(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    return [TensorSpec((None,) + tuple(attrs["shape"]), attrs["dtype"])]
+
+
+# AccStack: a loop's per-iteration values as one [iterations, ...] tensor (a dynamic RNN's outputs).
+# Its gradient goes to the accumulator's Exit; the loop's gradient hands row t to iteration t.
+register_op("AccStack", _acc_stack, num_inputs=1, group=STATE, cost=_none, stateful=True,
+            attrs={"dtype": ("dtype", REQUIRED), "shape": ("shape", REQUIRED)}, grad=lambda op, dy: [dy[0]])
+
+
 def _switch_grad(op: Any, dy: list[Tensor | None]) -> list[Tensor | None]:
     """The gradient of the taken output flows back; the untaken one is dead, so Merge picks the
     live one (§4.4: cond differentiates the branch that ran)."""
@@ -165,3 +175,20 @@ def merge(xs: Sequence[Tensor], name: str | None = None) -> tuple[Tensor, Tensor
     """(the value of whichever input arrived alive, its index)."""
     a, b = make("Merge", list(xs), name=name or "Merge")
     return a, b
+
+
+def accumulator(graph: Graph | None = None, name: str = "acc") -> Tensor:
+    """A fresh per-step list for a loop to push one value per iteration onto (a loop variable)."""
+    from flowctl.engine.graph import default_graph
+
+    return make1("AccCreate", [], name=name, graph=graph or default_graph())
+
+
+def acc_push(acc: Tensor, x: Tensor, name: str = "push") -> Tensor:
+    return make1("AccPush", [acc, x], name=name)
+
+
+def acc_stack(acc: Tensor, like: Tensor, name: str = "stack") -> Tensor:
+    """The values pushed, one per iteration, stacked on a new leading axis; `like` gives their
+    dtype and shape. Differentiable: iteration t's value gets row t of the gradient."""
+    return make1("AccStack", [acc], {"dtype": like.dtype, "shape": like.shape}, name=name)

@@ -3,7 +3,8 @@
 Each step of the LSTM is one fused-gate MatMul of [x_t, h] against a [(in + units), 4 * units]
 kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell. `unroll: static` makes T copies
 of the cell; `unroll: dynamic` makes one, in a while loop over the time axis (whitepaper §4.4), so
-the graph holds a few dozen nodes whatever T is. Both compute step 0 outside any loop (the state
+the graph holds a few dozen nodes whatever T is, and the per-step outputs are pushed onto an
+accumulator stacked after the loop. Both compute step 0 outside any loop (the state
 is zero there, so only the input rows of the kernel contribute) and the same cell after it, so
 they agree up to float32 rounding.
 """
@@ -95,10 +96,11 @@ class LSTM(Layer):
         return fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c"), c
 
     def _build_dynamic(self, x: Tensor, kernel: Tensor, bias: Tensor, w_in: Tensor) -> Tensor:
-        """Steps 1..T-1 in a while loop (§4.4). The outputs collect in a [T, batch, units] loop
-        variable: step t adds its h times the one-hot row t, which is exact (the other rows add 0)
-        and needs no forward value but h saved for the gradient."""
+        """Steps 1..T-1 in a while loop (§4.4). Each iteration pushes its h onto an accumulator
+        that is stacked after the loop; the loop's gradient hands row t of the stack's gradient
+        back to iteration t."""
         from flowctl.engine.control_flow import while_loop
+        from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
 
         T, d, u = int(x.shape[1]), int(x.shape[2]), self.units
         xs = fc.transpose(x, [1, 0, 2], name="time_major")  # [T, batch, d]
@@ -106,26 +108,23 @@ class LSTM(Layer):
         def step_input(t: Tensor) -> Tensor:
             return fc.reshape(fc.gather(xs, fc.reshape(t, [1]), axis=0), [-1, d], name="x_t")
 
-        def row(t: Tensor) -> Tensor:  # [T, 1, 1], one at t
-            eye = fc.constant(np.eye(T, dtype=x.dtype)[:, :, None, None], name="one_hot_rows")
-            return fc.reshape(fc.gather(eye, fc.reshape(t, [1]), axis=0), [T, 1, 1], name="row")
-
         with x.graph.name_scope("t0"):
-            t0 = fc.constant(0, dtype="int32")
-            h, c = self._first(step_input(t0), w_in, bias)
-        keep = self.return_sequences
-        outs = row(t0) * fc.expand_dims(h, 0) if keep else fc.constant(0, dtype="int32")
+            h, c = self._first(step_input(fc.constant(0, dtype="int32")), w_in, bias)
+        if T > 1:
+            def body(t: Tensor, h: Tensor, c: Tensor, acc: Tensor) -> tuple[Tensor, ...]:
+                h2, c2 = self._cell(step_input(t), h, c, kernel, bias)
+                return t + 1, h2, c2, acc_push(acc, h2) if self.return_sequences else acc
 
-        def body(t: Tensor, h: Tensor, c: Tensor, outs: Tensor) -> tuple[Tensor, ...]:
-            h2, c2 = self._cell(step_input(t), h, c, kernel, bias)
-            return t + 1, h2, c2, (outs + row(t) * fc.expand_dims(h2, 0)) if keep else outs
-
-        _, h, _, outs = while_loop(lambda t, h, c, o: fc.less(t, fc.constant(T, dtype="int32")), body,
-                                   [fc.constant(1, dtype="int32"), h, c, outs],
-                                   shape_invariants=[None, (None, u), (None, u), None], name="time_loop")
-        if not keep:
+            h0 = h
+            _, h, _, acc = while_loop(lambda t, h, c, a: fc.less(t, fc.constant(T, dtype="int32")), body,
+                                      [fc.constant(1, dtype="int32"), h, c, accumulator(x.graph)],
+                                      shape_invariants=[None, (None, u), (None, u), None], name="time_loop")
+        if not self.return_sequences:
             return fc.identity(h, name="last")
-        return fc.transpose(outs, [1, 0, 2], name="batch_major")
+        if T == 1:
+            return fc.expand_dims(h, 1, name="batch_major")
+        outs = fc.concat([fc.expand_dims(h0, 0), acc_stack(acc, h0)], axis=0, name="outputs")  # [T, batch, u]
+        return fc.reshape(fc.transpose(outs, [1, 0, 2]), [-1, T, u], name="batch_major")
 
 
 @register
