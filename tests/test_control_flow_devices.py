@@ -65,3 +65,59 @@ def test_a_loops_control_split_over_devices_is_refused() -> None:
     placement["while/Switch_1"] = cluster.names[1]
     with pytest.raises(PlacementError, match="control nodes .* must share one device"):
         partition(g, placement)
+
+
+DYNAMIC_LM = """\
+version: 1
+name: placed_lm
+model:
+  layers:
+    - {name: tokens, type: input, shape: [6], dtype: int32, classes: 30}
+    - {name: embedding, type: embedding, vocab: 30, dim: 8, init_scale: 0.1, inputs: [tokens]}
+    - {name: lstm_1, type: lstm, units: 10, init_scale: 0.1, unroll: dynamic}
+    - {name: lstm_2, type: lstm, units: 10, init_scale: 0.1, unroll: dynamic}
+    - {name: softmax, type: dense, units: 30}
+    - {name: targets, type: input, shape: [6], dtype: int32, classes: 30}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+devices: [cpu:0, cpu:1]
+parallelism:
+  groups:
+    - {layers: [embedding, lstm_1], device: cpu:0}
+    - {layers: [lstm_2, softmax, loss], device: cpu:1}
+training: {optimizer: {type: momentum}, learning_rate: 0.1, batch_size: 4, seed: 4}
+"""
+
+
+@pytest.mark.parametrize("alg", ["expert", "greedy"])
+def test_dynamic_lstm_training_placed_on_two_devices_equals_one(alg: str) -> None:
+    from flowctl.engine.placement import StaticCostModel, place
+    from flowctl.spec.loader import load_text
+    from flowctl.training.benchmark import _feeds
+    from flowctl.training.planning import expert_rules, step_graph
+
+    def losses(n_devices: int) -> tuple[list[float], dict]:
+        loaded = load_text(DYNAMIC_LM)
+        st = step_graph(loaded)
+        g = st.graph
+        store = fc.ContainerStore()
+        fc.Session(g, store=store).run(st.model.initializer().node)
+        feeds = _feeds(st, loaded, 4)
+        feeds[st.lr] = np.float32(0.1)
+        if n_devices == 1:
+            sess = fc.Session(g, store=store)
+        else:
+            cluster = Cluster.local(2, threads=2)
+            pl = place(g, cluster, StaticCostModel(cluster, batch=4), alg, targets=[st.train_op.node],
+                       rules=expert_rules(loaded), layers=st.model.layer_of())
+            assert len(set(pl.assignment.values())) == 2
+            sess = fc.DistributedSession(g, cluster, pl.assignment, store=store)
+        out = [float(sess.run([st.loss, st.train_op], feeds)[0]) for _ in range(3)]
+        if n_devices > 1:
+            sess.close()
+        return out, sess.variable_values()
+
+    want, want_vars = losses(1)
+    got, got_vars = losses(2)
+    assert got == want
+    for k in want_vars:
+        np.testing.assert_array_equal(got_vars[k], want_vars[k], err_msg=k)

@@ -113,9 +113,11 @@ def _capture_branch(g: Graph, made: list[Node], out: list[Tensor], pred: Tensor,
 
 # ---------------------------------------------------------------------------------------------------
 def while_loop(cond_fn: LoopFn, body: LoopFn, loop_vars: Any, parallel_iterations: int = 10,
-               shape_invariants: Sequence[Any] | None = None, name: str = "while") -> Any:
+               shape_invariants: Sequence[Any] | None = None, name: str = "while",
+               expected_iterations: int = 0) -> Any:
     """Repeat `loop_vars = body(*loop_vars)` while `cond_fn(*loop_vars)`; returns the final
-    loop_vars. Up to `parallel_iterations` iterations run at once where the data allows (§4.4)."""
+    loop_vars. Up to `parallel_iterations` iterations run at once where the data allows (§4.4).
+    `expected_iterations` is the trip count placement and cost estimates assume (0: unknown)."""
     vars_, many = _as_list(loop_vars)
     if not vars_:
         raise GraphError(f"while_loop '{name}': no loop variables")
@@ -128,7 +130,8 @@ def while_loop(cond_fn: LoopFn, body: LoopFn, loop_vars: Any, parallel_iteration
         from flowctl.engine.ops.api import make1
 
         enters = [make1("Enter", [v], {"frame_name": frame, "parallel_iterations": parallel_iterations,
-                                       "shape": inv}, name="Enter") for v, inv in zip(vars_, invariants)]
+                                       "shape": inv, "expected_iterations": expected_iterations},
+                        name="Enter") for v, inv in zip(vars_, invariants)]
         with _no_outer_control(g):
             loop = _build_loop(g, frame, enters, cond_fn, body, name)
     return loop if many else loop[0]
@@ -169,7 +172,17 @@ def _build_loop(g: Graph, frame: str, enters: list[Tensor], cond_fn: LoopFn, bod
                 o = _identity(o, "invariant")
         nxt = _make(g, "NextIteration", o, frame)
         g.nodes[m.node].inputs[1] = nxt.name
+    colocate_loop_control(g, merges[0].node, [t.node for t in enters + merges + exits + body_in]
+                          + [s[0].node for s in switches] + [parse_ref(g.nodes[m.node].inputs[1])[0] for m in merges])
     return exits
+
+
+def colocate_loop_control(g: Graph, anchor: str, names: list[str]) -> None:
+    """A loop's control runs on one device (placement treats it as a unit; the partitioner gives
+    every other device a control loop of its own): its nodes are colocated with one Merge."""
+    for n in names:
+        if n != anchor and anchor not in g.nodes[n].colocate_with:
+            g.nodes[n].colocate_with.append(anchor)
 
 
 def _make(g: Graph, op: str, x: Tensor, frame: str) -> Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowctl.engine.control_flow import colocate_loop_control
 from flowctl.engine.errors import GraphError
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.graph import Graph, Node, Tensor, parse_ref
@@ -38,6 +39,7 @@ class Loop:
     vars: list[LoopVar] = field(default_factory=list)
     invariants: list[Node] = field(default_factory=list)  # constant Enters
     parallel: int = 10
+    expected: int = 0  # stated trip count
 
 
 def find_loop(graph: Graph, frame: str) -> Loop:
@@ -61,7 +63,8 @@ def find_loop(graph: Graph, frame: str) -> Loop:
         nxt = graph.nodes[parse_ref(merge.inputs[1])[0]]
         vars_.append(LoopVar(node, merge, switch, exit_, body, nxt))
         if loop is None:
-            loop = Loop(frame, switch.inputs[1], parallel=int(node.attrs["parallel_iterations"]))
+            loop = Loop(frame, switch.inputs[1], parallel=int(node.attrs["parallel_iterations"]),
+                        expected=int(node.attrs["expected_iterations"]))
     if loop is None:
         raise GraphError(f"frame '{frame}' has no loop variable")
     loop.vars, loop.invariants = vars_, invariants
@@ -81,8 +84,8 @@ def add_loop_var(graph: Graph, loop: Loop, init: Tensor, step: Any) -> Tensor:
     from flowctl.engine.ops.api import make1
     from flowctl.engine.ops.control import identity, merge, switch
 
-    enter = make1("Enter", [init], {"frame_name": loop.frame, "parallel_iterations": loop.parallel},
-                  name="Enter")
+    enter = make1("Enter", [init], {"frame_name": loop.frame, "parallel_iterations": loop.parallel,
+                                    "expected_iterations": loop.expected}, name="Enter")
     m = merge([enter, enter], name="Merge")[0]
     off, on = switch(m, graph.tensor(loop.pred), name="Switch")
     exit_ = make1("Exit", [off], {"frame_name": loop.frame}, name="Exit")
@@ -91,6 +94,7 @@ def add_loop_var(graph: Graph, loop: Loop, init: Tensor, step: Any) -> Tensor:
         value = step(body)
     nxt = make1("NextIteration", [value], {"frame_name": loop.frame}, name="NextIteration")
     graph.nodes[m.node].inputs[1] = nxt.name
+    colocate_loop_control(graph, loop.vars[0].merge.name, [t.node for t in (enter, m, off, exit_, body, nxt)])
     return exit_
 
 
@@ -133,8 +137,8 @@ class _Backward:
         inits = [constant(0, "int32", graph=g)]
         inits += [exit_grads.get(v.exit.name) or ew.zeros_like(Tensor(g, v.exit.name, 0)) for v in self.fvars]
         inits += [ew.zeros_like(g.tensor(e.inputs[0])) for e in self.finv]
-        enters = [make1("Enter", [x], {"frame_name": self.bframe, "parallel_iterations": self.loop.parallel},
-                        name="Enter") for x in inits]
+        enters = [make1("Enter", [x], {"frame_name": self.bframe, "parallel_iterations": self.loop.parallel,
+                                       "expected_iterations": self.loop.expected}, name="Enter") for x in inits]
         merges = [merge([e, e], name="Merge")[0] for e in enters]
         n = self.enter(trips.name)
         pred = ew.less(merges[0], n)
@@ -173,9 +177,12 @@ class _Backward:
             gm = grads[nv + m]
             acc = body[1 + nv + m]
             nexts.append(acc + g.tensor(self.backward_ref(gm.name)) if gm is not None else identity(acc))
+        control = [t.node for t in enters + merges + exits + body] + [s[0].node for s in switches]
         for m_, x in zip(merges, nexts):
             nxt = make1("NextIteration", [x], {"frame_name": self.bframe}, name="NextIteration")
             g.nodes[m_.node].inputs[1] = nxt.name
+            control.append(nxt.node)
+        colocate_loop_control(g, merges[0].node, control)
         out = {v.enter.inputs[0]: exits[1 + k] for k, v in enumerate(self.fvars)}
         out.update({e.inputs[0]: exits[1 + nv + m] for m, e in enumerate(self.finv)})
         return out

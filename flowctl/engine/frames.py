@@ -28,10 +28,30 @@ class Frames:
     out_frame: dict[str, str] = field(default_factory=dict)  # node -> the frame its outputs live in
     parent: dict[str, str] = field(default_factory=dict)  # frame -> enclosing frame
     parallel: dict[str, int] = field(default_factory=dict)  # frame -> parallel_iterations
+    expected: dict[str, int] = field(default_factory=dict)  # frame -> stated trip count (0: unknown)
+
+    def weight(self, node: str) -> float:
+        """How many times the node runs per step, as far as stated: the product of the expected
+        trip counts of its frame and the frames around it (an unknown count counts as 1)."""
+        w = 1.0
+        frame = self.exec_frame.get(node, ROOT)
+        while frame != ROOT:
+            w *= max(1, self.expected.get(frame, 0))
+            frame = self.parent[frame]
+        return w
 
 
 def has_control_flow(nodes: Iterable[Node]) -> bool:
     return any(n.op in CONTROL_FLOW_OPS for n in nodes)
+
+
+def run_counts(graph: Graph) -> dict[str, float]:
+    """node -> expected runs per step (1 outside loops): what cost models multiply an op's cost by,
+    so a loop counts as its iteration cost times its trip count (§4.4)."""
+    if not has_control_flow(graph.nodes.values()):
+        return {}
+    fr = assign_frames(graph)
+    return {n: fr.weight(n) for n in graph.nodes if fr.exec_frame[n] != ROOT}
 
 
 def assign_frames(graph: Graph, names: Iterable[str] | None = None) -> Frames:
@@ -49,6 +69,7 @@ def assign_frames(graph: Graph, names: Iterable[str] | None = None) -> Frames:
                 raise GraphError(f"Enter '{name}' enters frame '{child}' from frame '{here}', but "
                                  f"other Enters of that frame come from '{known}'")
             fr.parallel[child] = max(fr.parallel.get(child, 1), int(node.attrs["parallel_iterations"]))
+            fr.expected[child] = max(fr.expected.get(child, 0), int(node.attrs["expected_iterations"]))
             fr.out_frame[name] = child
         elif node.op == "Exit":
             if here != node.attrs["frame_name"]:

@@ -113,7 +113,9 @@ def _acc_read(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
 _FRAME = {"frame_name": ("str", REQUIRED)}
 register_op("Enter", _enter, num_inputs=1, group=CONTROL, cost=_none, differentiable=False,
             attrs={**_FRAME, "is_constant": ("bool", False), "parallel_iterations": ("int", 10),
-                   "shape": ("shape", None)})
+                   "shape": ("shape", None),
+                   # the trip count the cost model assumes (0: unknown, counted as one iteration)
+                   "expected_iterations": ("int", 0)})
 register_op("Exit", _same, num_inputs=1, group=CONTROL, cost=_none, differentiable=False, attrs=_FRAME)
 register_op("NextIteration", _same, num_inputs=1, group=CONTROL, cost=_none, differentiable=False,
             attrs=_FRAME)

@@ -118,7 +118,8 @@ class LSTM(Layer):
             h0 = h
             _, h, _, acc = while_loop(lambda t, h, c, a: fc.less(t, fc.constant(T, dtype="int32")), body,
                                       [fc.constant(1, dtype="int32"), h, c, accumulator(x.graph)],
-                                      shape_invariants=[None, (None, u), (None, u), None], name="time_loop")
+                                      shape_invariants=[None, (None, u), (None, u), None], name="time_loop",
+                                      expected_iterations=T - 1)
         if not self.return_sequences:
             return fc.identity(h, name="last")
         if T == 1:
