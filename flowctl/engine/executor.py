@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
@@ -49,6 +49,12 @@ if TYPE_CHECKING:
     from flowctl.engine.rendezvous import StepContext
 
 _plan_ids = itertools.count()
+
+
+class CompletionQueue(Protocol):
+    """Where an async kernel's continuation leaves (node, outputs, error) for the executor."""
+
+    def append(self, item: tuple[int, Any, BaseException | None], /) -> None: ...
 
 
 @dataclass
@@ -286,8 +292,7 @@ class Plan:
         return [run.values[s] for s in self.fetch_slots]
 
     def _start_async(self, i: int, step: "StepContext | None", inputs: tuple[Any, ...],
-                     completed: "deque[tuple[int, Any, BaseException | None]]",
-                     cond: threading.Condition) -> None:
+                     completed: "CompletionQueue", cond: threading.Condition) -> None:
         """Start async kernel i; its continuation only queues the result and wakes the executor."""
         if step is None and self.nodes[i].opdef.group == COMMUNICATION:
             # Queue kernels (§4.6) need no rendezvous and run under a plain Session; Send/Recv do.
@@ -337,6 +342,7 @@ class _DataflowStep:
 
     def run(self) -> None:
         while True:
+            done: tuple[int, Any] | None
             if self.completed:  # a continuation fired: finish that node before starting another
                 done = self._take_completion()
             elif self.deferred is not None:

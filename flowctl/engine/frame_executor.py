@@ -127,7 +127,7 @@ class _Frame:
         self.name = name
         self.parent = parent
         self.parent_iter = parent_iter
-        self.path = name if parent is None or parent.parent is None else f"{parent.path}:{parent_iter}/{name}"
+        self.path: str = name if parent is None or parent.parent is None else f"{parent.path}:{parent_iter}/{name}"
         self.limit = max(1, limit)
         self.pending_enters = enters
         self.iters: dict[int, _Iteration] = {}

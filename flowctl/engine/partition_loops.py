@@ -77,7 +77,7 @@ def _control_loop(graph: Graph, frame: str, parallel: int, pred: str, device: st
     base = f"_loop/{frame}/{device.rsplit('/', 1)[-1].replace(':', '')}"
     names = [f"{base}/{part}" for part in ("start", "enter", "merge", "switch", "pivot", "next")]
     start, enter, merge, switch, pivot, nxt = names
-    specs = [
+    specs: list[tuple[str, str, list[str], dict[str, object]]] = [
         (start, "Const", [], {"value": np.zeros((0,), np.float32)}),
         (enter, "Enter", [f"{start}:0"], {"frame_name": frame, "parallel_iterations": parallel}),
         (merge, "Merge", [f"{enter}:0", f"{nxt}:0"], {}),

@@ -157,7 +157,8 @@ def _merge_grad(op: Any, dy: list[Tensor | None]) -> list[Tensor | None]:
     if n != 2:
         raise GraphError(f"the gradient of Merge '{op.name}' needs exactly 2 inputs (a cond), it has {n}")
     taken = ew.equal(op.outputs[1], api_constant(1, "int32", op.graph))
-    f, t = switch(dy[0], taken)
+    g = dy[0] if dy[0] is not None else ew.zeros_like(op.outputs[0])
+    f, t = switch(g, taken)
     return [f, t]
 
 

@@ -65,7 +65,7 @@ class LSTM(Layer):
         outs: list[Tensor] = []
         for t, xt in enumerate(steps):
             with b.graph.name_scope(f"t{t}"):
-                if h is None:
+                if h is None or c is None:
                     h, c = self._first(xt, w_in, bias)
                 else:
                     h, c = self._cell(xt, h, c, kernel, bias)
