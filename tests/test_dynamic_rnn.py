@@ -97,3 +97,65 @@ def test_exact_resume_with_a_dynamic_lstm(tmp_path: Path, k: int) -> None:
     assert sorted(va) == sorted(vb)
     for name in va:
         np.testing.assert_array_equal(va[name], vb[name], err_msg=name)
+
+
+LENGTHS = """\
+version: 1
+name: tiny_lm_lengths
+model:
+  layers:
+    - {name: tokens, type: input, shape: [7], dtype: int32, classes: 50}
+    - {name: lengths, type: input, shape: [], dtype: int32, classes: 8}
+    - {name: embedding, type: embedding, vocab: 50, dim: 8, init_scale: 0.1, inputs: [tokens]}
+    - {name: lstm_1, type: lstm, units: 12, init_scale: 0.1, unroll: dynamic, inputs: [embedding, LENGTHS]}
+    - {name: softmax, type: dense, units: 50}
+    - {name: targets, type: input, shape: [7], dtype: int32, classes: 50}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+data: {source: synthetic, seed: 0}
+training: {optimizer: {type: adam}, batch_size: 5, steps: 6, seed: 2}
+checkpoint: {every_steps: 100, keep: 3}
+"""
+
+
+def test_lengths_freeze_the_state_and_zero_the_outputs_past_each_example() -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50, (5, 7)).astype(np.int32)
+    lengths = np.array([7, 3, 1, 0, 5], np.int32)
+    outs = {}
+    for with_lengths in (False, True):
+        text = LENGTHS.replace(", LENGTHS]", ", lengths]" if with_lengths else "]")
+        model = build_model(load_text(text))
+        sess = fc.Session(model.graph)
+        sess.run(model.initializer())
+        feeds = {model.inputs["tokens"]: tokens}
+        if with_lengths:
+            feeds[model.inputs["lengths"]] = lengths
+        stats = fc.RunStats()
+        outs[with_lengths] = sess.run(model.outputs["lstm_1"], feeds, stats=stats)
+        if with_lengths:  # the loop ran max(lengths) - 1 = 6 iterations, not more
+            assert sum(1 for n in stats.nodes_run if n.endswith("time_loop/NextIteration")) == 6
+    full, masked = outs[False], outs[True]
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(masked[b, :n], full[b, :n])
+        assert not masked[b, n:].any()
+
+
+def test_a_dynamic_lstm_trains_on_variable_length_data_and_resumes_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "lm.yaml"
+    path.write_text(LENGTHS.replace(", LENGTHS]", ", lengths]"))
+
+    def run(name: str, steps: int, resume: bool = False) -> Trainer:
+        t = Trainer(load_spec(path), tmp_path / name, steps=steps)
+        if resume:
+            t.restore()
+        else:
+            t.start_fresh(path.read_text(), str(path))
+        t.train()
+        return t
+
+    run("full", 6)
+    run("split", 2)
+    run("split", 6, resume=True)
+    got = _losses(tmp_path / "split")
+    assert got == _losses(tmp_path / "full") and len(got) == 6
+    assert all(np.isfinite(got))

@@ -69,10 +69,15 @@ def acc_read(xp: Any, attrs: dict[str, Any]) -> Callable[[list, Any], Any]:
 
 
 @kernel("AccStack")
-def acc_stack(xp: Any, attrs: dict[str, Any]) -> Callable[[list], Any]:
-    def run(acc: list) -> Any:
-        if not acc:
-            raise ValueError("AccStack of an accumulator that holds no value (a loop that never iterated)")
-        return xp.stack(acc)
+def acc_stack(xp: Any, attrs: dict[str, Any]) -> Callable[[list, Any], Any]:
+    rows = int(attrs["rows"])
+
+    def run(acc: list, like: Any) -> Any:
+        if rows and len(acc) > rows:
+            raise ValueError(f"AccStack: the loop pushed {len(acc)} values, more than its {rows} rows")
+        pad = [xp.zeros_like(like)] * (rows - len(acc)) if rows else []
+        if not acc and not pad:
+            return xp.zeros((0,) + tuple(like.shape), dtype=like.dtype)
+        return xp.stack(list(acc) + pad)
 
     return run

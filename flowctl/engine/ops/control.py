@@ -131,13 +131,16 @@ register_op("AccRead", _acc_read, num_inputs=2, group=STATE, cost=_none, statefu
 
 
 def _acc_stack(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
-    return [TensorSpec((None,) + tuple(attrs["shape"]), attrs["dtype"])]
+    rows = attrs["rows"] or None
+    return [TensorSpec((rows,) + tuple(ins[1].shape), ins[1].dtype)]
 
 
-# AccStack: a loop's per-iteration values as one [iterations, ...] tensor (a dynamic RNN's outputs).
-# Its gradient goes to the accumulator's Exit; the loop's gradient hands row t to iteration t.
-register_op("AccStack", _acc_stack, num_inputs=1, group=STATE, cost=_none, stateful=True,
-            attrs={"dtype": ("dtype", REQUIRED), "shape": ("shape", REQUIRED)}, grad=lambda op, dy: [dy[0]])
+# AccStack(acc, like): a loop's per-iteration values as one [iterations, ...] tensor (a dynamic
+# RNN's outputs), zero-padded to `rows` when the loop stopped early (variable lengths); `like` is
+# a value of the element's shape and dtype. Its gradient goes to the accumulator's Exit; the loop's
+# gradient hands row t to iteration t.
+register_op("AccStack", _acc_stack, num_inputs=2, group=STATE, cost=_none, stateful=True,
+            attrs={"rows": ("int", 0)}, grad=lambda op, dy: [dy[0], None])
 
 
 def _switch_grad(op: Any, dy: list[Tensor | None]) -> list[Tensor | None]:
@@ -191,7 +194,8 @@ def acc_push(acc: Tensor, x: Tensor, name: str = "push") -> Tensor:
     return make1("AccPush", [acc, x], name=name)
 
 
-def acc_stack(acc: Tensor, like: Tensor, name: str = "stack") -> Tensor:
-    """The values pushed, one per iteration, stacked on a new leading axis; `like` gives their
-    dtype and shape. Differentiable: iteration t's value gets row t of the gradient."""
-    return make1("AccStack", [acc], {"dtype": like.dtype, "shape": like.shape}, name=name)
+def acc_stack(acc: Tensor, like: Tensor, rows: int = 0, name: str = "stack") -> Tensor:
+    """The values pushed, one per iteration, stacked on a new leading axis, zero-padded to `rows`
+    (0: as many as were pushed); `like` has the values' shape and dtype. Differentiable: iteration
+    t's value gets row t of the gradient."""
+    return make1("AccStack", [acc, like], {"rows": rows}, name=name)

@@ -25,7 +25,11 @@ from flowctl.spec.layers.core import linear
 @register
 class LSTM(Layer):
     """A [batch, time, features] sequence -> [batch, time, units] (or [batch, units] for the last
-    step when `return_sequences` is false). Gates in the order i, f, g, o."""
+    step when `return_sequences` is false). Gates in the order i, f, g, o.
+
+    With `unroll: dynamic` a second input may give each example's length ([batch] int32, from the
+    data): the loop then runs max(lengths) steps, an example's state stops changing after its
+    length and its outputs there are zero (the last state is the state at its length)."""
 
     type: Literal["lstm"]
     units: int = Field(ge=1)
@@ -35,9 +39,17 @@ class LSTM(Layer):
     unroll: Literal["static", "dynamic"] = Field(
         "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
 
+    arity: ClassVar[tuple[int, int | None]] = (1, 2)  # the sequence, and optionally its lengths
+
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
         x = ins[0]
         rank(x, 3, "lstm", "[batch, time, features] input")
+        if len(ins) == 2:
+            if self.unroll != "dynamic":
+                raise LayerError(f"lstm '{self.name}': a lengths input needs unroll: dynamic", "inputs")
+            rank(ins[1], 1, "lstm", "[batch] lengths input")
+            if not ins[1].dtype.startswith("int"):
+                raise LayerError(f"lstm '{self.name}': lengths must be integers, got {ins[1].dtype}", "inputs")
         known(x.shape[1], f"lstm '{self.name}' time steps (the unroll length)")
         known(x.shape[2], f"lstm '{self.name}' input features")
         if self.return_sequences:
@@ -58,7 +70,7 @@ class LSTM(Layer):
         # avoids materialising a zero state whose batch size is unknown until run time.
         w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
         if self.unroll == "dynamic":
-            return self._build_dynamic(x, kernel, bias, w_in)
+            return self._build_dynamic(x, kernel, bias, w_in, ins[1] if len(ins) == 2 else None)
         steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
         h: Tensor | None = None
         c: Tensor | None = None
@@ -95,36 +107,55 @@ class LSTM(Layer):
         c = fc.sigmoid(f, name="forget_gate") * c + ig
         return fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c"), c
 
-    def _build_dynamic(self, x: Tensor, kernel: Tensor, bias: Tensor, w_in: Tensor) -> Tensor:
-        """Steps 1..T-1 in a while loop (§4.4). Each iteration pushes its h onto an accumulator
-        that is stacked after the loop; the loop's gradient hands row t of the stack's gradient
-        back to iteration t."""
+    def _build_dynamic(self, x: Tensor, kernel: Tensor, bias: Tensor, w_in: Tensor,
+                       lengths: Tensor | None) -> Tensor:
+        """Steps 1..T-1 (or 1..max(lengths)-1) in a while loop (§4.4). Each iteration pushes its
+        output onto an accumulator stacked (zero-padded to T-1 rows) after the loop; the loop's
+        gradient hands row t of the stack's gradient back to iteration t."""
         from flowctl.engine.control_flow import while_loop
         from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
 
         T, d, u = int(x.shape[1]), int(x.shape[2]), self.units
         xs = fc.transpose(x, [1, 0, 2], name="time_major")  # [T, batch, d]
+        lens = None if lengths is None else fc.cast(lengths, "int32", name="lengths")
 
         def step_input(t: Tensor) -> Tensor:
             return fc.reshape(fc.gather(xs, fc.reshape(t, [1]), axis=0), [-1, d], name="x_t")
 
+        def alive(t: Tensor) -> Tensor:  # [batch, 1]: 1 while t < the example's length
+            assert lens is not None
+            return fc.expand_dims(fc.cast(fc.less(t, lens), x.dtype), 1, name="alive")
+
         with x.graph.name_scope("t0"):
-            h, c = self._first(step_input(fc.constant(0, dtype="int32")), w_in, bias)
+            t0 = fc.constant(0, dtype="int32")
+            h, c = self._first(step_input(t0), w_in, bias)
+            out0 = h if lens is None else h * alive(t0)
+        h0 = h
+        if lens is not None:
+            h, c = out0, c * alive(t0)
         if T > 1:
             def body(t: Tensor, h: Tensor, c: Tensor, acc: Tensor) -> tuple[Tensor, ...]:
                 h2, c2 = self._cell(step_input(t), h, c, kernel, bias)
-                return t + 1, h2, c2, acc_push(acc, h2) if self.return_sequences else acc
+                out = h2
+                if lens is not None:  # past its length an example keeps its state, outputs zero
+                    m = alive(t)
+                    out = h2 * m
+                    h2, c2 = out + h * (1.0 - m), c2 * m + c * (1.0 - m)
+                return t + 1, h2, c2, acc_push(acc, out) if self.return_sequences else acc
 
-            h0 = h
-            _, h, _, acc = while_loop(lambda t, h, c, a: fc.less(t, fc.constant(T, dtype="int32")), body,
+            steps = fc.constant(T, dtype="int32")
+            if lens is not None:
+                steps = fc.minimum(fc.reduce_max(lens), steps, name="steps")
+            _, h, _, acc = while_loop(lambda t, h, c, a: fc.less(t, steps), body,
                                       [fc.constant(1, dtype="int32"), h, c, accumulator(x.graph)],
                                       shape_invariants=[None, (None, u), (None, u), None], name="time_loop",
                                       expected_iterations=T - 1)
         if not self.return_sequences:
             return fc.identity(h, name="last")
         if T == 1:
-            return fc.expand_dims(h, 1, name="batch_major")
-        outs = fc.concat([fc.expand_dims(h0, 0), acc_stack(acc, h0)], axis=0, name="outputs")  # [T, batch, u]
+            return fc.expand_dims(out0, 1, name="batch_major")
+        rows = acc_stack(acc, h0, rows=T - 1)
+        outs = fc.concat([fc.expand_dims(out0, 0), rows], axis=0, name="outputs")  # [T, batch, u]
         return fc.reshape(fc.transpose(outs, [1, 0, 2]), [-1, T, u], name="batch_major")
 
 
