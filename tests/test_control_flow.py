@@ -247,3 +247,20 @@ def test_cse_and_constant_folding_keep_frames_apart() -> None:
     assert len(opt) < len(g)  # something was folded or merged
     got = fc.Session(opt).run([t.name for t in out], {x.name: np.float64(0.5)})
     assert [float(v) for v in got] == [float(v) for v in want] == [3.0, 6.0, 0.5 * 8 + 3 * 7, 4.0]
+
+
+def test_a_loop_and_its_gradient_round_trip_through_json() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (2, 3), name="x")
+        w = fc.placeholder("float64", (3, 3), name="w")
+        h = _rnn(2)(x, w)
+        grads = fc.gradients(fc.reduce_sum(h * h), [x, w])
+    back = fc.Graph.from_json(g.to_json())
+    rng = np.random.default_rng(6)
+    feeds = {"x:0": rng.standard_normal((2, 3)), "w:0": rng.standard_normal((3, 3))}
+    fetch = [h.name] + [t.name for t in grads]
+    want = fc.Session(g).run(fetch, feeds)
+    got = fc.Session(back).run(fetch, feeds)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)

@@ -166,7 +166,7 @@ class _Loops:
         if self.waiting[frame]:
             return []
         exit_grads: dict[str, Tensor] = {}
-        for n in self.graph.nodes.values():
+        for n in list(self.graph.nodes.values()):  # (add_n adds nodes)
             if n.op == "Exit" and n.attrs["frame_name"] == frame:
                 parts = contribs.get(f"{n.name}:0")
                 if parts:
