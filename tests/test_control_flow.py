@@ -264,3 +264,25 @@ def test_a_loop_and_its_gradient_round_trip_through_json() -> None:
     got = fc.Session(back).run(fetch, feeds)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+def test_assignments_inside_a_loop_and_a_branch_update_the_variable() -> None:
+    g = fc.Graph()
+    with g.as_default():
+        v = fc.variable(np.zeros(3, np.float32), name="v")
+        init = fc.global_variables_initializer()
+        p = fc.placeholder("bool", (), name="p")
+
+        def body(i, s):
+            up = fc.assign_add(v, fc.ones_like(s))
+            return i + 1, s + up
+
+        out = while_loop(lambda i, s: fc.less(i, i32(4)), body, [i32(0), fc.zeros([3], "float32")])
+        branch = cond(p, lambda: fc.assign_add(v, fc.ones_like(v) * 10.0), lambda: fc.identity(v))
+    sess = fc.Session(g, store=fc.ContainerStore())
+    sess.run(init)
+    i, s = sess.run(out)
+    assert int(i) == 4 and s.tolist() == [10.0] * 3 and sess.run(v).tolist() == [4.0] * 3
+    assert sess.run(branch, {p: False}).tolist() == [4.0] * 3
+    assert sess.run(branch, {p: True}).tolist() == [14.0] * 3
+    assert sess.run(v).tolist() == [14.0] * 3

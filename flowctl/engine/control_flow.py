@@ -106,7 +106,8 @@ def _capture_branch(g: Graph, made: list[Node], out: list[Tensor], pred: Tensor,
         return routed[ref].name
 
     for node in made:
-        node.inputs = [r if parse_ref(r)[0] in inside else route(r) for r in node.inputs]
+        node.inputs = [r if parse_ref(r)[0] in inside or k in node.opdef.ref_inputs else route(r)
+                       for k, r in enumerate(node.inputs)]
     _pin_sources(g, made, pivot)
     return [o if o.node in inside else g.tensor(route(o.name)) for o in out]
 
@@ -196,8 +197,9 @@ def _capture_loop(g: Graph, frame: str, made: list[Node], inside: set[str]) -> N
     entered: dict[str, str] = {}
     for node in made:
         refs = []
-        for r in node.inputs:
-            if parse_ref(r)[0] not in inside:
+        for k, r in enumerate(node.inputs):
+            # A ref input (the Variable an Assign updates) names state, reads no value: it needs no Enter.
+            if parse_ref(r)[0] not in inside and k not in node.opdef.ref_inputs:
                 if r not in entered:
                     from flowctl.engine.ops.api import make1
 

@@ -85,7 +85,9 @@ def _input_frame(graph: Graph, node: Node, fr: Frames) -> str:
     """The frame a node runs in: that of its inputs, which must agree."""
     frame: str | None = None
     first = ""
-    refs = [r for r in node.inputs if not graph.is_back_edge(node, r)]
+    # A ref input names state (a Variable in any frame) and carries no value: it sets no frame.
+    refs = [r for k, r in enumerate(node.inputs)
+            if not graph.is_back_edge(node, r) and k not in node.opdef.ref_inputs]
     for src in [parse_ref(r)[0] for r in refs] + list(node.control_inputs):
         f = fr.out_frame.get(src)
         if f is None:
