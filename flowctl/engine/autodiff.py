@@ -94,15 +94,7 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
                                  f"between the ys and the xs")
             view = OpView(graph, node)
             with graph.name_scope(name_), graph.following(name_), graph.device(node.device):
-                out_grads: list[Tensor | None] = []
-                for p, ref in enumerate(out_refs):
-                    parts = contribs.get(ref)
-                    if not parts:
-                        out_grads.append(None)
-                    elif len(parts) == 1:
-                        out_grads.append(parts[0])
-                    else:
-                        out_grads.append(ew.add_n(parts, name="sum_fanout"))
+                out_grads = [_summed(contribs.get(ref)) for ref in out_refs]
                 if len(out_grads) > 1 and any(g is None for g in out_grads):
                     out_grads = [g if g is not None else ew.zeros_like(view.outputs[p], name=f"zero_grad_{p}")
                                  for p, g in enumerate(out_grads)]
@@ -122,15 +114,18 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
 
         result: list[Tensor | None] = []
         for x in xs:
-            parts = contribs.get(x.name)
-            if not parts:
-                result.append(None)
-            elif len(parts) == 1:
-                result.append(parts[0])
-            else:
-                with graph.name_scope(x.node), graph.following(x.node):
-                    result.append(ew.add_n(parts, name="sum_fanout"))
+            with graph.name_scope(x.node), graph.following(x.node):
+                result.append(_summed(contribs.get(x.name)))
     return result
+
+
+def _summed(parts: list[Tensor] | None) -> Tensor | None:
+    """One gradient from the contributions of an output's several uses (None: no use)."""
+    from flowctl.engine.ops import elementwise as ew
+
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else ew.add_n(parts, name="sum_fanout")
 
 
 class _Loops:
@@ -157,7 +152,6 @@ class _Loops:
 
     def exit_reached(self, node: Node, contribs: dict[str, list[Tensor]], scope: str) -> list[tuple[str, Tensor]]:
         from flowctl.engine.control_grad import while_gradient
-        from flowctl.engine.ops import elementwise as ew
 
         if node.op != "Exit" or node.attrs["frame_name"] not in self.waiting:
             return []
@@ -168,9 +162,9 @@ class _Loops:
         exit_grads: dict[str, Tensor] = {}
         for n in list(self.graph.nodes.values()):  # (add_n adds nodes)
             if n.op == "Exit" and n.attrs["frame_name"] == frame:
-                parts = contribs.get(f"{n.name}:0")
-                if parts:
-                    exit_grads[n.name] = parts[0] if len(parts) == 1 else ew.add_n(parts, name="sum_fanout")
+                summed = _summed(contribs.get(f"{n.name}:0"))
+                if summed is not None:
+                    exit_grads[n.name] = summed
         if not exit_grads:
             return []
         return list(while_gradient(self.graph, frame, exit_grads, "grad").items())
