@@ -286,3 +286,29 @@ def test_assignments_inside_a_loop_and_a_branch_update_the_variable() -> None:
     assert sess.run(branch, {p: False}).tolist() == [4.0] * 3
     assert sess.run(branch, {p: True}).tolist() == [14.0] * 3
     assert sess.run(v).tolist() == [14.0] * 3
+
+
+def test_parallel_iterations_bounds_the_iterations_in_flight() -> None:
+    """Iterations whose bodies do not depend on each other overlap up to parallel_iterations: with
+    1 each body chain finishes before the next starts, with 4 they interleave."""
+    def order(parallel: int) -> list[str]:
+        g = fc.Graph()
+        with g.as_default():
+            def body(i, acc):
+                a = fc.cast(i, "float64", name="a")
+                x = fc.exp(a * 0.1)
+                for _ in range(8):  # a chain longer than the counter's path to the next iteration
+                    x = fc.abs_(x)
+                c = fc.tanh(x, name="c")
+                return i + 1, acc + c
+
+            _, out = while_loop(lambda i, acc: fc.less(i, i32(4)), body, [i32(0), f64(0.0)],
+                                parallel_iterations=parallel)
+        stats = fc.RunStats()
+        got = float(fc.Session(g).run(out, stats=stats))
+        assert got == pytest.approx(sum(np.tanh(np.exp(0.1 * k)) for k in range(4)))
+        return [n.rsplit("/", 1)[-1] for n in stats.nodes_run if n.rsplit("/", 1)[-1] in ("a", "c")]
+
+    assert order(1) == ["a", "c"] * 4
+    overlapped = order(4)
+    assert sorted(overlapped) == sorted(["a", "c"] * 4) and overlapped != ["a", "c"] * 4
