@@ -121,3 +121,13 @@ def test_dynamic_lstm_training_placed_on_two_devices_equals_one(alg: str) -> Non
     assert got == want
     for k in want_vars:
         np.testing.assert_array_equal(got_vars[k], want_vars[k], err_msg=k)
+
+
+def test_alap_receive_scheduling_leaves_loop_receives_to_their_frame() -> None:
+    g, x, out = _loop(2)
+    x0 = np.random.default_rng(2).standard_normal((2, 4))
+    want = fc.Session(g).run(out, {x: x0})
+    cluster = Cluster.local(2)
+    with DistributedSession(g, cluster, _split(g, cluster), store=fc.ContainerStore(), recv_schedule="alap") as s:
+        got = s.run(out, {x: x0})
+    np.testing.assert_array_equal(got[1], want[1])
