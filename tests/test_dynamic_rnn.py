@@ -229,3 +229,26 @@ def test_a_dynamic_lstm_lm_trains_on_bucketed_sentences_and_resumes_exactly(tmp_
     got = _losses(tmp_path / "split")
     assert got == _losses(tmp_path / "full") and len(got) == 10
     assert np.mean(got[-3:]) < np.mean(got[:3])  # it learns
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("sequences", [True, False])
+def test_dynamic_equals_static_for_short_sequences_and_last_outputs(steps: int, sequences: bool) -> None:
+    text = """\
+version: 1
+name: t
+model:
+  layers:
+    - {name: x, type: input, shape: [STEPS, 3]}
+    - {name: lstm_1, type: lstm, units: 4, unroll: UNROLL, return_sequences: SEQ}
+data: {source: synthetic, seed: 0}
+training: {optimizer: {type: sgd}, batch_size: 2, steps: 1}
+""".replace("STEPS", str(steps)).replace("SEQ", str(sequences).lower())
+    x = np.random.default_rng(0).standard_normal((2, steps, 3)).astype(np.float32)
+    out = {}
+    for unroll in ("static", "dynamic"):
+        model = build_model(load_text(text.replace("UNROLL", unroll)))
+        sess = fc.Session(model.graph)
+        sess.run(model.initializer())
+        out[unroll] = sess.run(model.outputs["lstm_1"], {model.inputs["x"]: x})
+    np.testing.assert_array_equal(out["dynamic"], out["static"])
