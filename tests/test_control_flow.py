@@ -312,3 +312,28 @@ def test_parallel_iterations_bounds_the_iterations_in_flight() -> None:
     assert order(1) == ["a", "c"] * 4
     overlapped = order(4)
     assert sorted(overlapped) == sorted(["a", "c"] * 4) and overlapped != ["a", "c"] * 4
+
+
+def test_two_loops_over_one_invariant_keep_their_gradient_sums_apart() -> None:
+    """Each loop's gradient sums its invariant's gradient in a buffer of its own, also after
+    CSE and constant folding (Session(optimize=True))."""
+    from flowctl.engine.gradcheck import check_gradients
+
+    def build(x, w):
+        a = _rnn(1)(x, w)
+        b = _rnn(2)(x * 2.0, w)
+        return a * b
+
+    rng = np.random.default_rng(7)
+    inputs = {"x": rng.standard_normal((2, 3)), "w": rng.standard_normal((3, 3))}
+    check_gradients(build, inputs)
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.constant(inputs["x"])
+        w = fc.placeholder("float64", (3, 3), name="w")  # not foldable: CSE alone could merge the sums
+        grads = fc.gradients(build(x, w), [w])
+    feeds = {w: inputs["w"]}
+    plain = fc.Session(g).run(grads, feeds)
+    optimized = fc.Session(g, optimize=True)
+    for _ in range(2):  # a second run must not see the first run's sums
+        np.testing.assert_array_equal(optimized.run(grads, feeds)[0], plain[0])

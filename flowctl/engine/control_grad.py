@@ -136,7 +136,10 @@ class _Backward:
         trips = add_loop_var(g, self.loop, constant(0, "int32", graph=g), lambda i: i + 1)
         inits = [constant(0, "int32", graph=g)]
         inits += [exit_grads.get(v.exit.name) or ew.zeros_like(Tensor(g, v.exit.name, 0)) for v in self.fvars]
-        inits += [ew.zeros_like(g.tensor(e.inputs[0])) for e in self.finv]
+        with g.control_dependencies([trips]):
+            # Running sums that LoopSum writes into: each loop's own buffer (the control edge keeps
+            # CSE from sharing one zeros node between two loops' sums).
+            inits += [ew.zeros_like(g.tensor(e.inputs[0])) for e in self.finv]
         enters = [make1("Enter", [x], {"frame_name": self.bframe, "parallel_iterations": self.loop.parallel,
                                        "expected_iterations": self.loop.expected}, name="Enter") for x in inits]
         merges = [merge([e, e], name="Merge")[0] for e in enters]
@@ -176,7 +179,8 @@ class _Backward:
         for m, e in enumerate(self.finv):
             gm = grads[nv + m]
             acc = body[1 + nv + m]
-            nexts.append(acc + g.tensor(self.backward_ref(gm.name)) if gm is not None else identity(acc))
+            nexts.append(make1("LoopSum", [acc, g.tensor(self.backward_ref(gm.name))], name="grad_sum")
+                         if gm is not None else identity(acc))
         control = [t.node for t in enters + merges + exits + body] + [s[0].node for s in switches]
         for m_, x in zip(merges, nexts):
             nxt = make1("NextIteration", [x], {"frame_name": self.bframe}, name="NextIteration")

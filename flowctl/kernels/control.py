@@ -81,3 +81,17 @@ def acc_stack(xp: Any, attrs: dict[str, Any]) -> Callable[[list, Any], Any]:
         return xp.stack(list(acc) + pad)
 
     return run
+
+
+@kernel("LoopSum")
+def loop_sum(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, Any], Any]:
+    # The one kernel that writes into an input: the engine builds LoopSum only on a running total
+    # that nothing else reads. A buffer it may not write (a folded constant) is summed out of place.
+    def run(total: Any, x: Any) -> Any:
+        flags = getattr(total, "flags", None)
+        if getattr(flags, "writeable", True) and getattr(flags, "c_contiguous", False) \
+                and total.shape == x.shape and total.dtype == x.dtype:
+            return xp.add(total, x, out=total)
+        return total + x
+
+    return run

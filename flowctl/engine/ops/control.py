@@ -8,7 +8,9 @@ from typing import Any, Sequence
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import graph_of, make, make1, make_op
-from flowctl.engine.ops.registry import CONTROL, MOVEMENT, REQUIRED, STATE, movement_cost, register_op
+from flowctl.engine.ops.registry import (
+    CONTROL, MOVEMENT, REQUIRED, STATE, elementwise_cost, movement_cost, register_op,
+)
 from flowctl.engine.shapes import InferError, TensorSpec
 
 
@@ -141,6 +143,18 @@ def _acc_stack(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]
 # gradient hands row t to iteration t.
 register_op("AccStack", _acc_stack, num_inputs=2, group=STATE, cost=_none, stateful=True,
             attrs={"rows": ("int", 0)}, grad=lambda op, dy: [dy[0], None])
+
+
+def _loop_sum(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if ins[0].dtype != ins[1].dtype or len(ins[0].shape) != len(ins[1].shape):
+        raise InferError(f"LoopSum adds equal shapes: {ins[0].shape} {ins[0].dtype} and {ins[1].shape} {ins[1].dtype}")
+    return [ins[0]]
+
+
+# LoopSum(total, x): total + x, written into `total` when its buffer allows. Only a loop's gradient
+# builds it, for a running sum that is a loop variable no one else reads (a loop invariant's
+# gradient): summing a weight gradient per iteration in place instead of allocating a new one.
+register_op("LoopSum", _loop_sum, num_inputs=2, group=CONTROL, cost=elementwise_cost, differentiable=False)
 
 
 def _switch_grad(op: Any, dy: list[Tensor | None]) -> list[Tensor | None]:
