@@ -7,6 +7,7 @@ from __future__ import annotations
 from flowctl.engine import ops as _ops  # noqa: F401  (registers every op)
 from flowctl.engine.autodiff import gradients
 from flowctl.engine.container import ContainerStore, process_store
+from flowctl.engine.control_flow import cond, while_loop
 from flowctl.engine.errors import (
     CheckpointError,
     ExecutionError,

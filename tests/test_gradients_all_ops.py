@@ -14,6 +14,8 @@ import pytest
 
 import flowctl as fc
 from flowctl.engine import autodiff
+from flowctl.engine.control_flow import cond, while_loop
+from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
 from flowctl.engine.gradcheck import check_gradients
 from flowctl.engine.ops.api import make1
 from flowctl.engine.ops.registry import OPS
@@ -106,6 +108,19 @@ def _einsum(a, b, v):
             fc.einsum("ij,k->jk", a, v), fc.einsum("ij", a)]
 
 
+def _control(x, w):
+    zero = fc.constant(0.0, dtype="float64")
+    y = cond(fc.greater(fc.reduce_sum(x), zero), lambda: fc.tanh(x) * 2.0, lambda: x * x)
+
+    def body(i, h, acc):
+        h2 = cond(fc.less(fc.reduce_sum(h), zero), lambda: h * 0.5, lambda: fc.tanh(fc.matmul(h, w)))
+        return i + 1, h2, acc_push(acc, h2 * h2)
+
+    _, h, acc = while_loop(lambda i, h, a: fc.less(i, fc.constant(3, dtype="int32")), body,
+                           [fc.constant(0, dtype="int32"), y, accumulator()])
+    return [h, acc_stack(acc, y)]
+
+
 CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]]] = {
     "elementwise": (_elementwise, {"a": arr(2, 3), "b": arr(3), "c": pos(2, 3)}, {}),
     "array": (_array, {"x": arr(2, 3), "y": arr(2, 4), "p": arr(4, 4)}, {}),
@@ -113,6 +128,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]
     "reductions": (_reductions, {"x": R.permutation(24).reshape(2, 3, 4) * 0.1}, {}),
     "nn": (_nn, {"logits": arr(3, 4), "labels_dense": arr(3, 4), "x4": arr(2, 2, 2, 3), "scale": pos(3),
                  "offset": arr(3), "bias": arr(3)}, {"rtol": 1e-4}),
+    "control_flow": (_control, {"x": arr(2, 3), "w": arr(3, 3)}, {}),  # Switch, Merge; loops as units
     "conv": (_conv, {"x": arr(2, 6, 5, 2), "f": arr(3, 2, 2, 3)}, {"rtol": 1e-4}),
     # unknown dimensions take the run-time-shape gradient ops (ReshapeLike, SplitLike, SliceGrad, ...)
     "unknown_dims": (lambda x, y: [fc.reshape(x, [-1]) * 1.0,

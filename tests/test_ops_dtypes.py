@@ -29,6 +29,8 @@ from flowctl.engine.ops.api import make1
 from flowctl.engine.ops.registry import ATTR_TYPES, OPS
 from test_gradients_all_ops import CASES
 
+from flowctl.engine.frames import ROOT, assign_frames
+
 R = np.random.default_rng(7)
 
 LEFT_OUT = {
@@ -49,6 +51,10 @@ LEFT_OUT = {
     "Recv": "inserted by partitioning, needs a rendezvous and a peer Send (tests/test_partition.py)",
     "NoOp": "no outputs",
     "Group": "no outputs",
+    **{op: "control flow (§4.4): runs per frame and iteration or on one branch (tests/test_control_flow.py)"
+       for op in ("Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopSum")},
+    **{op: "a loop gradient's per-iteration store, a variant handle (tests/test_control_flow.py)"
+       for op in ("AccCreate", "AccPush", "AccRead", "AccStack")},
 }
 
 
@@ -80,7 +86,12 @@ def _templates_from(build: Callable[..., Any], inputs: dict[str, np.ndarray], sh
         if grads and floats:
             wrt = [t for t in phs.values() if t.dtype == "float64"]
             fc.gradients(floats, wrt, grad_ys=[fc.ones_like(t) * 0.7 for t in floats])
-    new = [n for n in g.nodes.values() if n.op not in found and n.op != "Placeholder"]
+    # A node inside a loop runs once per iteration in its frame, and one in a branch of a cond may
+    # not run at all: neither can be fetched on its own (tests/test_control_flow.py covers them).
+    frame = assign_frames(g).exec_frame
+    outside = {n for n in g.nodes if frame.get(n, ROOT) == ROOT} - _in_branches(g)
+    new = [n for n in g.nodes.values() if n.op not in found and n.op not in LEFT_OUT and n.name in outside
+           and all(r.split(":")[0] in outside for r in n.inputs)]
     refs = sorted({r for n in new for r in n.inputs})
     feeds = {phs[k]: a for k, a in inputs.items()}
     with warnings.catch_warnings():
@@ -92,6 +103,23 @@ def _templates_from(build: Callable[..., Any], inputs: dict[str, np.ndarray], sh
                                                                      if ":" in r else 0].dtype)
                    for r in n.inputs]
             found[n.op] = (dict(n.attrs), ins)
+
+
+def _in_branches(g: Graph) -> set[str]:
+    """Nodes downstream of a Switch short of its Merge: they run only when their branch is taken."""
+    consumers: dict[str, list[str]] = {}
+    for n in g.nodes.values():
+        for r in n.inputs:
+            consumers.setdefault(r.split(":")[0], []).append(n.name)
+    todo = [c for n in g.nodes.values() if n.op == "Switch" for c in consumers.get(n.name, [])]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or g.nodes[name].op == "Merge":
+            continue
+        seen.add(name)
+        todo.extend(consumers.get(name, []))
+    return seen
 
 
 def _templates() -> dict[str, tuple[dict[str, Any], list[tuple[np.ndarray, str]]]]:
@@ -175,7 +203,9 @@ def test_dtypes_and_shapes_match_inference_with_optimizer_off_and_on(op):
             on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(refs)
         for port, (a, b, want) in enumerate(zip(off, on, node.outputs)):
             where = f"{op} on {dtype}, output {port}"
-            assert isinstance(a, np.ndarray), f"{where}: kernel returned {type(a).__name__}, not an array"
+            # numpy hands back a 0-d result of a ufunc as a scalar (np.bool_, np.float32): a value with
+            # the dtype and shape () all the same.
+            assert isinstance(a, (np.ndarray, np.generic)), f"{where}: kernel returned {type(a).__name__}, not an array"
             assert a.dtype.name == want.dtype, f"{where}: kernel gave {a.dtype}, inference said {want.dtype}"
             assert a.shape == tuple(want.shape), f"{where}: kernel gave {a.shape}, inference said {want.shape}"
             assert b.dtype == a.dtype and b.shape == a.shape, f"{where}: optimizer changed {a.dtype}{a.shape}"

@@ -13,7 +13,7 @@ import numpy as np
 from flowctl.data.arrays import ArraySource
 from flowctl.data.base import DataSource, InputSpec
 from flowctl.data.synthetic import SyntheticSource
-from flowctl.data.text import TextSource, Vocabulary, read_words
+from flowctl.data.text import SentenceSource, TextSource, Vocabulary, read_words
 from flowctl.engine.errors import SpecError
 
 
@@ -48,6 +48,8 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
         name = cfg.get("input") or next(iter(ints), None)
         if name is None or name not in ints or len(ints[name].shape) != 1:
             raise SpecError("a text source needs an integer model input of shape [unroll]")
+        if cfg.get("lengths"):  # sentences of their own lengths (no held-out split for them yet)
+            return _sentences(cfg, inputs, batch_size, Path(base_dir), ints, name)
         vocab = None
         if held and cfg.get("validation"):  # encoded with the training corpus's words
             vocab = Vocabulary.build(read_words(Path(base_dir) / cfg["path"]), cfg.get("vocab_size"))
@@ -74,5 +76,21 @@ def _split_of(cfg: Mapping[str, Any], base_dir: str | Path, held: bool) -> tuple
     return Path(base_dir) / cfg["path"], (1.0 - fraction, 1.0)
 
 
-__all__ = ["ArraySource", "DataSource", "InputSpec", "SPLITS", "SyntheticSource", "TextSource", "Vocabulary",
-           "has_validation", "make_source"]
+def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, base_dir: Path,
+               ints: dict[str, InputSpec], name: str) -> SentenceSource:
+    lengths = cfg["lengths"]
+    if lengths not in ints or ints[lengths].shape != ():
+        raise SpecError(f"data.lengths names '{lengths}', which must be a scalar integer model input "
+                        f"(shape [], dtype int32); the integer inputs are {', '.join(ints) or 'none'}")
+    rest = [n for n in ints if n not in (name, lengths)]
+    target = cfg.get("target") or (rest[0] if rest else None)
+    if target is None or target not in ints:
+        raise SpecError("a text source with lengths feeds three integer inputs: tokens, next tokens, lengths")
+    return SentenceSource(inputs, batch_size, base_dir / cfg["path"], unroll=ints[name].shape[0],
+                          input_name=name, target_name=target, lengths_name=lengths,
+                          vocab_size=cfg.get("vocab_size"), bucket=cfg.get("bucket", False),
+                          seed=cfg.get("seed", 0))
+
+
+__all__ = ["ArraySource", "DataSource", "InputSpec", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",
+           "Vocabulary", "has_validation", "make_source"]

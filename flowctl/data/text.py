@@ -105,3 +105,61 @@ class TextSource(DataSource):
     def epoch_start(self) -> bool:
         """True when the next batch begins an epoch: an LSTM's carried state should be reset."""
         return self.position % self.batches_per_epoch == 0
+
+
+class SentenceSource(DataSource):
+    """One line of the corpus per example (variable-length data for a dynamic RNN, §4.4): its
+    words as input, the same shifted by one (ending in `<eos>`) as target, both cut or padded with
+    id 0 to `unroll`, and its length (at most `unroll`) fed to the `lengths` input. Each epoch
+    visits the lines in an order drawn from (seed, epoch); with `bucket`, batches are runs of lines
+    of similar length (sorted by length, then the batches shuffled), so a dynamic loop runs about
+    as many steps as its longest line needs."""
+
+    kind = "text_sentences"
+
+    def __init__(self, inputs: list[InputSpec], batch_size: int, path: str | Path, unroll: int,
+                 input_name: str, target_name: str, lengths_name: str, vocab_size: int | None = None,
+                 bucket: bool = False, seed: int = 0) -> None:
+        super().__init__(inputs, batch_size, seed)
+        self.path = Path(path)
+        self.unroll = int(unroll)
+        self.names = (input_name, target_name, lengths_name)
+        self.bucket = bool(bucket)
+        self.vocab = Vocabulary.build(read_words(self.path), vocab_size)
+        lines = [line.split() for line in self.path.read_text(encoding="utf-8").splitlines()]
+        lines = [words for words in lines if words]
+        self.batches_per_epoch = len(lines) // batch_size
+        if self.batches_per_epoch < 1:
+            raise SpecError(f"{self.path}: {len(lines)} non-empty lines are too few for one batch of {batch_size}")
+        n = self.unroll
+        self.tokens = np.zeros((len(lines), n), np.int64)
+        self.targets = np.zeros((len(lines), n), np.int64)
+        self.lengths = np.zeros(len(lines), np.int64)
+        for i, words in enumerate(lines):
+            ids = self.vocab.encode(words + [EOS])
+            k = min(len(words), n)
+            self.tokens[i, :k] = ids[:k]
+            self.targets[i, :k] = ids[1:k + 1]
+            self.lengths[i] = k
+        self.dtypes = {i.name: i.dtype for i in inputs}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """Line indices in this epoch's order; a pure function of (seed, epoch), so resuming
+        mid-epoch sees the same order."""
+        rng = np.random.default_rng([self.seed, epoch])
+        b = self.batch_size
+        if not self.bucket:
+            return rng.permutation(len(self.lengths))[:self.batches_per_epoch * b]
+        by_length = np.argsort(self.lengths, kind="stable")[:self.batches_per_epoch * b]
+        batches = by_length.reshape(self.batches_per_epoch, b)
+        return batches[rng.permutation(self.batches_per_epoch)].reshape(-1)
+
+    def _next(self) -> dict[str, np.ndarray]:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        rows = self._order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
+        x, y, lens = self.names
+        return {x: self.tokens[rows].astype(self.dtypes.get(x, "int32")),
+                y: self.targets[rows].astype(self.dtypes.get(y, "int32")),
+                lens: self.lengths[rows].astype(self.dtypes.get(lens, "int32"))}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from flowctl.engine.control_grad import while_gradient
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Node, Tensor, parse_ref
@@ -50,8 +51,13 @@ def _between(graph: Graph, ys: Sequence[Tensor], xs: Sequence[Tensor]) -> set[st
 
 
 def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
-              grad_ys: Sequence[Any] | None = None, name: str = "gradients") -> list[Tensor | None]:
-    """d(sum of ys)/d(each x). A y's gradient defaults to ones; an x no y depends on gets None."""
+              grad_ys: Sequence[Any] | None = None, name: str = "gradients",
+              stop_at: set[str] | frozenset[str] = frozenset()) -> list[Tensor | None]:
+    """d(sum of ys)/d(each x). A y's gradient defaults to ones; an x no y depends on gets None.
+    Nodes named in `stop_at` pass no gradient to their inputs.
+
+    §4.4: a while loop met on the way is differentiated as a unit once the gradients of all its
+    Exits are known (engine/control_grad.py); a cond's Switch and Merge have gradients of their own."""
     from flowctl.engine.ops import elementwise as ew
 
     ys = [ys] if isinstance(ys, Tensor) else list(ys)
@@ -61,6 +67,7 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
     graph = ys[0].graph
     relevant = _between(graph, ys, xs)
     contribs: dict[str, list[Tensor]] = {}
+    loops = _Loops(graph, relevant, ys[0].node)
 
     with graph.as_default(), graph.name_scope(name):
         for i, y in enumerate(ys):
@@ -73,25 +80,22 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
         for name_ in reversed(graph.topo_order(relevant)):
             node = graph.nodes[name_]
             out_refs = [f"{name_}:{p}" for p in range(len(node.outputs))]
+            if loops.inside(name_):
+                for ref, g in loops.exit_reached(node, contribs, name):
+                    if ref.split(":")[0] in relevant and is_float(graph.tensor(ref).dtype):
+                        contribs.setdefault(ref, []).append(g)
+                continue
             if not any(r in contribs for r in out_refs):
                 continue
             opdef = node.opdef
-            if not opdef.differentiable or not node.inputs:
+            if not opdef.differentiable or not node.inputs or name_ in stop_at:
                 continue
             if opdef.grad is None:
                 raise GraphError(f"no gradient registered for op {node.op} (node '{name_}'), which lies "
                                  f"between the ys and the xs")
             view = OpView(graph, node)
             with graph.name_scope(name_), graph.following(name_), graph.device(node.device):
-                out_grads: list[Tensor | None] = []
-                for p, ref in enumerate(out_refs):
-                    parts = contribs.get(ref)
-                    if not parts:
-                        out_grads.append(None)
-                    elif len(parts) == 1:
-                        out_grads.append(parts[0])
-                    else:
-                        out_grads.append(ew.add_n(parts, name="sum_fanout"))
+                out_grads = [_summed(contribs.get(ref)) for ref in out_refs]
                 if len(out_grads) > 1 and any(g is None for g in out_grads):
                     out_grads = [g if g is not None else ew.zeros_like(view.outputs[p], name=f"zero_grad_{p}")
                                  for p, g in enumerate(out_grads)]
@@ -103,18 +107,63 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
                 if g is None:
                     continue
                 src, port = parse_ref(ref)
-                if src not in relevant or not is_float(graph.nodes[src].outputs[port].dtype):
+                dtype = graph.nodes[src].outputs[port].dtype
+                # A "variant" gradient is an accumulator's: a stack of per-iteration gradients.
+                if src not in relevant or not (is_float(dtype) or dtype == "variant"):
                     continue
                 contribs.setdefault(f"{src}:{port}", []).append(g)
 
         result: list[Tensor | None] = []
         for x in xs:
-            parts = contribs.get(x.name)
-            if not parts:
-                result.append(None)
-            elif len(parts) == 1:
-                result.append(parts[0])
-            else:
-                with graph.name_scope(x.node), graph.following(x.node):
-                    result.append(ew.add_n(parts, name="sum_fanout"))
+            with graph.name_scope(x.node), graph.following(x.node):
+                result.append(_summed(contribs.get(x.name)))
     return result
+
+
+def _summed(parts: list[Tensor] | None) -> Tensor | None:
+    """One gradient from the contributions of an output's several uses (None: no use)."""
+    from flowctl.engine.ops import elementwise as ew
+
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else ew.add_n(parts, name="sum_fanout")
+
+
+class _Loops:
+    """The while loops a gradient walk meets: their nodes are skipped one by one, and each loop is
+    differentiated when the walk (in reverse topological order) has passed all its relevant Exits,
+    which is after every use of their values."""
+
+    def __init__(self, graph: Graph, relevant: set[str], y: str) -> None:
+        from flowctl.engine.frames import assign_frames, has_control_flow
+
+        self.graph = graph
+        self.frames = assign_frames(graph) if has_control_flow(graph.nodes.values()) else None
+        self.here = self.frames.out_frame[y] if self.frames else ""
+        self.waiting: dict[str, int] = {}
+        if self.frames:
+            for n in relevant:
+                node = graph.nodes[n]
+                if node.op == "Exit" and self.frames.parent.get(node.attrs["frame_name"]) == self.here:
+                    f = node.attrs["frame_name"]
+                    self.waiting[f] = self.waiting.get(f, 0) + 1
+
+    def inside(self, name: str) -> bool:
+        return self.frames is not None and self.frames.exec_frame.get(name, self.here) != self.here
+
+    def exit_reached(self, node: Node, contribs: dict[str, list[Tensor]], scope: str) -> list[tuple[str, Tensor]]:
+        if node.op != "Exit" or node.attrs["frame_name"] not in self.waiting:
+            return []
+        frame = node.attrs["frame_name"]
+        self.waiting[frame] -= 1
+        if self.waiting[frame]:
+            return []
+        exit_grads: dict[str, Tensor] = {}
+        for n in list(self.graph.nodes.values()):  # (add_n adds nodes)
+            if n.op == "Exit" and n.attrs["frame_name"] == frame:
+                summed = _summed(contribs.get(f"{n.name}:0"))
+                if summed is not None:
+                    exit_grads[n.name] = summed
+        if not exit_grads:
+            return []
+        return list(while_gradient(self.graph, frame, exit_grads, "grad", gradients).items())

@@ -19,29 +19,35 @@ DTYPES: dict[str, np.dtype] = {
     "uint16": np.dtype("uint16"),
     "bool": np.dtype("bool"),
 }
+# A handle on per-step state that is no array (a control-flow accumulator, §4.4): never
+# differentiated, folded or sent off the process; not among the tensor dtypes above.
+VARIANT = "variant"
+_ALL: dict[str, np.dtype] = {**DTYPES, VARIANT: np.dtype(object)}
 FLOATS = frozenset({"float16", "float32", "float64"})
 INTS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16"})
 
 
 def as_dtype(d: Any) -> str:
     """Canonical dtype name for a name, numpy dtype or Python type."""
-    if isinstance(d, str) and d in DTYPES:
+    if isinstance(d, str) and d in _ALL:
         return d
     try:
         name = np.dtype(d).name
     except TypeError as e:
         raise GraphError(f"unknown dtype {d!r}; known: {', '.join(DTYPES)}") from e
+    if name == "object":
+        return VARIANT
     if name not in DTYPES:
         raise GraphError(f"unsupported dtype {name!r}; known: {', '.join(DTYPES)}")
     return name
 
 
 def np_dtype(name: str) -> np.dtype:
-    return DTYPES[name]
+    return _ALL[name]
 
 
 def itemsize(name: str) -> int:
-    return DTYPES[name].itemsize
+    return _ALL[name].itemsize
 
 
 def is_float(name: str) -> bool:

@@ -35,18 +35,26 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
+from flowctl.engine.frame_executor import FrameTables, run_frames
+from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import COMMUNICATION, SOURCE
-from flowctl.kernels.registry import bind
+from flowctl.kernels.registry import bind, check_finite
 
 if TYPE_CHECKING:
     from flowctl.engine.rendezvous import StepContext
 
 _plan_ids = itertools.count()
+
+
+class CompletionQueue(Protocol):
+    """Where an async kernel's continuation leaves (node, outputs, error) for the executor."""
+
+    def append(self, item: tuple[int, Any, BaseException | None], /) -> None: ...
 
 
 @dataclass
@@ -162,6 +170,8 @@ class Plan:
                 self.slot_uses[s] += 1
 
         self._compiled: dict[tuple[bool, bool], tuple[Callable[..., Any], str, list[int]]] = {}
+        # §4.4: a plan with control flow runs on the frame-aware executor (tagged values).
+        self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) else None
 
     def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
         attrs = dict(node.attrs)
@@ -229,12 +239,13 @@ class Plan:
 
     def run(self, feeds: Sequence[Any], stats: RunStats | None = None, check_numerics: bool = False,
             step: "StepContext | None" = None) -> list[Any]:
-        if self.has_async:  # straight-line code cannot wait for a continuation (§5.3)
+        if self.has_async or self.frame_tables is not None:
+            # Straight-line code cannot wait for a continuation (§5.3) nor loop (§4.4).
             return self.run_dataflow(feeds, stats, check_numerics, step)
         fn, filename, owner = self._compile(stats is not None, check_numerics)
         ran: list[int] = []
         try:
-            out, peak = fn(feeds, self.kernels, _nbytes, _check_finite, ran.append)
+            out, peak = fn(feeds, self.kernels, _nbytes, check_finite, ran.append)
         except Exception as e:  # noqa: BLE001 -- every kernel failure is reported with its node
             raise self._error(e, self._failing(e.__traceback__, filename, owner)) from e
         if stats is not None:
@@ -266,109 +277,22 @@ class Plan:
                      check_numerics: bool = False, step: "StepContext | None" = None) -> list[Any]:
         """Run the plan with a pending count per node and a ready queue (§3.1). `step` is the
         context handed to asynchronous kernels (§5.3); a plan without them ignores it."""
-        values: list[Any] = [None] * self.num_slots
-        for i, v in enumerate(feeds):
-            values[i] = v
-        uses = list(self.slot_uses)
-        pending = list(self.pending0)
-        ready = deque(i for i, p in enumerate(pending) if p == 0 and self.is_async[i])
-        ready.extend(i for i, p in enumerate(pending) if p == 0 and not self.is_async[i])
-        keep = set(self.fetch_slots) | set(range(len(self.feeds)))
-        live = peak = 0
-        ran: list[str] = []
-        timed = stats is not None
-        starts: list[tuple[str, float]] = []
-        finishes: list[tuple[str, float]] = []
-        # Async completions: appended by continuations on any thread, consumed here only.
-        completed: deque[tuple[int, Any, BaseException | None]] = deque()
-        cond = threading.Condition()
-        outstanding = 0
-        deferred: tuple[int, Any] | None = None  # a finished kernel whose successors wait their turn
-        while True:
-            if completed:  # a continuation fired: finish that node before starting another
-                i, out, err = completed.popleft()
-                outstanding -= 1
-                if err is not None:
-                    raise self._error(err, i) from err
-                if timed:
-                    finishes.append((self.order[i], time.perf_counter()))
-            elif deferred is not None:
-                (i, out), deferred = deferred, None
-            elif ready:
-                i = ready.popleft()
-                if timed:
-                    starts.append((self.order[i], time.perf_counter()))
-                if self.is_async[i]:
-                    outstanding += 1
-                    self._start_async(i, step, tuple(values[s] for s in self.in_slots[i]), completed, cond)
-                    continue
-                try:
-                    out = self.kernels[i](*[values[s] for s in self.in_slots[i]])
-                except Exception as e:  # noqa: BLE001
-                    raise self._error(e, i) from e
-                if timed:
-                    finishes.append((self.order[i], time.perf_counter()))
-                if completed:
-                    # Values that arrived while the kernel ran were ready before its outputs:
-                    # their consumers queue first (ready-time order, as the simulator has it).
-                    deferred = (i, out)
-                    continue
-            elif outstanding:
-                with cond:  # nothing to run until some asynchronous kernel completes
-                    while not completed:
-                        cond.wait()
-                continue
-            else:
-                break
-            # Node i finished with outputs `out`: store them, release inputs, wake successors.
-            node = self.nodes[i]
-            outs = self.out_slots[i]
-            if len(outs) == 1:
-                out = (out,)
-            try:
-                for s, v, f in zip(outs, out or (), self.float_out[i]):
-                    values[s] = v
-                    if check_numerics and f:
-                        _check_finite(v)
-            except Exception as e:  # noqa: BLE001
-                raise self._error(e, i) from e
-            ran.append(node.name)
-            if node.opdef.group != SOURCE:
-                live += sum(_nbytes(values[s]) for s in outs)
-                peak = max(peak, live)
-            for s in outs:
-                if uses[s] == 0 and s not in keep:
-                    live -= _nbytes(values[s]) if s in self.counted else 0
-                    values[s] = None
-            for s in self.in_slots[i]:
-                uses[s] -= 1
-                if uses[s] == 0 and s not in keep:
-                    if s in self.counted:
-                        live -= _nbytes(values[s])
-                    values[s] = None  # §3.1: the buffer goes the moment its last consumer ran
-            for c in self.succ[i]:
-                pending[c] -= 1
-                if pending[c] == 0:
-                    if self.is_async[c]:
-                        # A Send (or Recv, or queue op) only hands a tensor over or registers a
-                        # callback: start it before the queued compute, so another device is not
-                        # kept waiting behind this one's backlog (TF runs such cheap kernels inline).
-                        ready.appendleft(c)
-                    else:
-                        ready.append(c)
-        if len(ran) != len(self.nodes):
-            raise ExecutionError(f"step on {self.device} stopped with {len(self.nodes) - len(ran)} node(s) "
+        if self.frame_tables is not None:
+            return run_frames(self, feeds, stats, check_numerics, step)
+        run = _DataflowStep(self, feeds, check_numerics, step, timed=stats is not None)
+        run.run()
+        if len(run.ran) != len(self.nodes):
+            raise ExecutionError(f"step on {self.device} stopped with {len(self.nodes) - len(run.ran)} node(s) "
                                  f"never ready", device=self.device)
         if stats is not None:
-            stats.nodes_run = ran
-            stats.peak_bytes = peak
-            stats.starts = starts
-            stats.finishes = finishes
-        return [values[s] for s in self.fetch_slots]
+            stats.nodes_run = run.ran
+            stats.peak_bytes = run.peak
+            stats.starts = run.starts
+            stats.finishes = run.finishes
+        return [run.values[s] for s in self.fetch_slots]
 
     def _start_async(self, i: int, step: "StepContext | None", inputs: tuple[Any, ...],
-                     completed: "deque[tuple[int, Any, BaseException | None]]",
-                     cond: threading.Condition) -> None:
+                     completed: "CompletionQueue", cond: threading.Condition) -> None:
         """Start async kernel i; its continuation only queues the result and wakes the executor."""
         if step is None and self.nodes[i].opdef.group == COMMUNICATION:
             # Queue kernels (§4.6) need no rendezvous and run under a plain Session; Send/Recv do.
@@ -389,21 +313,127 @@ class Plan:
             done(None, e)
 
 
-def _check_finite(x: Any) -> None:
-    xp = _module_of(x)
-    if xp is not None and not bool(xp.isfinite(x).all()):
-        n_nan = int(xp.isnan(x).sum())
-        n_inf = int(xp.isinf(x).sum())
-        raise FloatingPointError(f"non-finite output: {n_nan} NaN and {n_inf} Inf of {x.size} values")
+class _DataflowStep:
+    """One step of the §3.1 executor: values by slot, pending counts, the ready queue, and the
+    completion queue async continuations append to (consumed on this thread only)."""
 
+    def __init__(self, plan: Plan, feeds: Sequence[Any], check_numerics: bool,
+                 step: "StepContext | None", timed: bool) -> None:
+        self.plan = plan
+        self.check = check_numerics
+        self.step = step
+        self.timed = timed
+        self.values: list[Any] = [None] * plan.num_slots
+        for i, v in enumerate(feeds):
+            self.values[i] = v
+        self.uses = list(plan.slot_uses)
+        self.pending = list(plan.pending0)
+        self.ready = deque(i for i, p in enumerate(self.pending) if p == 0 and plan.is_async[i])
+        self.ready.extend(i for i, p in enumerate(self.pending) if p == 0 and not plan.is_async[i])
+        self.keep = set(plan.fetch_slots) | set(range(len(plan.feeds)))
+        self.live = self.peak = 0
+        self.ran: list[str] = []
+        self.starts: list[tuple[str, float]] = []
+        self.finishes: list[tuple[str, float]] = []
+        self.completed: deque[tuple[int, Any, BaseException | None]] = deque()
+        self.cond = threading.Condition()
+        self.outstanding = 0
+        self.deferred: tuple[int, Any] | None = None  # a finished kernel whose successors wait their turn
 
-def _module_of(x: Any) -> Any:
-    import numpy as np
+    def run(self) -> None:
+        while True:
+            done: tuple[int, Any] | None
+            if self.completed:  # a continuation fired: finish that node before starting another
+                done = self._take_completion()
+            elif self.deferred is not None:
+                done, self.deferred = self.deferred, None
+            elif self.ready:
+                done = self._start(self.ready.popleft())
+            elif self.outstanding:
+                with self.cond:  # nothing to run until some asynchronous kernel completes
+                    while not self.completed:
+                        self.cond.wait()
+                continue
+            else:
+                return
+            if done is not None:
+                self._finish(*done)
 
-    if isinstance(x, np.ndarray):
-        return np if x.dtype.kind == "f" else None
-    if type(x).__module__.startswith("cupy"):
-        import cupy  # type: ignore[import-not-found]
+    def _take_completion(self) -> tuple[int, Any]:
+        i, out, err = self.completed.popleft()
+        self.outstanding -= 1
+        if err is not None:
+            raise self.plan._error(err, i) from err
+        if self.timed:
+            self.finishes.append((self.plan.order[i], time.perf_counter()))
+        return i, out
 
-        return cupy if x.dtype.kind == "f" else None
-    return None
+    def _start(self, i: int) -> tuple[int, Any] | None:
+        """Run node i, or start it if asynchronous; returns (i, outputs) when it finished now."""
+        plan = self.plan
+        if self.timed:
+            self.starts.append((plan.order[i], time.perf_counter()))
+        inputs = [self.values[s] for s in plan.in_slots[i]]
+        if plan.is_async[i]:
+            self.outstanding += 1
+            plan._start_async(i, self.step, tuple(inputs), self.completed, self.cond)
+            return None
+        try:
+            out = plan.kernels[i](*inputs)
+        except Exception as e:  # noqa: BLE001
+            raise plan._error(e, i) from e
+        if self.timed:
+            self.finishes.append((plan.order[i], time.perf_counter()))
+        if self.completed:
+            # Values that arrived while the kernel ran were ready before its outputs: their
+            # consumers queue first (ready-time order, as the simulator has it).
+            self.deferred = (i, out)
+            return None
+        return i, out
+
+    def _finish(self, i: int, out: Any) -> None:
+        """Node i finished with outputs `out`: store them, release inputs, wake successors."""
+        self._store(i, out)
+        self._release(i)
+        plan = self.plan
+        for c in plan.succ[i]:
+            self.pending[c] -= 1
+            if self.pending[c] == 0:
+                if plan.is_async[c]:
+                    # A Send (or Recv, or queue op) only hands a tensor over or registers a
+                    # callback: start it before the queued compute, so another device is not
+                    # kept waiting behind this one's backlog (TF runs such cheap kernels inline).
+                    self.ready.appendleft(c)
+                else:
+                    self.ready.append(c)
+
+    def _store(self, i: int, out: Any) -> None:
+        plan = self.plan
+        node = plan.nodes[i]
+        outs = plan.out_slots[i]
+        if len(outs) == 1:
+            out = (out,)
+        try:
+            for s, v, f in zip(outs, out or (), plan.float_out[i]):
+                self.values[s] = v
+                if self.check and f:
+                    check_finite(v)
+        except Exception as e:  # noqa: BLE001
+            raise plan._error(e, i) from e
+        self.ran.append(node.name)
+        if node.opdef.group != SOURCE:
+            self.live += sum(_nbytes(self.values[s]) for s in outs)
+            self.peak = max(self.peak, self.live)
+        for s in outs:
+            if self.uses[s] == 0 and s not in self.keep:
+                self.live -= _nbytes(self.values[s]) if s in plan.counted else 0
+                self.values[s] = None
+
+    def _release(self, i: int) -> None:
+        plan = self.plan
+        for s in plan.in_slots[i]:
+            self.uses[s] -= 1
+            if self.uses[s] == 0 and s not in self.keep:
+                if s in plan.counted:
+                    self.live -= _nbytes(self.values[s])
+                self.values[s] = None  # §3.1: the buffer goes the moment its last consumer ran

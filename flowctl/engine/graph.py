@@ -274,6 +274,8 @@ class Graph:
             if producer is None:
                 raise GraphError(f"node '{node.name}' input '{ref}' refers to missing node '{src}'")
             if port >= len(producer.outputs):
+                if not producer.outputs and self.is_back_edge(node, ref):
+                    continue  # a loop's Merge read before its NextIteration (GraphDef order)
                 raise GraphError(f"node '{node.name}' input '{ref}': node '{src}' ({producer.op}) has "
                                  f"{len(producer.outputs)} output(s), no port {port}")
             specs.append(producer.outputs[port])
@@ -312,20 +314,40 @@ class Graph:
                     out[src].append(node.name)
         return out
 
+    def is_back_edge(self, consumer: Node, ref: str) -> bool:
+        """§4.4: the edge NextIteration -> Merge closes a loop; orders and cycle checks skip it."""
+        return consumer.op == "Merge" and self.nodes[parse_ref(ref)[0]].op == "NextIteration"
+
+    def dependencies(self, node: Node, next_iterations: dict[str, list[str]] | None = None) -> set[str]:
+        """The nodes `node` waits for, back edges left out. An Exit is also ordered after every
+        NextIteration of its frame, so a whole loop precedes anything that reads its results."""
+        deps = {parse_ref(r)[0] for r in node.inputs if not self.is_back_edge(node, r)}
+        deps.update(node.control_inputs)
+        if node.op == "Exit" and next_iterations:
+            deps.update(next_iterations.get(node.attrs["frame_name"], ()))
+        return deps
+
+    def _next_iterations(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for n in self.nodes.values():
+            if n.op == "NextIteration":
+                out.setdefault(n.attrs["frame_name"], []).append(n.name)
+        return out
+
     def topo_order(self, names: Iterable[str] | None = None) -> list[str]:
         """Kahn's algorithm over the given nodes (default all) in insertion order, deterministic.
-        Raises GraphError naming two nodes on a cycle."""
+        Raises GraphError naming two nodes on a cycle (a loop's back edge is no cycle)."""
         if names is None:
             subset = list(self.nodes)
         else:
             wanted = set(names)
             subset = [n for n in self.nodes if n in wanted]
         member = set(subset)
+        nexts = self._next_iterations()
         pending: dict[str, int] = {}
         users: dict[str, list[str]] = {n: [] for n in subset}
         for n in subset:
-            deps = {parse_ref(r)[0] for r in self.nodes[n].inputs} | set(self.nodes[n].control_inputs)
-            deps &= member
+            deps = self.dependencies(self.nodes[n], nexts) & member
             pending[n] = len(deps)
             for d in deps:
                 users[d].append(n)
@@ -342,18 +364,17 @@ class Graph:
                     ready.append(u)
         if len(order) != len(subset):
             stuck = [n for n in subset if pending[n] > 0]
-            cycle = self._find_cycle(set(stuck))
+            cycle = self._find_cycle(set(stuck), nexts)
             raise GraphError("cycle in graph: " + " -> ".join(f"'{c}'" for c in cycle))
         return order
 
-    def _find_cycle(self, stuck: set[str]) -> list[str]:
+    def _find_cycle(self, stuck: set[str], nexts: dict[str, list[str]]) -> list[str]:
         # Walk predecessors inside the stuck set until a node repeats: that stretch is a cycle.
         start = min(stuck, key=list(self.nodes).index)
         path, seen = [start], {start: 0}
         cur = start
         while True:
-            node = self.nodes[cur]
-            preds = [parse_ref(r)[0] for r in node.inputs] + node.control_inputs
+            preds = sorted(self.dependencies(self.nodes[cur], nexts), key=list(self.nodes).index)
             nxt = next(p for p in preds if p in stuck)
             if nxt in seen:
                 cyc = path[seen[nxt]:] + [nxt]

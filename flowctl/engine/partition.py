@@ -36,6 +36,7 @@ from flowctl.engine.errors import GraphError, PlacementError
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.ops.communication import COMPRESSIBLE
 from flowctl.engine.ops.registry import COMMUNICATION, CONTROL, get_op
+from flowctl.engine.partition_loops import add_control_loops
 
 RECV_SCHEDULES = ("asap", "alap")
 
@@ -105,6 +106,7 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
         members = [n for n in graph.nodes if n in wanted]
     members = _with_ref_producers(graph, members)
     where = _devices(graph, members, placement)
+    graph, members, where, frames, anchors = add_control_loops(graph, members, where)
 
     # Pass 1: find every transfer and every fed tensor each device consumes.
     transfers: dict[tuple[str, str], _Transfer] = {}
@@ -192,8 +194,17 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
             for extra in _send_nodes(graph, t, compress):
                 _add(g, extra, new=True)
 
+    scheduled = transfers
+    if frames is not None:  # §4.4: a Recv inside a loop runs once per iteration of its frame
+        scheduled = {}
+        for key, t in transfers.items():
+            frame = frames.out_frame[t.ref[1:] if t.ref.startswith("^") else parse_ref(t.ref)[0]]
+            if frame:
+                parts[t.dst].nodes[t.recv].control_inputs.append(anchors[(frame, t.dst)])
+            else:
+                scheduled[key] = t  # (ALAP places only Recvs of the root frame)
     if recv_schedule == "alap":
-        _schedule_receives(graph, members, where, parts, transfers, durations or {})
+        _schedule_receives(graph, members, where, parts, scheduled, durations or {})
     for d, g in parts.items():
         try:
             g.check()
@@ -303,7 +314,8 @@ def _schedule_receives(graph: Graph, members: list[str], where: dict[str, str], 
     start: dict[str, float] = {}
     for n in order:
         node = graph.nodes[n]
-        preds = [parse_ref(r)[0] for i, r in enumerate(node.inputs) if i not in node.opdef.ref_inputs]
+        preds = [parse_ref(r)[0] for i, r in enumerate(node.inputs)
+                 if i not in node.opdef.ref_inputs and not graph.is_back_edge(node, r)]
         s = max((finish[p] for p in preds + node.control_inputs if p in member_set), default=0.0)
         start[n] = s
         finish[n] = s + float(durations.get(n, 1.0))

@@ -15,11 +15,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from flowctl.engine.container import ContainerStore
 from flowctl.engine.devices import CPU0
 from flowctl.engine.dtypes import itemsize, np_dtype
 from flowctl.engine.errors import GraphError
 from flowctl.engine.executor import Plan, needed_nodes
+from flowctl.engine.frames import CONTROL_FLOW_OPS
 from flowctl.engine.graph import Graph, Node, Tensor, attrs_equal, make_ref, parse_ref
 from flowctl.engine.ops.registry import (
     COMMUNICATION, ELEMENTWISE, MATRIX, MOVEMENT, NN, REDUCTION, get_op,
@@ -55,8 +55,9 @@ def _insertion_topo(graph: Graph) -> list[str]:
     index = {n: i for i, n in enumerate(graph.nodes)}
     pending: dict[str, int] = {}
     users: dict[str, list[str]] = {n: [] for n in graph.nodes}
+    nexts = graph._next_iterations()
     for name, node in graph.nodes.items():
-        deps = {parse_ref(r)[0] for r in node.inputs} | set(node.control_inputs)
+        deps = graph.dependencies(node, nexts)  # §4.4: a loop's back edge is no dependency
         pending[name] = len(deps)
         for d in deps:
             users[d].append(name)
@@ -153,9 +154,10 @@ def prune(graph: Graph, fetches: Sequence[Tensor | str], feeds: Iterable[Tensor 
 def _mergeable(node: Node) -> bool:
     d = node.opdef
     # Stateful ops and ops owning a resource have identity (two Variables, two random streams);
-    # a Placeholder is an input of its own even when its attrs match another's.
+    # a Placeholder is an input of its own even when its attrs match another's. Control-flow
+    # primitives are the structure of a frame (two loop variables may enter from one tensor).
     return not (d.stateful or d.resource or d.ref_inputs or d.is_async or d.group == COMMUNICATION
-                or node.op == "Placeholder")
+                or node.op == "Placeholder" or node.op in CONTROL_FLOW_OPS)
 
 
 def _attr_key(attrs: dict[str, Any]) -> tuple[Any, ...]:

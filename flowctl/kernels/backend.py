@@ -162,3 +162,26 @@ def receive(value: Any, on_host: bool, xp: Any, done: Callable[[Any, "BaseExcept
     # On a copy thread, like the copy off a GPU: the sender's thread (whoever delivered the value)
     # goes on at once; a pageable host -> device copy holds its calling thread until it is done.
     _copies["h2d"].submit(upload)
+
+
+def check_finite(x: Any) -> None:
+    """Raise FloatingPointError when a float array holds NaN or Inf (CheckNumerics, §6 lesson 5)."""
+    xp = np if isinstance(x, np.ndarray) else (cupy_or_none() if type(x).__module__.startswith("cupy") else None)
+    if xp is None or x.dtype.kind != "f" or bool(xp.isfinite(x).all()):
+        return
+    n_nan = int(xp.isnan(x).sum())
+    n_inf = int(xp.isinf(x).sum())
+    raise FloatingPointError(f"non-finite output: {n_nan} NaN and {n_inf} Inf of {x.size} values")
+
+
+class _Dead:
+    """The value of an output on an untaken branch (§4.4): it flows through the graph as a token,
+    never as data; the frame executor and the communication kernels recognise it by identity."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEAD"
+
+
+DEAD = _Dead()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from flowctl.kernels.backend import mark_ready, receive
+from flowctl.kernels.backend import DEAD, mark_ready, receive
 from flowctl.kernels.registry import kernel
 
 Done = Callable[[Any, "BaseException | None"], None]
@@ -44,6 +44,10 @@ def send(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done
     compress = bool(attrs["compress"])
 
     def start(step: Any, inputs: tuple[Any, ...], done: Done) -> None:
+        if inputs[0] is DEAD:  # §4.4: an untaken branch's value travels as a dead token
+            step.rendezvous.send(step.key(src, dst, name), DEAD)
+            done(None, None)
+            return
         value = narrow(xp, inputs[0]) if compress else inputs[0]
         step.rendezvous.send(step.key(src, dst, name), mark_ready(value))
         done(None, None)  # a local Send never waits: the rendezvous buffers until the Recv comes
@@ -70,6 +74,9 @@ def recv(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done
         def arrived(value: Any, err: BaseException | None) -> None:
             if err is not None:
                 done(None, err)
+                return
+            if value is DEAD:
+                done(DEAD, None)
                 return
             try:
                 receive(value, on_host, xp, moved)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from flowctl.kernels.backend import Ready, array_module, cupy_or_none, gpu_count, gpu_properties, to_host
+from flowctl.kernels.backend import (DEAD, Ready, array_module, check_finite, cupy_or_none, gpu_count,
+                                     gpu_properties, to_host)
 
-__all__ = ["DEVICE_TYPES", "KERNELS", "KernelFactory", "Ready", "array_module", "bind", "cupy_or_none", "device_types_for",
+__all__ = ["DEAD", "DEVICE_TYPES", "KERNELS", "KernelFactory", "Ready", "array_module", "check_finite", "bind", "cupy_or_none", "device_types_for",
            "gpu_count", "gpu_properties", "has_kernel", "kernel", "to_host"]
 
 KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]

@@ -286,7 +286,11 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
                 problems.at(root, ("data", "features", key), f"'{key}' is not a model input"
                             + did_you_mean(key, inputs) + f" (inputs: {', '.join(inputs)})", key=True)
     if isinstance(data, TextData):
-        ints = [n for n, i in inputs.items() if i.output.dtype.startswith("int")]
+        ints = [n for n, i in inputs.items() if i.output.dtype.startswith("int") and n != data.lengths]
+        if data.lengths is not None and (data.lengths not in inputs or inputs[data.lengths].output.shape[1:] != ()
+                                         or not inputs[data.lengths].output.dtype.startswith("int")):
+            problems.at(root, ("data", "lengths"), f"'{data.lengths}' must be a scalar integer model input "
+                        f"(shape [], dtype int32)" + did_you_mean(data.lengths, inputs))
         for key, default in (("input", 0), ("target", 1)):
             name = getattr(data, key) or (ints[default] if len(ints) > default else None)
             if name is None:

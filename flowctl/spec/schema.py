@@ -133,6 +133,10 @@ class TextData(HeldOut):
     vocab_size: int | None = Field(None, ge=2, description="keep the most frequent words; others become <unk>")
     input: str | None = Field(None, description="model input fed with token ids (default: first int input)")
     target: str | None = Field(None, description="model input fed with next-token ids (default: second int input)")
+    lengths: str | None = Field(None, description="model input fed with each line's length: one line per "
+                                "example, padded to the input's length (for lstm unroll: dynamic)")
+    bucket: bool = Field(False, description="with lengths: batch lines of similar length together")
+    seed: int = 0
 
 
 DataSpec = Annotated[Union[SyntheticData, ArrayData, TextData], Field(discriminator="source")]

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import flowctl as fc
+from flowctl.engine.frames import run_counts
 from flowctl.engine.dtypes import itemsize
 from flowctl.engine.executor import needed_nodes
 from flowctl.engine.graph import Graph
@@ -54,10 +55,12 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
                                               for n in loaded.layers}
     total_fwd = total_step = 0.0
     activations = 0
+    runs = run_counts(g)  # §4.4: an op in a loop counts once per expected iteration
     for n in step:
         if n in free:
             continue
         flops, _ = _cost(g, n, batch)
+        flops *= runs.get(n, 1.0)
         node = g.nodes[n]
         owner = layer_of.get(n) or layer_of.get(node.follows)
         total_step += flops
@@ -65,7 +68,7 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
             per_layer[owner]["step_flops"] += flops
         if n in forward:
             total_fwd += flops
-            b = _bytes(g, n, batch)
+            b = int(_bytes(g, n, batch) * runs.get(n, 1.0))
             activations += b
             if owner is not None:
                 per_layer[owner]["forward_flops"] += flops

@@ -27,6 +27,7 @@ from flowctl.engine.cluster import Cluster, Link
 from flowctl.engine.dtypes import itemsize
 from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
+from flowctl.engine.frames import run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import CONTROL, SOURCE
 from flowctl.engine.shapes import TensorSpec, concrete
@@ -69,6 +70,8 @@ def concrete_shapes(graph: Graph, batch: int) -> dict[str, list[tuple[int, ...]]
         ins = []
         for ref in node.inputs:
             src, port = parse_ref(ref)
+            if graph.is_back_edge(node, ref):
+                continue  # a loop's Merge: its entry value gives the shape (§4.4)
             ins.append(TensorSpec(out[src][port], graph.nodes[src].outputs[port].dtype))
         try:
             specs = node.opdef.infer(ins, node.attrs)
@@ -379,13 +382,16 @@ class CostTable:
         streamed: dict[int, bool] = {}
         stream_rows: list[list[float]] = []
         succ: list[list[int]] = [[] for _ in names]
+        runs = run_counts(graph)  # §4.4: a loop costs its iteration's cost times its trip count
         for i, name in enumerate(names):
             node = graph.nodes[name]
             fl, nb = static.estimate(graph, node)
+            w = runs.get(name, 1.0)
+            fl, nb = fl * w, nb * w
             if model is static:  # one estimate serves every profile
                 per = {r: static.time_of(fl, nb, devices[r]) for r in rep_list}
             else:
-                per = {r: float(model.op_time(graph, node, devices[r])) for r in rep_list}
+                per = {r: w * float(model.op_time(graph, node, devices[r])) for r in rep_list}
                 if stream_time is not None:
                     for r in rep_list:
                         st = stream_time(graph, node, devices[r])
@@ -403,7 +409,7 @@ class CostTable:
             ins: list[tuple[int, int]] = []
             ctrl_names = list(node.control_inputs)
             for k, ref in enumerate(node.inputs):
-                if k in skip:
+                if k in skip or graph.is_back_edge(node, ref):
                     continue
                 src, port = parse_ref(ref)
                 j = index.get(src)

@@ -1,13 +1,18 @@
-"""Recurrent layers: an LSTM unrolled over time, and content-based attention for encoder-decoders.
+"""Recurrent layers: an LSTM over time, and content-based attention for encoder-decoders.
 
-The graph is static (whitepaper §4.4's control flow is not needed for a fixed unroll length), so
-an LSTM over T steps is T copies of the cell, each with one fused-gate MatMul of [x_t, h] against
-a [(in + units), 4 * units] kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell.
+Each step of the LSTM is one fused-gate MatMul of [x_t, h] against a [(in + units), 4 * units]
+kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell. `unroll: static` makes T copies
+of the cell; `unroll: dynamic` makes one, in a while loop over the time axis (whitepaper §4.4), so
+the graph holds a few dozen nodes whatever T is, and the per-step outputs are pushed onto an
+accumulator stacked after the loop. Both compute step 0 outside any loop (the state
+is zero there, so only the input rows of the kernel contribute) and the same cell after it, so
+they agree up to float32 rounding.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+import numpy as np
 from pydantic import Field
 
 import flowctl as fc
@@ -20,17 +25,31 @@ from flowctl.spec.layers.core import linear
 @register
 class LSTM(Layer):
     """A [batch, time, features] sequence -> [batch, time, units] (or [batch, units] for the last
-    step when `return_sequences` is false). Gates in the order i, f, g, o."""
+    step when `return_sequences` is false). Gates in the order i, f, g, o.
+
+    With `unroll: dynamic` a second input may give each example's length ([batch] int32, from the
+    data): the loop then runs max(lengths) steps, an example's state stops changing after its
+    length and its outputs there are zero (the last state is the state at its length)."""
 
     type: Literal["lstm"]
     units: int = Field(ge=1)
     return_sequences: bool = True
     forget_bias: float = Field(0.0, description="added to the forget gate (BasicLSTMCell's forget_bias)")
     init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
+    unroll: Literal["static", "dynamic"] = Field(
+        "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
+
+    arity: ClassVar[tuple[int, int | None]] = (1, 2)  # the sequence, and optionally its lengths
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
         x = ins[0]
         rank(x, 3, "lstm", "[batch, time, features] input")
+        if len(ins) == 2:
+            if self.unroll != "dynamic":
+                raise LayerError(f"lstm '{self.name}': a lengths input needs unroll: dynamic", "inputs")
+            rank(ins[1], 1, "lstm", "[batch] lengths input")
+            if not ins[1].dtype.startswith("int"):
+                raise LayerError(f"lstm '{self.name}': lengths must be integers, got {ins[1].dtype}", "inputs")
         known(x.shape[1], f"lstm '{self.name}' time steps (the unroll length)")
         known(x.shape[2], f"lstm '{self.name}' input features")
         if self.return_sequences:
@@ -47,32 +66,97 @@ class LSTM(Layer):
         x = ins[0]
         d, u = int(x.shape[2]), self.units
         kernel, bias = (b.variable(w) for w in self.weights([x.spec]))
-        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
         # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing them
         # avoids materialising a zero state whose batch size is unknown until run time.
         w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
+        if self.unroll == "dynamic":
+            return self._build_dynamic(x, kernel, bias, w_in, ins[1] if len(ins) == 2 else None)
+        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
         h: Tensor | None = None
         c: Tensor | None = None
         outs: list[Tensor] = []
         for t, xt in enumerate(steps):
             with b.graph.name_scope(f"t{t}"):
-                if h is None:
-                    z = fc.bias_add(fc.matmul(xt, w_in, name="matmul"), bias, name="bias_add")
+                if h is None or c is None:
+                    h, c = self._first(xt, w_in, bias)
                 else:
-                    z = fc.bias_add(fc.matmul(fc.concat([xt, h], axis=1, name="concat"), kernel, name="matmul"),
-                                    bias, name="bias_add")
-                i, f, g, o = fc.split(z, 4, axis=1, name="gates")
-                if self.forget_bias:
-                    f = f + self.forget_bias
-                ig = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
-                c = ig if c is None else fc.sigmoid(f, name="forget_gate") * c + ig
-                h = fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c")
+                    h, c = self._cell(xt, h, c, kernel, bias)
                 outs.append(h)
         if not self.return_sequences:
             return fc.identity(outs[-1], name="last")
         y = fc.stack(outs, axis=1, name="stack")  # runs only if a non-recurrent layer reads it
         b.steps[y.name] = outs
         return y
+
+    def _gates(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        i, f, g, o = fc.split(z, 4, axis=1, name="gates")
+        if self.forget_bias:
+            f = f + self.forget_bias
+        return i, f, g, o
+
+    def _first(self, xt: Tensor, w_in: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        i, f, g, o = self._gates(fc.bias_add(fc.matmul(xt, w_in, name="matmul"), bias, name="bias_add"))
+        c = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
+        return fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c"), c
+
+    def _cell(self, xt: Tensor, h: Tensor, c: Tensor, kernel: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        z = fc.bias_add(fc.matmul(fc.concat([xt, h], axis=1, name="concat"), kernel, name="matmul"),
+                        bias, name="bias_add")
+        i, f, g, o = self._gates(z)
+        ig = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
+        c = fc.sigmoid(f, name="forget_gate") * c + ig
+        return fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c"), c
+
+    def _build_dynamic(self, x: Tensor, kernel: Tensor, bias: Tensor, w_in: Tensor,
+                       lengths: Tensor | None) -> Tensor:
+        """Steps 1..T-1 (or 1..max(lengths)-1) in a while loop (§4.4). Each iteration pushes its
+        output onto an accumulator stacked (zero-padded to T-1 rows) after the loop; the loop's
+        gradient hands row t of the stack's gradient back to iteration t."""
+        from flowctl.engine.control_flow import while_loop
+        from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
+
+        T, d, u = int(x.shape[1]), int(x.shape[2]), self.units
+        xs = fc.transpose(x, [1, 0, 2], name="time_major")  # [T, batch, d]
+        lens = None if lengths is None else fc.cast(lengths, "int32", name="lengths")
+
+        def step_input(t: Tensor) -> Tensor:
+            return fc.reshape(fc.gather(xs, fc.reshape(t, [1]), axis=0), [-1, d], name="x_t")
+
+        def alive(t: Tensor) -> Tensor:  # [batch, 1]: 1 while t < the example's length
+            assert lens is not None
+            return fc.expand_dims(fc.cast(fc.less(t, lens), x.dtype), 1, name="alive")
+
+        with x.graph.name_scope("t0"):
+            t0 = fc.constant(0, dtype="int32")
+            h, c = self._first(step_input(t0), w_in, bias)
+            out0 = h if lens is None else h * alive(t0)
+        h0 = h
+        if lens is not None:
+            h, c = out0, c * alive(t0)
+        if T > 1:
+            def body(t: Tensor, h: Tensor, c: Tensor, acc: Tensor) -> tuple[Tensor, ...]:
+                h2, c2 = self._cell(step_input(t), h, c, kernel, bias)
+                out = h2
+                if lens is not None:  # past its length an example keeps its state, outputs zero
+                    m = alive(t)
+                    out = h2 * m
+                    h2, c2 = out + h * (1.0 - m), c2 * m + c * (1.0 - m)
+                return t + 1, h2, c2, acc_push(acc, out) if self.return_sequences else acc
+
+            steps = fc.constant(T, dtype="int32")
+            if lens is not None:
+                steps = fc.minimum(fc.reduce_max(lens), steps, name="steps")
+            _, h, _, acc = while_loop(lambda t, h, c, a: fc.less(t, steps), body,
+                                      [fc.constant(1, dtype="int32"), h, c, accumulator(x.graph)],
+                                      shape_invariants=[None, (None, u), (None, u), None], name="time_loop",
+                                      expected_iterations=T - 1)
+        if not self.return_sequences:
+            return fc.identity(h, name="last")
+        if T == 1:
+            return fc.expand_dims(out0, 1, name="batch_major")
+        rows = acc_stack(acc, h0, rows=T - 1)
+        outs = fc.concat([fc.expand_dims(out0, 0), rows], axis=0, name="outputs")  # [T, batch, u]
+        return fc.reshape(fc.transpose(outs, [1, 0, 2]), [-1, T, u], name="batch_major")
 
 
 @register
