@@ -38,15 +38,27 @@ def _short(dev: str) -> str:
 @click.option("--limit", default=40, show_default=True, help="Rows of the explanation to show (0: all).")
 @click.option("--batch", type=int, help="Batch size to cost (default: the spec's per-replica batch).")
 @click.option("--json", "as_json", is_flag=True, help="The placement and its explanation as JSON on stdout.")
+@click.option("--budget", help="learned: training time, e.g. 90s, 10m (default: the spec's time_budget_s).")
+@click.option("--seed", type=int, default=0, show_default=True, help="learned: the policy's seed.")
+@click.option("--steps", type=int, help="learned: policy updates to run (reproducible; the budget still stops it).")
+@click.option("--checkpoint", type=click.Path(dir_okay=False), help="learned: save training here (.npz).")
+@click.option("--resume", is_flag=True, help="learned: continue the training saved in --checkpoint.")
+@click.option("--warm-start", type=click.Path(dir_okay=False), help="learned: start from a policy trained "
+              "on another graph or cluster (a --checkpoint file).")
 def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, by: str, limit: int,
-          batch: int | None, as_json: bool) -> None:
+          batch: int | None, as_json: bool, budget: str | None, seed: int, steps: int | None,
+          checkpoint: str | None, resume: bool, warm_start: str | None) -> None:
     """Place SPEC's training step on its devices (or --devices) and show where every node runs and why."""
     from flowctl.spec.loader import load_spec
     from flowctl.training.planning import plan
 
     console = Console(stderr=True)
     loaded = load_spec(spec)
-    p = plan(loaded, algorithm, devices, batch=batch)
+    alg = algorithm or loaded.spec.placement.algorithm
+    if alg == "learned":
+        p = _place_learned(console, loaded, devices, batch, budget, seed, steps, checkpoint, resume, warm_start)
+    else:
+        p = plan(loaded, algorithm, devices, batch=batch)
     chosen = p.chosen
     if as_json:
         out = chosen.to_dict(nodes=explain)
@@ -59,6 +71,44 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
             out["layers"] = _by_layer(p)
         click.echo(json.dumps(out, default=str))
     _render(console, p, explain, by, limit)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in '90', '90s', '10m', '1.5h'."""
+    from flowctl.engine.errors import SpecError
+
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise SpecError(f"--budget '{text}' is not a duration (e.g. 90s, 10m, 1h)") from None
+    if value <= 0:
+        raise SpecError(f"--budget '{text}' must be positive")
+    return value
+
+
+def _place_learned(console: Console, loaded: Any, devices: str | None, batch: int | None, budget: str | None,
+                   seed: int, steps: int | None, checkpoint: str | None, resume: bool,
+                   warm_start: str | None) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flowctl.engine.placement.learned import LearnedOptions
+    from flowctl.training.planning import plan
+
+    seconds = parse_duration(budget) if budget else loaded.spec.placement.time_budget_s
+    total = float(steps) if steps else seconds
+    with Progress(TextColumn("learned placer"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting from the heuristics", total=total)
+
+        def progress(step: int, best: float, elapsed: float) -> None:
+            bar.update(task, completed=min(total, step if steps else elapsed),
+                       description=f"step {step}, best {best * 1e3:,.2f} ms")
+
+        opts = LearnedOptions(seed=seed, steps=steps, budget_s=seconds, checkpoint=checkpoint, resume=resume,
+                              warm_start=warm_start, progress=progress)
+        return plan(loaded, "learned", devices, batch=batch, learned=opts)
 
 
 def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> None:

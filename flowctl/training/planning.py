@@ -110,12 +110,11 @@ class Plan:
 
 def plan(loaded: LoadedSpec, algorithm: str | None = None, devices: str | None = None,
          compare: tuple[str, ...] = ("single", "expert"), batch: int | None = None,
-         measured: MeasuredCostModel | None = None, time_budget: float | None = None) -> Plan:
+         measured: MeasuredCostModel | None = None, time_budget: float | None = None,
+         learned: Any = None) -> Plan:
+    """`learned`: LearnedOptions for the learned placer (its budget, seed, checkpoint)."""
     spec = loaded.spec
     algorithm = algorithm or spec.placement.algorithm
-    if algorithm == "learned":
-        raise PlacementError("the learned placer is not in this version; use single, expert, greedy, heft, "
-                             "mincut or auto")
     started = time.perf_counter()
     step = step_graph(loaded)
     cluster = cluster_for(spec, devices)
@@ -126,7 +125,7 @@ def plan(loaded: LoadedSpec, algorithm: str | None = None, devices: str | None =
 
     def run(alg: str) -> Placement:
         return place(step.graph, cluster, cost, alg, targets=[step.train_op.node], rules=rules or None,
-                     layers=layers, time_budget=budget)
+                     layers=layers, time_budget=budget, learned=learned)
 
     chosen = run(algorithm)
     out = Plan(step, cluster, cost, chosen)

@@ -9,6 +9,8 @@
 - `greedy` and `heft`: list scheduling on the simulator (listsched.py).
 - `mincut`: a METIS k-way partition of the grouped graph, edges weighted by bytes, vertices by
   op time (the graph-partitioner baseline of Mirhoseini et al. 2017), parts mapped to devices.
+- `learned`: a policy trained by REINFORCE on the simulator, started from the best of the
+  above (learned.py).
 - `auto`: the others within a time budget; the valid placement with the least expected simulated
   step time, over the cost model's jitter (ties: the earlier in the fixed order single, expert,
   greedy, heft, mincut).
@@ -320,16 +322,17 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
     return best
 
 
-ALGORITHMS = ("single", "expert", "greedy", "heft", "mincut", "auto")
+ALGORITHMS = ("single", "expert", "greedy", "heft", "mincut", "auto", "learned")
 
 
 def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str = "greedy", *,
           targets: Iterable[str] | None = None, rules: Rules | None = None, layers: Mapping[str, str] | None = None,
-          time_budget: float = 10.0, problem: Problem | None = None) -> Placement:
+          time_budget: float = 10.0, problem: Problem | None = None, learned: Any = None) -> Placement:
     """Place every node of `graph` on a device of `cluster`. `targets`: the nodes (or refs) one
     step runs, which is what the simulator times (default: the whole graph; pass the train op so
     initialisers do not count). `rules`/`layers`: the expert's rules and the node -> layer map of
     a spec-built model. `problem`: a `prepare`d Problem to reuse across calls (its targets win).
+    `learned`: the learned placer's `LearnedOptions` (default: seed 0, `time_budget` seconds).
     Raises PlacementError when the constraints cannot be met or the result would overflow a
     device's memory."""
     if algorithm not in ALGORITHMS:
@@ -351,6 +354,10 @@ def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str 
         pl = place_heft(pb)
     elif algorithm == "mincut":
         pl = place_mincut(pb)
+    elif algorithm == "learned":
+        from flowctl.engine.placement.learned import LearnedOptions, place_learned
+
+        pl = place_learned(pb, rules, layers, learned or LearnedOptions(budget_s=time_budget))
     else:
         pl = place_auto(pb, rules, layers, time_budget)
     return pl.check()
