@@ -145,11 +145,11 @@ def test_learned_through_place_is_never_slower_than_the_best_heuristic() -> None
 def test_units_never_mix_feasible_sets_and_express_the_seed_exactly() -> None:
     pb = _problem()
     seed = heuristic_seed(pb, None, None)[0]
-    groups = {g: seed.device_index[i] for i, g in enumerate(pb.step_group)}
-    units = build_units(pb, None, 4, groups)
-    for u, gs in enumerate(units.groups):
-        assert len({pb.coarse.feasible_idx[g] for g in gs}) == 1
-        assert len({groups[g] for g in gs}) == 1
+    units = build_units(pb, None, 4, seed.device_index)
+    for u in range(len(units)):
+        nodes = [i for i in range(len(pb.step)) if units.step_unit[i] == u]
+        assert len({pb.coarse.feasible_idx[pb.step_group[i]] for i in nodes}) == 1
+        assert len({seed.device_index[i] for i in nodes}) == 1
     proj = units.project(pb, seed.device_index)
     assert units.node_devices(proj).tolist() == seed.device_index
 

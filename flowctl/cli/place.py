@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import ALGORITHMS
 
 
@@ -55,10 +56,15 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     console = Console(stderr=True)
     loaded = load_spec(spec)
     alg = algorithm or loaded.spec.placement.algorithm
-    if alg == "learned":
-        p = _place_learned(console, loaded, devices, batch, budget, seed, steps, checkpoint, resume, warm_start)
-    else:
-        p = plan(loaded, algorithm, devices, batch=batch)
+    try:
+        if alg == "learned":
+            p = _place_learned(console, loaded, devices, batch, budget, seed, steps, checkpoint, resume, warm_start)
+        else:
+            p = plan(loaded, algorithm, devices, batch=batch)
+    except PlacementError as e:
+        if as_json:  # the whole story (every member of a conflict, every node on a full device)
+            click.echo(json.dumps({"error": str(e), "details": e.details}, default=str))
+        raise
     chosen = p.chosen
     if as_json:
         out = chosen.to_dict(nodes=explain)
@@ -159,14 +165,17 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
         console.print(t)
         return
     decisions = {d.first: d for d in chosen.decisions}
-    t = Table(title="per node (groups are placed together; candidates are estimated finish times, ms)")
+    t = Table(title="per node (groups are placed together; candidates: the estimated finish of the whole group "
+                    "on each device, ms -- the node's finish, the rest of its group, transfers to placed "
+                    "neighbours: the least wins; * chosen, ! over its memory budget)")
     for col in ("node", "op", "device", "feasible", "narrowed by", "candidates", "why"):
         t.add_column(col)
     reports = chosen.node_reports()
     for r in reports[: limit or None]:
         d = decisions.get(r.name)
-        cands = "" if d is None else ", ".join(f"{_short(c.device)}:{_ms(c.finish)}" for c in d.candidates
-                                               if c.finish is not None)
+        cands = "" if d is None else ", ".join(
+            f"{_short(c.device)}:{_ms(c.score)}{'*' if c.device == d.choice else ''}{'!' if c.note else ''}"
+            for c in d.candidates if c.score is not None)
         t.add_row(r.name[-48:], r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
                   "; ".join(r.narrowed_by)[:40] or "-", cands or "(with its group)",
                   (d.reason if d else "")[:40])

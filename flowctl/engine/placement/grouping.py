@@ -17,12 +17,13 @@ breaks a colocation or device constraint.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from flowctl.engine.placement.problem import Problem
+from flowctl.engine.placement.cost import CostTable
+from flowctl.engine.placement.problem import Problem, complete
 
 OP_BUCKETS = 32  # op types hashed into this many buckets: the features do not depend on the graph
 SHAPE_FEATURES = 8
@@ -31,10 +32,14 @@ MAX_DEVICES = 8  # the policy's output width; clusters with fewer devices mask t
 
 @dataclass
 class Units:
-    """Placement units over a Problem: `groups[u]` the coarse group ids of unit u, `feasible[u]`
-    its device indices, `step_unit[i]` the unit of step node i (numpy, for fast placements)."""
+    """Placement units over a Problem. A unit is a list of atoms; an atom is a coarse group, or,
+    for a coarse group heavier than an average unit, one of its hard colocation groups (so the
+    two gradient matmuls of a large dense layer, soft-merged with it by coarsening, can run on
+    two devices). `atoms[a]` = (coarse group, hard group or -1 for the whole coarse group);
+    `feasible[u]` the unit's device indices; `step_unit[i]` the unit of step node i."""
 
-    groups: list[list[int]]
+    groups: list[list[int]]  # per unit: its atoms
+    atoms: list[tuple[int, int]]
     feasible: list[frozenset[int]]
     step_unit: np.ndarray
     work: list[float]  # per unit: seconds on its fastest feasible device
@@ -47,8 +52,21 @@ class Units:
         """Each step node's device index under a device per unit."""
         return unit_dev[self.step_unit]
 
-    def group_devices(self, unit_dev: np.ndarray) -> dict[int, int]:
-        return {g: int(unit_dev[u]) for u, gs in enumerate(self.groups) for g in gs}
+    def assignment(self, pb: Problem, unit_dev: np.ndarray) -> dict[str, str]:
+        """Every node of the graph on a device: step nodes by their unit; the rest of a coarse
+        group with its first atom, or with its hard group's atom; groups the step does not run
+        where `complete` puts them."""
+        gd: dict[int, int] = {}
+        hard: dict[int, int] = {}
+        for u, atoms in enumerate(self.groups):
+            for a in atoms:
+                g, h = self.atoms[a]
+                gd.setdefault(g, int(unit_dev[u]))
+                if h >= 0:
+                    hard[h] = int(unit_dev[u])
+        gd = complete(pb, gd)
+        feas, co = pb.feas, pb.coarse
+        return {n: pb.devices[hard.get(feas.group_of[i], gd[co.group_of[i]])] for i, n in enumerate(feas.order)}
 
     def project(self, pb: Problem, node_dev: list[int]) -> np.ndarray:
         """A node-level placement (step node -> device) expressed per unit: each unit on the
@@ -65,77 +83,139 @@ class Units:
 
 
 def build_units(pb: Problem, layers: Mapping[str, str] | None = None, max_units: int = 24,
-                seed: Mapping[int, int] | None = None) -> Units:
-    """`seed`: a device per coarse group (a heuristic's placement) that the units must be able to
-    express exactly: coarse groups on different seed devices never share a unit (merges in step 3
-    join same-device neighbours; only past twice `max_units` do they join across devices)."""
-    t, co = pb.table, pb.coarse
+                seed: Sequence[int] | None = None) -> Units:
+    """`seed`: a device per step node (a heuristic's placement) that the units must be able to
+    express exactly: atoms on different seed devices never share a unit (merges in step 3 join
+    same-device neighbours; only past twice `max_units` do they join across devices)."""
+    t, co, feas = pb.table, pb.coarse, pb.feas
     D = len(pb.devices)
-    gwork: dict[int, np.ndarray] = {}
-    first: dict[int, int] = {}
+    total = sum(min(x) for x in t.times) or 1.0
+    cwork: dict[int, float] = {}
     for i, g in enumerate(pb.step_group):
-        gwork.setdefault(g, np.zeros(D))
-        gwork[g] += np.asarray(t.times[i][:D])
-        first.setdefault(g, i)
-    order = sorted(gwork, key=lambda g: first[g])
+        cwork[g] = cwork.get(g, 0.0) + min(t.times[i])
+    # Atoms, in order of their first step node.
+    atom_of: dict[tuple[int, int], int] = {}
+    atoms: list[tuple[int, int]] = []
+    step_atom = []
+    for i, name in enumerate(t.names):
+        g = pb.step_group[i]
+        h = -1
+        if cwork[g] > total / max_units:
+            h = feas.group_of[feas.index[name]]
+        key = (g, h)
+        if key not in atom_of:
+            atom_of[key] = len(atoms)
+            atoms.append(key)
+        step_atom.append(atom_of[key])
+    # A heavy coarse group made of one hard group is one atom: no split needed.
+    hard_count: dict[int, set[int]] = {}
+    for g, h in atoms:
+        hard_count.setdefault(g, set()).add(h)
+    atoms = [(g, h if len(hard_count[g]) > 1 else -1) for g, h in atoms]
+    afeas = [co.feasible_idx[g] if h < 0 else feas.feasible[h] for g, h in atoms]
+    awork = np.zeros((len(atoms), D))
+    first: list[int] = [-1] * len(atoms)
+    for i, a in enumerate(step_atom):
+        awork[a] += np.asarray(t.times[i][:D])
+        if first[a] < 0:
+            first[a] = i
 
-    def label(g: int) -> str:
+    def label(a: int) -> str:
+        name = t.names[first[a]]
         if layers:
-            for m in co.groups[g].members:
-                name = m
-                for _ in range(64):  # gradients take their forward node's layer
-                    if name in layers:
-                        return layers[name]
-                    name = pb.graph.nodes[name].follows if name in pb.graph.nodes else ""
-                    if not name:
-                        break
+            for _ in range(64):  # gradients take their forward node's layer
+                if name in layers:
+                    return layers[name]
+                name = pb.graph.nodes[name].follows if name in pb.graph.nodes else ""
+                if not name:
+                    break
         return ""
 
-    def cheapest(gs: list[int]) -> float:
-        fs = co.feasible_idx[gs[0]]
-        return float(min(sum(gwork[g][d] for g in gs) for d in fs))
+    def cheapest(xs: list[int]) -> float:
+        return float(min(sum(awork[a][d] for a in xs) for d in afeas[xs[0]]))
 
-    sd = seed or {}
-    keyed: dict[tuple[str, frozenset[int], int], list[int]] = {}
-    for g in order:
-        keyed.setdefault((label(g), co.feasible_idx[g], sd.get(g, -1)), []).append(g)
-    units = sorted(keyed.values(), key=lambda gs: first[gs[0]])
-    names = [label(gs[0]) or co.groups[gs[0]].members[0] for gs in units]
+    sd = [seed[first[a]] for a in range(len(atoms))] if seed is not None else [-1] * len(atoms)
+    if layers:
+        keyed: dict[tuple[str, frozenset[int], int], list[int]] = {}
+        for a in range(len(atoms)):
+            keyed.setdefault((label(a), afeas[a], sd[a]), []).append(a)
+        units = sorted(keyed.values(), key=lambda xs: first[xs[0]])
+    else:
+        units = [[a] for a in range(len(atoms))]
+    names = [label(xs[0]) or t.names[first[xs[0]]] for xs in units]
     while len(units) < max_units:
-        splittable = [(cheapest(gs), k) for k, gs in enumerate(units) if len(gs) > 1]
+        splittable = [(cheapest(xs), k) for k, xs in enumerate(units) if len(xs) > 1]
         if not splittable:
             break
         _, k = max(splittable)
-        gs = units[k]
-        total, acc, cut = cheapest(gs), 0.0, 1
-        for j, g in enumerate(gs[:-1]):
-            acc += float(min(gwork[g][d] for d in co.feasible_idx[g]))
-            if acc >= total / 2:
+        xs = units[k]
+        whole, acc, cut = cheapest(xs), 0.0, 1
+        for j, a in enumerate(xs[:-1]):
+            acc += float(min(awork[a][d] for d in afeas[a]))
+            if acc >= whole / 2:
                 cut = j + 1
                 break
-        units[k:k + 1] = [gs[:cut], gs[cut:]]
+        units[k:k + 1] = [xs[:cut], xs[cut:]]
         names[k:k + 1] = [names[k] + "/a", names[k] + "/b"]
-    def same(j: int, k: int, strict: bool) -> bool:
-        a, b = units[j][0], units[k][0]
-        return co.feasible_idx[a] == co.feasible_idx[b] and (not strict or sd.get(a, -1) == sd.get(b, -1))
+    if len(units) > max_units:
+        units, names = _merge(units, names, max_units, step_atom, t, afeas, sd, cheapest)
+    unit_of = {a: u for u, xs in enumerate(units) for a in xs}
+    step_unit = np.asarray([unit_of[a] for a in step_atom], dtype=np.int64)
+    return Units(units, atoms, [afeas[xs[0]] for xs in units], step_unit, [cheapest(xs) for xs in units], names)
 
-    while len(units) > max_units:
-        merged = False
-        strict = len(units) <= 2 * max_units
-        for _, k in sorted((cheapest(gs), k) for k, gs in enumerate(units)):
-            nb = [j for j in (k - 1, k + 1) if 0 <= j < len(units) and same(j, k, strict)]
-            if nb:
-                j = min(nb, key=lambda j: cheapest(units[j]))
-                lo, hi = min(j, k), max(j, k)
-                units[lo:hi + 1] = [sorted(units[lo] + units[hi], key=lambda g: first[g])]
-                names[lo:hi + 1] = [names[lo]]
-                merged = True
-                break
-        if not merged:
-            break  # every unit's neighbours differ in feasible set: as coarse as constraints allow
-    unit_of = {g: u for u, gs in enumerate(units) for g in gs}
-    step_unit = np.asarray([unit_of[g] for g in pb.step_group], dtype=np.int64)
-    return Units(units, [co.feasible_idx[gs[0]] for gs in units], step_unit, [cheapest(gs) for gs in units], names)
+
+def _merge(units: list[list[int]], names: list[str], max_units: int, step_atom: list[int], t: CostTable,
+           afeas: list[frozenset[int]], sd: list[int], cheapest: Callable[[list[int]], float]
+           ) -> tuple[list[list[int]], list[str]]:
+    """Coarsen units to `max_units`: the lightest unit joins the neighbour it exchanges the most
+    bytes with (same feasible set; same seed device while within twice the target); a unit with
+    no such neighbour joins the lightest compatible unit, or stays."""
+    uid = {a: k for k, xs in enumerate(units) for a in xs}
+    adj: dict[int, dict[int, float]] = {k: {} for k in range(len(units))}
+    for i, ins in enumerate(t.inputs):
+        for j, p in ins:
+            a, b = uid[step_atom[i]], uid[step_atom[j]]
+            if a != b:
+                nb = t.out_bytes[j][p] + 1.0
+                adj[a][b] = adj[a].get(b, 0.0) + nb
+                adj[b][a] = adj[b].get(a, 0.0) + nb
+    live = {k: list(xs) for k, xs in enumerate(units)}
+    label = dict(enumerate(names))
+    weight = {k: cheapest(xs) for k, xs in live.items()}
+    stuck: set[int] = set()
+    while len(live) > max_units:
+        free = [k for k in live if k not in stuck]
+        if not free:
+            break
+        k = min(free, key=lambda k: (weight[k], k))
+        strict = len(live) <= 2 * max_units
+        a0 = live[k][0]
+
+        def fits(j: int) -> bool:
+            b0 = live[j][0]
+            return afeas[a0] == afeas[b0] and (not strict or sd[a0] == sd[b0])
+
+        cands = [j for j in adj[k] if fits(j)]
+        if cands:
+            j = max(cands, key=lambda j: (adj[k][j], -j))
+        else:
+            others = [j for j in live if j != k and fits(j)]
+            if not others:
+                stuck.add(k)
+                continue
+            j = min(others, key=lambda j: (weight[j], j))
+        keep, drop = min(j, k), max(j, k)
+        live[keep] = live[keep] + live.pop(drop)
+        weight[keep] = cheapest(live[keep])
+        for x, nb in adj.pop(drop).items():
+            adj[x].pop(drop, None)
+            if x != keep:
+                adj[keep][x] = adj[keep].get(x, 0.0) + nb
+                adj[x][keep] = adj[x].get(keep, 0.0) + nb
+        adj[keep].pop(keep, None)
+        stuck.discard(keep)
+    order = sorted(live, key=lambda k: min(live[k]))  # atoms are numbered in step order
+    return [sorted(live[k]) for k in order], [label[k] for k in order]
 
 
 def _bucket(op: str) -> int:
@@ -200,7 +280,7 @@ def device_mask(pb: Problem, units: Units) -> np.ndarray:
 
 
 def describe(units: Units) -> list[dict[str, object]]:
-    return [{"unit": u, "name": units.names[u], "groups": len(gs), "work_ms": round(units.work[u] * 1e3, 3)}
+    return [{"unit": u, "name": units.names[u], "atoms": len(gs), "work_ms": round(units.work[u] * 1e3, 3)}
             for u, gs in enumerate(units.groups)]
 
 

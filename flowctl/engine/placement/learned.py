@@ -36,7 +36,7 @@ import numpy as np
 from flowctl.engine.errors import CheckpointError, PlacementError
 from flowctl.engine.placement.explain import Decision, Placement
 from flowctl.engine.placement.grouping import MAX_DEVICES, Units, build_units, describe, device_mask, features
-from flowctl.engine.placement.problem import Problem, finalize
+from flowctl.engine.placement.problem import Problem, build_placement
 from flowctl.engine.placement.simulator import simulate_table
 
 PENALTY = 3.0
@@ -98,8 +98,7 @@ class Trainer:
             raise PlacementError(f"the learned placer handles up to {MAX_DEVICES} devices; this cluster has "
                                  f"{len(pb.devices)}")
         self.pb, self.opts = pb, opts
-        seed_groups = {g: seed_placement.device_index[i] for i, g in enumerate(pb.step_group)}
-        units = build_units(pb, layers, opts.max_units, seed_groups)
+        units = build_units(pb, layers, opts.max_units, seed_placement.device_index)
         ops, shp, adj = features(pb, units)
         self.policy = Policy(len(units), opts.seed, lr=opts.lr, entropy=opts.entropy)
         self.feeds = self.policy.feeds(ops, shp, adj, device_mask(pb, units))
@@ -288,11 +287,11 @@ def place_learned(pb: Problem, rules: Sequence[tuple[str, str]] | None = None,
         notes.insert(0, f"best placement found at {at}: {run.best_step * 1e3:.2f} ms "
                         f"({seed.algorithm}: {seed.step_time * 1e3:.2f} ms)")
         decisions = []
-        for u, gs in enumerate(units.groups):
+        for u, atoms in enumerate(units.groups):
             d = int(best[u])
-            for g in gs:
+            for g in dict.fromkeys(units.atoms[a][0] for a in atoms):
                 decisions.append(pb.decision(g, d, f"policy unit {u} ({units.names[u]}): p={probs[u, d]:.2f}"))
-        pl = finalize(pb, "learned", units.group_devices(best), decisions, started, notes)
+        pl = build_placement(pb, "learned", units.assignment(pb, best), decisions, started, notes)
     pl.algorithm = "learned"
     pl.alternatives = {**alternatives, "learned_curve": run.curve(), "units": describe(units)}
     pl.seconds = time.perf_counter() - started

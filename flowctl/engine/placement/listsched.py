@@ -306,8 +306,9 @@ def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float],
            extra_bytes: Callable[[int, int], float], left: dict[int, list[float]], times: list[list[float]],
            mem: list[float], caps: list[float], decisions: list[Decision]) -> int:
     """§3.2.1: the feasible device where node i would finish soonest, plus the group's remaining
-    work there and the transfers it would need to neighbours already placed elsewhere; devices
-    that would overflow their memory are not candidates."""
+    work there and the transfers it would need to neighbours already placed elsewhere (each
+    Candidate's `score`, the number compared; `finish` is node i's own estimated finish); devices
+    that would overflow their memory are not candidates (their `note` says so)."""
     g = pb.step_group[i]
     cands: list[Candidate] = []
     best, best_score = -1, float("inf")
@@ -325,7 +326,7 @@ def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float],
         elif score < best_score:
             best, best_score = d, score
         cands.append(c)
-    reason = "earliest estimated finish"
+    reason = "earliest estimated group finish"
     if best < 0:
         best = fallback
         reason = "every device over its memory budget: the least over"

@@ -30,7 +30,7 @@ from flowctl.engine.devices import canonical, device_matches
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel
-from flowctl.engine.placement.explain import Decision, Placement
+from flowctl.engine.placement.explain import Decision, Placement, with_largest
 from flowctl.engine.placement.listsched import place_greedy, place_heft
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
@@ -72,8 +72,10 @@ def place_single(pb: Problem) -> Placement:
         results.append((d, pl))
     valid = [(pl.step_time, d, pl) for d, pl in results if pl.valid]
     if not valid:
-        raise PlacementError("no single device can hold this graph: " + "; ".join(
-            p for _, pl in results for p in pl.simulation.problems))
+        reports = [r for _, pl in results for r in pl.memory_report()]
+        lines = [line for _, pl in results for line in with_largest(pl.simulation.problems, pl.memory_report(), 2)]
+        raise PlacementError("no single device can hold this graph: " + "; ".join(lines),
+                             {"kind": "out_of_memory", "algorithm": "single", "devices": reports})
     _, d, best = min(valid, key=lambda x: (x[0], x[1]))
     best.alternatives = alternatives
     best.notes.insert(0, f"fastest single device: {pb.devices[d]}")
