@@ -31,7 +31,7 @@ def test_reinforce_moves_the_policy_toward_a_known_optimum() -> None:
     # Reward: the share of units on device 2 of 3; the optimum puts every unit there. REINFORCE
     # with a moving-average baseline must raise p(device 2) for every unit from about 1/3.
     U = 5
-    pol = Policy(U, seed=3, lr=0.01, entropy=0.0)
+    pol = Policy(U, seed=3, lr=0.01)
     feeds = _feeds(pol, U, 3)
     rng = np.random.default_rng(0)
     before = pol.distribution(feeds)

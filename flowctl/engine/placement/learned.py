@@ -40,6 +40,7 @@ from flowctl.engine.placement.problem import Problem, build_placement
 from flowctl.engine.placement.simulator import simulate_table
 
 PENALTY = 3.0
+EXPLORE_MAX = 30.0
 Progress = Callable[[int, float, float], None]  # (step, best step time s, seconds elapsed)
 
 
@@ -81,6 +82,7 @@ class LearnedRun:
     seed_units_step: float = float("inf")  # the seed projected onto units
     simulated: int = 0
     history: list[dict[str, float]] = field(default_factory=list)  # per step: mean, best, valid share
+    explore: float = 1.0  # the entropy bonus's current multiple of `entropy` (see Trainer.step)
     seconds: float = 0.0
 
     def curve(self) -> list[dict[str, float]]:
@@ -100,19 +102,20 @@ class Trainer:
         self.pb, self.opts = pb, opts
         units = build_units(pb, layers, opts.max_units, seed_placement.device_index)
         ops, shp, adj = features(pb, units)
-        self.policy = Policy(len(units), opts.seed, lr=opts.lr, entropy=opts.entropy)
+        self.policy = Policy(len(units), opts.seed, lr=opts.lr)
         self.feeds = self.policy.feeds(ops, shp, adj, device_mask(pb, units))
         self.rng = np.random.default_rng(opts.seed)
         self.run = LearnedRun(units)
         self.cache: dict[bytes, float] = {}
-        self.ref = seed_placement.step_time
+        self.ref = seed_placement.step_time  # an invalid seed's step still sets the penalty's scale
         self.run.seed_algorithm, self.run.seed_step = seed_placement.algorithm, seed_placement.step_time
         self.target = units.project(pb, seed_placement.device_index)
         self.run.seed_units_step = self.evaluate(self.target)
         self.run.best_step, self.run.best_units, self.run.best_at = self.run.seed_units_step, self.target.tolist(), -1
         self.warm: list[str] = []
         if opts.warm_start:
-            self.warm = self.policy.load(_read(opts.warm_start)[0], warm=True)
+            self.warm = self.policy.load({k: v for k, v in _read(opts.warm_start)[0].items()
+                                          if not k.startswith("__")}, warm=True)
 
     # ------------------------------------------------------------------ rewards
     def evaluate(self, unit_dev: np.ndarray) -> float:
@@ -160,13 +163,18 @@ class Trainer:
         if r.step < o.imitation:  # fit the heuristic seed first (cross-entropy)
             w = np.zeros((U, MAX_DEVICES))
             w[np.arange(U), self.target] = 1.0
-            self.policy.update(self.feeds, w)
+            self.policy.update(self.feeds, w, o.entropy)
             r.history.append({"step": r.step, "mean": r.seed_units_step, "best": r.best_step, "valid": 1.0})
             r.step += 1
             return
         probs = self.policy.distribution(self.feeds)
         samples = np.stack([_sample(self.rng, probs) for _ in range(o.batch)])
+        seen = len(self.cache)
         steps = np.array([self.evaluate(s) for s in samples])
+        # A batch with no placement never seen before teaches nothing new: the policy has
+        # collapsed onto a few placements. Raise the entropy bonus until it samples new ones,
+        # and let it decay back once it does.
+        r.explore = min(EXPLORE_MAX, r.explore * 1.5) if len(self.cache) == seen else max(1.0, r.explore / 1.5)
         rewards = np.array([self.reward(t) for t in steps])
         for s, t in zip(samples, steps):
             if t < r.best_step:
@@ -179,9 +187,10 @@ class Trainer:
         for s, a in zip(samples, adv):
             w[np.arange(U), s] += a / o.batch
         w[np.arange(U), np.asarray(r.best_units)] += o.keep_best
-        self.policy.update(self.feeds, w)
+        self.policy.update(self.feeds, w, o.entropy * r.explore)
         valid = float(np.mean(steps < PENALTY * self.ref))
-        r.history.append({"step": r.step, "mean": float(steps.mean()), "best": r.best_step, "valid": valid})
+        r.history.append({"step": r.step, "mean": float(steps.mean()), "best": r.best_step, "valid": valid,
+                          "new": len(self.cache) - seen})
         r.step += 1
 
     # ------------------------------------------------------------------ checkpoints
@@ -193,11 +202,17 @@ class Trainer:
         r = self.run
         meta = {"fingerprint": self.fingerprint(), "step": r.step, "baseline": r.baseline,
                 "best_step": r.best_step, "best_units": r.best_units, "best_at": r.best_at,
-                "simulated": r.simulated, "history": r.history, "seconds": r.seconds,
+                "simulated": r.simulated, "history": r.history, "seconds": r.seconds, "explore": r.explore,
                 "rng": self.rng.bit_generator.state}
         tmp = path + ".tmp"
+        U = len(r.units)
+        # The simulated placements: which are new decides the exploration bonus, so a resumed
+        # run needs them to continue exactly (they also spare it re-simulating them).
+        seen = np.frombuffer(b"".join(self.cache), dtype=np.int8).reshape(-1, U)
+        steps = np.asarray(list(self.cache.values()), dtype=np.float64)
         with open(tmp, "wb") as f:
-            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **self.policy.state())
+            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), __seen__=seen,
+                     __steps__=steps, **self.policy.state())
         os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint whole
 
     def restore(self, path: str) -> None:
@@ -205,11 +220,13 @@ class Trainer:
         if meta.get("fingerprint") != self.fingerprint():
             raise CheckpointError(f"{path}: made for another problem or other options "
                                   f"({meta.get('fingerprint')}); use warm_start to reuse its policy")
+        seen, steps = values.pop("__seen__"), values.pop("__steps__")
         self.policy.load(values)
+        self.cache = {row.astype(np.int8).tobytes(): float(t) for row, t in zip(seen, steps)}
         r = self.run
         r.step, r.baseline, r.best_step = meta["step"], meta["baseline"], meta["best_step"]
         r.best_units, r.best_at, r.simulated = meta["best_units"], meta["best_at"], meta["simulated"]
-        r.history, r.seconds = meta["history"], meta["seconds"]
+        r.history, r.seconds, r.explore = meta["history"], meta["seconds"], meta["explore"]
         self.rng.bit_generator.state = meta["rng"]
 
 
@@ -224,6 +241,8 @@ def _read(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     try:
         with np.load(path) as z:
             values = {k: np.array(z[k]) for k in z.files if k != "__meta__"}
+            values.setdefault("__seen__", np.zeros((0, 0), dtype=np.int8))
+            values.setdefault("__steps__", np.zeros(0))
             meta = json.loads(bytes(z["__meta__"]).decode())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such placer checkpoint") from None
@@ -235,7 +254,8 @@ def _read(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
                    layers: Mapping[str, str] | None) -> tuple[Placement, dict[str, Any]]:
     """The best valid placement of the fast placers (exact simulated step), and each one's step
-    or why it failed."""
+    or why it failed. When none is valid (memory), the one overflowing least: the penalty on
+    overflow then pushes the policy toward placements that fit."""
     from flowctl.engine.placement.listsched import place_greedy, place_heft
     from flowctl.engine.placement.placers import place_expert, place_single
 
@@ -244,6 +264,7 @@ def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
         tried.append(("expert", lambda: place_expert(pb, rules, layers)))
     tried += [("greedy", lambda: place_greedy(pb)), ("heft", lambda: place_heft(pb))]
     best: Placement | None = None
+    least: tuple[float, Placement] | None = None
     out: dict[str, Any] = {}
     for name, fn in tried:
         try:
@@ -254,10 +275,13 @@ def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
         out[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
         if pl.valid and (best is None or pl.step_time < best.step_time):
             best = pl
-    if best is None:
-        raise PlacementError("learned: no heuristic found a valid placement to start from: " +
+        over = sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices)
+        if not pl.valid and (least is None or over < least[0]):
+            least = (over, pl)
+    if best is None and least is None:
+        raise PlacementError("learned: no heuristic produced a placement to start from: " +
                              "; ".join(f"{k}: {v}" for k, v in out.items()))
-    return best, out
+    return (best if best is not None else least[1]), out  # type: ignore[index]
 
 
 def place_learned(pb: Problem, rules: Sequence[tuple[str, str]] | None = None,

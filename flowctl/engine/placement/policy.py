@@ -15,9 +15,9 @@ the devices of all units are then independent given the graph, so one forward ru
 distribution of a whole batch of placements and one more run takes the gradient step. Ties
 between units are learnt through the shared encoder state instead.
 
-The loss is REINFORCE's: -sum_{u,d} W_ud log p(d | u) - entropy * H(p), where the caller sets
+The loss is REINFORCE's: -sum_{u,d} W_ud log p(d | u) - beta * H(p), where the caller sets
 W_ud = mean over samples of (advantage x [sample placed u on d]); with W a one-hot target it is
-a cross-entropy (imitation of a given placement).
+a cross-entropy (imitation of a given placement), and the entropy bonus beta each step.
 """
 from __future__ import annotations
 
@@ -46,8 +46,7 @@ class Policy:
     numpy generator seeded with `seed`. Variables are named `policy/...`, so a policy built for
     another graph (a different number of units) loads the same weights (`load(..., warm=True)`)."""
 
-    def __init__(self, units: int, seed: int, embed: int = 32, hidden: int = 32, lr: float = 0.05,
-                 entropy: float = 0.01) -> None:
+    def __init__(self, units: int, seed: int, embed: int = 32, hidden: int = 32, lr: float = 0.05) -> None:
         self.units, self.embed, self.hidden = units, embed, hidden
         rng = np.random.default_rng(seed)
         self.graph = Graph(seed=seed)
@@ -63,6 +62,7 @@ class Policy:
             self.adj = placeholder(DTYPE, (U, U), name="adjacency")
             self.mask = placeholder(DTYPE, (U, D), name="mask")
             self.weights = placeholder(DTYPE, (U, D), name="weights")
+            self.entropy_coef = placeholder(DTYPE, (), name="entropy_coef")
             w_op, w_sh, w_nb = w("embed/ops", (OP_BUCKETS, E)), w("embed/shape", (SHAPE_FEATURES, E)), w("embed/nb", (E, E))
             b_e = variable(np.zeros((1, E)), name=f"{SCOPE}/embed/b")
             own = matmul(self.ops, w_op) + matmul(self.shape, w_sh)
@@ -89,7 +89,7 @@ class Policy:
             logp = log_softmax(self.logits)
             self.probs = softmax(self.logits)
             self.entropy = -reduce_sum(self.probs * logp)
-            self.loss = -reduce_sum(self.weights * logp) - entropy * self.entropy
+            self.loss = -reduce_sum(self.weights * logp) - self.entropy_coef * self.entropy
             self.optimizer = Adam(lr, name="PolicyAdam")
             self.train_op = self.optimizer.minimize(self.loss)
             init = global_variables_initializer()
@@ -103,10 +103,12 @@ class Policy:
         """p(device | unit), [units, MAX_DEVICES]."""
         return np.asarray(self.session.run(self.probs, dict(feeds)))
 
-    def update(self, feeds: Mapping[Tensor, np.ndarray], weights: np.ndarray) -> float:
-        """One Adam step on the loss with these per-(unit, device) weights; returns the loss."""
+    def update(self, feeds: Mapping[Tensor, np.ndarray], weights: np.ndarray, entropy: float = 0.0) -> float:
+        """One Adam step on the loss with these per-(unit, device) weights and entropy bonus;
+        returns the loss."""
         f = dict(feeds)
         f[self.weights] = weights
+        f[self.entropy_coef] = np.asarray(entropy, dtype=np.float64)
         loss, _ = self.session.run([self.loss, self.train_op], f)
         return float(loss)
 
