@@ -74,8 +74,9 @@ def test_a_placement_out_of_memory_names_the_devices_and_the_nodes_holding_it() 
     assert [r["device"] for r in report] == [CPU0]
     assert {x["node"] for x in report[0]["largest"]} >= {"w0", "w1"}
     assert report[0]["over"] == report[0]["peak"] - report[0]["capacity"] > 0
+    small = cpus(2, memory=5_000)  # not even one variable fits a device
     with pytest.raises(fc.PlacementError) as e2:
-        place(g, cl, cm, "single", targets=targets)
+        place(g, small, FixedCosts(small, {}), "single", targets=targets)
     assert "largest there" in str(e2.value) and e2.value.details["kind"] == "out_of_memory"
 
 

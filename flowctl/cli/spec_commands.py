@@ -74,7 +74,7 @@ def inspect(spec: str, as_json: bool) -> None:
     """Per-layer output shapes and parameters, totals, node count, FLOPs per training step and
     activation memory of SPEC (read off the graph it builds)."""
     loaded = load_spec(spec)
-    report = summarize(loaded)
+    report = summarize(loaded, with_step=True)
     report["spec"] = spec
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -103,6 +103,9 @@ def inspect(spec: str, as_json: bool) -> None:
               f"{_si(f['training_step'])}")
     con.print(f"memory at batch {report['batch_size']}: activations {_bytes(m['activation_bytes'])}, "
               f"parameters {_bytes(m['parameter_bytes'])}")
+    con.print(f"a training step on {m['device'].rsplit('/', 1)[-1]} holds {_bytes(m['step_peak_bytes'])} at peak "
+              f"({_bytes(m['step_resident_bytes'])} resident: parameters, optimizer slots, inputs), as "
+              f"`place` simulates it")
 
 
 COMMANDS = [validate, inspect]

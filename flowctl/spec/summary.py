@@ -35,7 +35,28 @@ def _bytes(graph: Graph, name: str, batch: int) -> int:
                for s in graph.nodes[name].outputs)
 
 
-def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, Any]:
+def step_memory(loaded: LoadedSpec) -> dict[str, Any]:
+    """What one training step holds with everything on the spec's first device, by the placement
+    simulator (the figure `place` shows per device): the peak, and the resident part of it --
+    parameters, optimizer slots, fed inputs -- the rest being activations kept for the backward
+    pass, gradients and temporaries alive at the peak."""
+    from flowctl.engine.placement import StaticCostModel, evaluate
+    from flowctl.spec.cluster import cluster_for
+    from flowctl.training.planning import step_graph
+
+    sg = step_graph(loaded)
+    cluster = cluster_for(loaded.spec, None)
+    dev = cluster.names[0]
+    for n in sg.graph.nodes.values():  # one device: the spec's device constraints do not apply
+        n.device = ""
+    pl = evaluate(sg.graph, {n: dev for n in sg.graph.nodes}, cluster,
+                  StaticCostModel(cluster, batch=loaded.per_replica_batch), targets=[sg.train_op.node])
+    s = pl.simulation.device(dev)
+    return {"device": dev, "step_peak_bytes": s.peak_memory, "step_resident_bytes": s.resident}
+
+
+def summarize(loaded: LoadedSpec, model: BuiltModel | None = None, with_step: bool = False) -> dict[str, Any]:
+    """`with_step`: also `step_memory` (builds the training step's graph and simulates it)."""
     model = model or build_model(loaded, training=True)
     g = model.graph
     batch = loaded.per_replica_batch
@@ -104,7 +125,8 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
         "layers": layers, "blocks": blocks, "loss": loaded.loss,
         "nodes": {"model": model_nodes, "forward": len(forward), "training_step": len(step)},
         "flops": {"forward": total_fwd, "training_step": total_step},
-        "memory": {"activation_bytes": activations, "parameter_bytes": param_bytes},
+        "memory": {"activation_bytes": activations, "parameter_bytes": param_bytes,
+                   **(step_memory(loaded) if with_step else {})},
     }
 
 

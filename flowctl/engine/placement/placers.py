@@ -32,6 +32,7 @@ from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
 from flowctl.engine.placement.listsched import place_greedy, place_heft
+from flowctl.engine.placement.memfit import fit_memory
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
 Rules = Sequence[tuple[str, str]]
@@ -48,6 +49,7 @@ def place_single(pb: Problem) -> Placement:
             row[d] += pb.table.times[i][d]
     seen: dict[tuple[Any, ...], str] = {}
     results: list[tuple[int, Placement]] = []
+    made: dict[int, dict[int, int]] = {}
     alternatives: dict[str, Any] = {}
     for d, name in enumerate(pb.devices):
         gd = {}
@@ -70,7 +72,16 @@ def place_single(pb: Problem) -> Placement:
         pl = finalize(pb, "single", gd, decisions, started, notes)
         alternatives[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
         results.append((d, pl))
+        made[d] = gd
     valid = [(pl.step_time, d, pl) for d, pl in results if pl.valid]
+    if not valid and results:
+        # No device holds the step: start from the fastest and spread what does not fit.
+        d, pl = min(results, key=lambda x: (x[1].step_time, x[0]))
+        spread = fit_memory(pb, pl, made[d], "single", list(pl.decisions), started,
+                            [f"no single device holds the step: started on {pb.devices[d]}"])
+        if spread.valid:
+            spread.alternatives = alternatives
+            return spread
     if not valid:
         reports = [r for _, pl in results for r in pl.memory_report()]
         lines = [line for _, pl in results for line in with_largest(pl.simulation.problems, pl.memory_report(), 2)]
@@ -243,7 +254,8 @@ def place_mincut(pb: Problem, seed: int = 0) -> Placement:
     if moved:
         notes.append(f"{moved} group(s) infeasible on their part's device moved to their first feasible device")
     decisions = [pb.decision(g, gd[g], f"METIS part {part[vid[g]]}") for g in groups]
-    return finalize(pb, "mincut", gd, decisions, started, notes)
+    pl = finalize(pb, "mincut", gd, decisions, started, notes)
+    return fit_memory(pb, pl, gd, "mincut", decisions, started, notes)
 
 
 def _metis(n: int, edges: dict[tuple[int, int], int], vweights: list[int], pb: Problem, seed: int) -> list[int]:
