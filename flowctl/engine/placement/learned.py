@@ -210,9 +210,10 @@ class Trainer:
         # run needs them to continue exactly (they also spare it re-simulating them).
         seen = np.frombuffer(b"".join(self.cache), dtype=np.int8).reshape(-1, U)
         steps = np.asarray(list(self.cache.values()), dtype=np.float64)
+        arrays: dict[str, Any] = {"__meta__": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                                  "__seen__": seen, "__steps__": steps, **self.policy.state()}
         with open(tmp, "wb") as f:
-            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), __seen__=seen,
-                     __steps__=steps, **self.policy.state())
+            np.savez(f, **arrays)
         os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint whole
 
     def restore(self, path: str) -> None:

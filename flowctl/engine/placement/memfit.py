@@ -50,7 +50,8 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
         if not over:
             break
         d = max(over, key=lambda k: over[k])
-        free = {pb.devices.index(s.device): s.capacity - s.peak_memory for s in sim.devices}
+        free: dict[int, float] = {pb.devices.index(s.device): float(s.capacity - s.peak_memory)
+                                  for s in sim.devices}
         mine = sorted((g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1),
                       key=lambda g: (-fp[g][0] / max(fp[g][1], 1e-9), g))
         moved, count = 0.0, 0

@@ -325,9 +325,9 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
     contenders = []
     for t, k, pl in results:
         if t <= reach:
-            e = pl.expected()
-            contenders.append((e.mean, k, pl))
-            alternatives[tried[k][0]] = e.mean
+            mean = pl.expected().mean
+            contenders.append((mean, k, pl))
+            alternatives[tried[k][0]] = mean
     _, k, best = min(contenders, key=lambda x: (x[0], x[1]))
     best.notes.insert(0, f"auto chose {best.algorithm}")
     best.alternatives = alternatives

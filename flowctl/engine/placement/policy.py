@@ -22,6 +22,7 @@ a cross-entropy (imitation of a given placement), and the entropy bonus beta eac
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -72,14 +73,14 @@ class Policy:
             w_q, w_c = w("attention/q", (H, H)), w("attention/out", (2 * H, H))
             w_o = w("out/w", (H, D), scale=0.1)
             b_o = variable(np.zeros((1, D)), name=f"{SCOPE}/out/b")
-            zero = np.zeros((1, H))
-            h, c = zero, zero
-            outs = []
+            h: Any = np.zeros((1, H))
+            c: Any = np.zeros((1, H))
+            outs: list[Tensor] = []
             for u in range(U):
                 h, c = _lstm(slice_(emb, [u, 0], [1, E]), h, c, enc_w, enc_b, H)
                 outs.append(h)
             enc = concat(outs, 0) if U > 1 else outs[0]  # [U, H]
-            logits = []
+            logits: list[Tensor] = []
             for u in range(U):
                 h, c = _lstm(outs[u], h, c, dec_w, dec_b, H)
                 att = softmax(matmul(matmul(h, w_q), enc, transpose_b=True))  # [1, U]
