@@ -34,12 +34,21 @@ def footprint(pb: Problem) -> dict[int, tuple[float, float]]:
 
 
 def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
-               decisions: list[Decision], started: float, notes: list[str]) -> Placement:
+               decisions: list[Decision], started: float, notes: list[str], order: str = "dense") -> Placement:
     """`pl` (made from `group_dev`) repaired until it fits, or the least-overflowing attempt
-    with its explanation when the cluster's memory cannot hold the step."""
+    with its explanation when the cluster's memory cannot hold the step. `order`: which groups
+    leave first -- "dense", the most bytes per second of work; "suffix", the last in the forward
+    pass (a whole model on one device is cut into consecutive stages: one cut, few transfers)."""
     if pl.valid:
         return pl
     fp = footprint(pb)
+    # A group's place in the forward pass (-1: backward or optimizer work only, such as a global
+    # norm over every gradient: moved last, as it reads from every stage).
+    first: dict[int, int] = {}
+    for i, g in enumerate(pb.step_group):
+        first.setdefault(g, -1)
+        if first[g] < 0 and not pb.graph.nodes[pb.table.names[i]].follows:
+            first[g] = i
     gd = complete(pb, group_dev)
     best, best_over = pl, _overflow(pl)
     notes = list(notes)
@@ -52,16 +61,21 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
         d = max(over, key=lambda k: over[k])
         free: dict[int, float] = {pb.devices.index(s.device): float(s.capacity - s.peak_memory)
                                   for s in sim.devices}
-        mine = sorted((g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1),
-                      key=lambda g: (-fp[g][0] / max(fp[g][1], 1e-9), g))
-        moved, count = 0.0, 0
+        movable = [g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1]
+        if order == "suffix":
+            mine = sorted(movable, key=lambda g: -first[g])
+        else:
+            mine = sorted(movable, key=lambda g: (-fp[g][0] / max(fp[g][1], 1e-9), g))
+        moved, count, dest = 0.0, 0, -1
         for g in mine:
             if moved >= MARGIN * over[d]:
                 break
             targets = [x for x in pb.coarse.feasible_idx[g] if x != d and free[x] > fp[g][0]]
             if not targets:
                 continue
-            x = max(targets, key=lambda k: (free[k], -k))
+            # A suffix goes where the previous moved group went while it has room (one stage).
+            x = dest if order == "suffix" and dest in targets else max(targets, key=lambda k: (free[k], -k))
+            dest = x
             gd[g] = x
             free[x] -= fp[g][0]
             moved += fp[g][0]

@@ -76,10 +76,15 @@ def place_single(pb: Problem) -> Placement:
     valid = [(pl.step_time, d, pl) for d, pl in results if pl.valid]
     if not valid and results:
         # No device holds the step: start from the fastest and spread what does not fit.
+        # Two ways to spread: cut it into consecutive stages, or move the groups holding the
+        # most memory per second of work; the faster that fits.
         d, pl = min(results, key=lambda x: (x[1].step_time, x[0]))
-        spread = fit_memory(pb, pl, made[d], "single", list(pl.decisions), started,
-                            [f"no single device holds the step: started on {pb.devices[d]}"])
-        if spread.valid:
+        spreads = [fit_memory(pb, pl, made[d], "single", list(pl.decisions), started,
+                              [f"no single device holds the step: started on {pb.devices[d]}, spread by {how}"],
+                              order=how) for how in ("suffix", "dense")]
+        fits = [x for x in spreads if x.valid]
+        if fits:
+            spread = min(fits, key=lambda x: x.step_time)
             spread.alternatives = alternatives
             return spread
     if not valid:
