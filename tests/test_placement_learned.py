@@ -165,3 +165,16 @@ def test_place_cli_learned_with_steps_seed_and_checkpoint(tmp_path: Path) -> Non
     assert r2.exit_code == 0, r2.output
     bad = CliRunner().invoke(cli, args[:4] + ["--budget", "ten minutes"])
     assert bad.exit_code != 0 and "not a duration" in bad.output
+
+
+@pytest.mark.slow
+def test_on_the_default_placement_suite_learned_is_never_slower_than_the_best_other_placer() -> None:
+    from flowctl.bench.placement import placement_suite
+
+    r = placement_suite(learned_budget=5.0)
+    for row in r["rows"]:
+        learned = row["results"]["learned"]
+        if row["best_other"] is None:
+            assert "error" in learned, row["model"]  # nothing fits: learned fails too, with the reason
+            continue
+        assert learned["step_ms"] <= row["best_other"] + 1e-9, (row["model"], row["devices"])
