@@ -97,10 +97,18 @@ def build_units(pb: Problem, layers: Mapping[str, str] | None = None, max_units:
     atom_of: dict[tuple[int, int], int] = {}
     atoms: list[tuple[int, int]] = []
     step_atom = []
+    # A coarse group the seed spreads over devices (the expert places hard colocation groups,
+    # not coarse ones) splits like a heavy one, so the units can express the seed exactly.
+    mixed: set[int] = set()
+    if seed is not None:
+        seen_dev: dict[int, int] = {}
+        for i, g in enumerate(pb.step_group):
+            if seen_dev.setdefault(g, seed[i]) != seed[i]:
+                mixed.add(g)
     for i, name in enumerate(t.names):
         g = pb.step_group[i]
         h = -1
-        if cwork[g] > total / max_units:
+        if cwork[g] > total / max_units or g in mixed:
             h = feas.group_of[feas.index[name]]
         key = (g, h)
         if key not in atom_of:
