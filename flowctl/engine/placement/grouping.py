@@ -3,16 +3,19 @@ placement units, and each unit described by a fixed-size feature vector (placeme
 Mirhoseini et al. 2017: "op-type embedding, output shapes, adjacency").
 
 Units are built so that a policy can learn a placement in minutes:
-1. Coarse groups the step runs are keyed by (spec layer, feasible set): a layer and its gradients
-   form one unit (gradients follow their forward node in coarsening already). Without a layer
-   map every coarse group keys by its feasible set alone.
-2. While there are fewer units than `max_units`, the heaviest unit with more than one coarse
-   group is split in two halves of equal work, in topological order (an unrolled LSTM layer
-   splits into its early and late time steps, which can then pipeline on two devices).
-3. While there are more, the lightest unit joins its topological neighbour with the same
-   feasible set.
+1. Atoms: the coarse groups the step runs; a coarse group heavier than an average unit, or one
+   the heuristic seed spreads over devices, splits into its hard colocation groups (coarsening
+   soft-merges a dense layer's two gradient matmuls with it; they could run apart).
+2. With a layer map, atoms are keyed by (spec layer, feasible set, seed device): a layer and its
+   gradients form one unit. While there are fewer units than `max_units`, the heaviest unit
+   splits in two halves of equal work, in step order (an unrolled LSTM layer splits into its
+   early and late time steps, which can then pipeline on two devices).
+3. Without one, every atom starts as a unit. Either way, while there are more than `max_units`, the lightest
+   unit joins the neighbour it exchanges the most bytes with (same feasible set; same seed
+   device while within twice the target).
 A unit's members always share a feasible set, so the policy masks devices per unit and never
-breaks a colocation or device constraint.
+breaks a colocation or device constraint; and the seed's placement is one the policy can emit
+(unless expressing it takes more than twice `max_units` units).
 """
 from __future__ import annotations
 
