@@ -94,7 +94,7 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
         ratio = row.get("learned_vs_best_other")
         dev = row["devices"].replace("gpu:", "").split(":")[0] + (" cap" if row["capped"] else "")
         t.add_row(row["model"], dev, *cells, "-" if ratio is None else f"{ratio:.3f}")
-    console.print(t, width=max(console.width, 132))
+    Console(stderr=True, width=max(console.width, 132)).print(t)  # one row per line, whatever the terminal
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:
