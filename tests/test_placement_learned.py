@@ -183,7 +183,7 @@ def test_on_the_default_placement_suite_learned_is_never_slower_than_the_best_ot
 @pytest.mark.slow
 def test_learned_beats_the_expert_on_unconstrained_nmt_over_4_k40_by_10_percent() -> None:
     # The target: NMT without constraints over 4 x K40, the expert (one LSTM layer per
-    # GPU) at 209.2 ms. Seed 0 first gets below 0.9 x that at step 655 (about 3 minutes here).
+    # GPU) at 209.2 ms. Seed 0 first gets below 0.9 x that at step 655 (the test: 113 s in all).
     from flowctl.bench.placement import _variant
     from flowctl.spec.cluster import cluster_for
     from flowctl.training.planning import expert_rules, step_graph
