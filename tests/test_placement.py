@@ -321,8 +321,11 @@ def test_a_placement_that_overflows_memory_is_rejected() -> None:
         f"device {CPU0} needs 11.72 KiB at peak (11.72 KiB resident) but holds 9.77 KiB"]
     with pytest.raises(fc.PlacementError, match="given placement is invalid: device .*cpu:0 needs 11.72 KiB"):
         everything_on_one.check()
+    spread = place(g, cl, cm, "single", targets=targets)  # no device holds both: spread, not fail
+    assert spread.valid and spread["w0"] != spread["w1"]
+    assert any("no single device holds the step" in n for n in spread.notes)
     with pytest.raises(fc.PlacementError, match="no single device can hold this graph: device .*cpu:0 needs"):
-        place(g, cl, cm, "single", targets=targets)
+        place(g, cpus(2, memory=5_000), FixedCosts(cpus(2, memory=5_000), {}), "single", targets=targets)
     for alg in ("greedy", "heft", "auto"):
         pl = place(g, cl, cm, alg, targets=targets)
         assert pl.valid and pl["w0"] != pl["w1"], alg

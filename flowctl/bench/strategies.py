@@ -83,7 +83,7 @@ def strategy_benchmarks(steps: int = 5, lstm_lm: str | Path | None = None,
     say = progress or (lambda m: None)
     path = Path(lstm_lm) if lstm_lm else Path(__file__).resolve().parents[2] / "specs" / "lstm_lm.yaml"
     conv = (SPECS / "small_conv.yaml").read_text()
-    lstm4 = (SPECS / "lstm4.yaml").read_text()
+    lstm4 = (Path(__file__).resolve().parents[2] / "specs" / "lstm4.yaml").read_text()
     lm = path.read_text()
     two = ["cpu:0", "cpu:1"]
     sync = {"strategy": "sync_data_parallel", "replicas": 2}

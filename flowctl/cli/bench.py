@@ -12,7 +12,7 @@ from rich.table import Table
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch")
+SUITES = ("engine", "strategies", "prefetch", "placement")
 
 
 @click.command()
@@ -28,8 +28,10 @@ SUITES = ("engine", "strategies", "prefetch")
               help="Rounds in which the placements take turns (a spec target).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
+@click.option("--full", is_flag=True, help="placement: the whole grid (2/4/8 GPUs x K40/V100/H100).")
+@click.option("--learned-budget", default=20.0, show_default=True, help="placement: seconds per learned row.")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
-          rounds: int, overrides: tuple[str, ...]) -> None:
+          rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -53,6 +55,13 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         with err.status("benchmarking: steps/s with and without prefetching a slow input"):
             results = prefetch_benchmark(steps=10 if quick else 40, rounds=2 if quick else 4)
         render = _render_ratios
+    elif target == "placement":
+        from flowctl.bench.placement import placement_suite
+
+        with err.status("benchmarking placement") as status:
+            results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget,
+                                      progress=lambda m: status.update(m))
+        render = _render_placement
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -71,6 +80,23 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     if as_json:
         click.echo(json.dumps(results, indent=2))
     render(err, results)
+
+
+def _render_placement(console: Console, r: dict[str, Any]) -> None:
+    from flowctl.bench.placement import PLACERS
+
+    t = Table(title="predicted step ms (simulated; x: failed, see --json; cap: 60% of the one-device need)")
+    for col in ("model", "devices", *PLACERS, "learned/best"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for row in r["rows"]:
+        cells = []
+        for alg in PLACERS:
+            x = row["results"].get(alg)
+            cells.append("-" if x is None else "x" if "error" in x else f"{x['step_ms']:,.1f}")
+        ratio = row.get("learned_vs_best_other")
+        dev = row["devices"].replace("gpu:", "").split(":")[0] + (" cap" if row["capped"] else "")
+        t.add_row(row["model"], dev, *cells, "-" if ratio is None else f"{ratio:.3f}")
+    Console(stderr=True, width=max(console.width, 132)).print(t)  # one row per line, whatever the terminal
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import ALGORITHMS
 
 
@@ -47,8 +48,16 @@ def _short(dev: str) -> str:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="The placement and its explanation as JSON on stdout.")
+@click.option("--budget", help="learned: training time, e.g. 90s, 10m (default: the spec's time_budget_s).")
+@click.option("--seed", type=int, default=0, show_default=True, help="learned: the policy's seed.")
+@click.option("--steps", type=int, help="learned: policy updates to run (reproducible; the budget still stops it).")
+@click.option("--checkpoint", type=click.Path(dir_okay=False), help="learned: save training here (.npz).")
+@click.option("--resume", is_flag=True, help="learned: continue the training saved in --checkpoint.")
+@click.option("--warm-start", type=click.Path(dir_okay=False), help="learned: start from a policy trained "
+              "on another graph or cluster (a --checkpoint file).")
 def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, by: str, limit: int,
-          batch: int | None, overrides: tuple[str, ...], as_json: bool) -> None:
+          batch: int | None, overrides: tuple[str, ...], as_json: bool, budget: str | None, seed: int,
+          steps: int | None, checkpoint: str | None, resume: bool, warm_start: str | None) -> None:
     """Place SPEC's training step on its devices (or --devices) and show where every node runs and why."""
     from flowctl.spec.loader import load_spec
     from flowctl.spec.overrides import device_names
@@ -59,7 +68,17 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     if names:
         overrides += (f"devices=[{', '.join(names)}]",)
     loaded = load_spec(spec, overrides)
-    p = plan(loaded, algorithm, None if names else devices, batch=batch)
+    what_if = None if names else devices
+    alg = algorithm or loaded.spec.placement.algorithm
+    try:
+        if alg == "learned":
+            p = _place_learned(console, loaded, what_if, batch, budget, seed, steps, checkpoint, resume, warm_start)
+        else:
+            p = plan(loaded, algorithm, what_if, batch=batch)
+    except PlacementError as e:
+        if as_json:  # the whole story (every member of a conflict, every node on a full device)
+            click.echo(json.dumps({"error": str(e), "details": e.details}, default=str))
+        raise
     chosen = p.chosen
     if as_json:
         out = chosen.to_dict(nodes=explain)
@@ -72,6 +91,44 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
             out["layers"] = _by_layer(p)
         click.echo(json.dumps(out, default=str))
     _render(console, p, explain, by, limit)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in '90', '90s', '10m', '1.5h'."""
+    from flowctl.engine.errors import SpecError
+
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise SpecError(f"--budget '{text}' is not a duration (e.g. 90s, 10m, 1h)") from None
+    if value <= 0:
+        raise SpecError(f"--budget '{text}' must be positive")
+    return value
+
+
+def _place_learned(console: Console, loaded: Any, devices: str | None, batch: int | None, budget: str | None,
+                   seed: int, steps: int | None, checkpoint: str | None, resume: bool,
+                   warm_start: str | None) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flowctl.engine.placement.learned import LearnedOptions
+    from flowctl.training.program import plan
+
+    seconds = parse_duration(budget) if budget else loaded.spec.placement.time_budget_s
+    total = float(steps) if steps else seconds
+    with Progress(TextColumn("learned placer"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting from the heuristics", total=total)
+
+        def progress(step: int, best: float, elapsed: float) -> None:
+            bar.update(task, completed=min(total, step if steps else elapsed),
+                       description=f"step {step}, best {best * 1e3:,.2f} ms")
+
+        opts = LearnedOptions(seed=seed, steps=steps, budget_s=seconds, checkpoint=checkpoint, resume=resume,
+                              warm_start=warm_start, progress=progress)
+        return plan(loaded, "learned", devices, batch=batch, learned=opts)
 
 
 def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> None:
@@ -123,14 +180,17 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
         return
     decisions = {d.first: d for d in chosen.decisions}
     searched = bool(chosen.decisions)  # a strategy that fixes every node leaves no decision to explain
-    t = Table(title="per node (groups are placed together; candidates are estimated finish times, ms)")
+    t = Table(title="per node (groups are placed together; candidates: the estimated finish of the whole group "
+                    "on each device, ms -- the node's finish, the rest of its group, transfers to placed "
+                    "neighbours: the least wins; * chosen, ! over its memory budget)")
     for col in ("node", "op", "device", "feasible", "narrowed by", "candidates", "why"):
         t.add_column(col)
     reports = chosen.node_reports()
     for r in reports[: limit or None]:
         d = decisions.get(r.name)
-        cands = "" if d is None else ", ".join(f"{_short(c.device)}:{_ms(c.finish)}" for c in d.candidates
-                                               if c.finish is not None)
+        cands = "" if d is None else ", ".join(
+            f"{_short(c.device)}:{_ms(c.score)}{'*' if c.device == d.choice else ''}{'!' if c.note else ''}"
+            for c in d.candidates if c.score is not None)
         t.add_row(r.name[-48:], r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
                   "; ".join(r.narrowed_by)[:40] or "-", cands or ("(with its group)" if searched else "-"),
                   (d.reason if d else ("" if searched else f"set by {chosen.algorithm}"))[:40])

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from flowctl.spec import json_schema, load_spec
 from flowctl.spec.summary import summarize
-from flowctl.training.program import place_for_training
+from flowctl.training.program import place_for_training, step_memory
 
 
 def _err() -> Console:
@@ -81,6 +81,7 @@ def inspect(spec: str, as_json: bool, overrides: tuple[str, ...]) -> None:
     activation memory of SPEC (read off the graph it builds)."""
     loaded = load_spec(spec, overrides)
     report = summarize(loaded)
+    report["memory"].update(step_memory(loaded))
     report["spec"] = spec
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -109,6 +110,9 @@ def inspect(spec: str, as_json: bool, overrides: tuple[str, ...]) -> None:
               f"{_si(f['training_step'])}")
     con.print(f"memory at batch {report['batch_size']}: activations {_bytes(m['activation_bytes'])}, "
               f"parameters {_bytes(m['parameter_bytes'])}")
+    con.print(f"a training step on {m['device'].rsplit('/', 1)[-1]} holds {_bytes(m['step_peak_bytes'])} at peak "
+              f"({_bytes(m['step_resident_bytes'])} resident: parameters, optimizer slots, inputs), as "
+              f"`place` simulates it")
 
 
 COMMANDS = [validate, inspect]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.errors import PlacementError
@@ -151,7 +151,8 @@ class Cluster:
     @classmethod
     def from_spec(cls, text: str) -> "Cluster":
         """What-if clusters from profiles: `4xgpu:k40`, `2xgpu:v100+cpu`, `gpu:p100,gpu:p100`.
-        Devices are numbered per type in order; GPUs are linked by PCIe unless `@nvlink` follows."""
+        Devices are numbered per type in order; GPUs are linked by PCIe unless `@nvlink` follows.
+        A memory size after the profile caps each device's memory: `4xgpu:k40:2GiB` (GiB, MiB)."""
         devices: list[Device] = []
         counters: dict[str, int] = {}
         link = LINKS["pcie3"]
@@ -163,10 +164,12 @@ class Cluster:
                 if link_name not in LINKS:
                     raise PlacementError(f"unknown link '{link_name}'; known: {', '.join(LINKS)}")
                 link = LINKS[link_name]
-            m = re.fullmatch(r"(?:(\d+)x)?(cpu|gpu)(?::(\w+))?", part)
+            m = re.fullmatch(r"(?:(\d+)x)?(cpu|gpu)(?::([a-z]\w*))?(?::(\d+(?:\.\d+)?)(GiB|MiB))?", part)
             if m is None:
-                raise PlacementError(f"cannot read device group '{part}': write e.g. '4xgpu:k40' or 'cpu'")
+                raise PlacementError(f"cannot read device group '{part}': write e.g. '4xgpu:k40', "
+                                     f"'4xgpu:k40:2GiB' or 'cpu'")
             count, dtype, prof = int(m[1] or 1), m[2], m[3]
+            cap = int(float(m[4]) * (GiB if m[5] == "GiB" else 1 << 20)) if m[4] else None
             if prof is None:
                 prof = "k40" if dtype == "gpu" else "cpu_core"
             if prof not in PROFILES:
@@ -177,10 +180,11 @@ class Cluster:
                 raise PlacementError(f"unknown device profile '{prof}'{hint} (known: {', '.join(PROFILES)})")
             if PROFILES[prof].type != dtype:
                 raise PlacementError(f"profile '{prof}' describes a {PROFILES[prof].type}, not a {dtype}")
+            profile = PROFILES[prof] if cap is None else replace(PROFILES[prof], memory=cap)
             for _ in range(count):
                 idx = counters.get(dtype, 0)
                 counters[dtype] = idx + 1
-                devices.append(Device(canonical(f"{dtype}:{idx}"), PROFILES[prof]))
+                devices.append(Device(canonical(f"{dtype}:{idx}"), profile))
         if not devices:
             raise PlacementError(f"no devices in '{text}'")
         return cls(devices, default_link=link)

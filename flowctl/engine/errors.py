@@ -19,7 +19,15 @@ class GraphError(FlowctlError):
 
 
 class PlacementError(FlowctlError):
+    """`details`: the whole story as plain data (every member of a conflicting colocation group,
+    every node on a device that ran out of memory) where the message shows a few; `place --json`
+    prints it."""
+
     exit_code = 4
+
+    def __init__(self, message: str, details: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
 
 
 class ExecutionError(FlowctlError):

@@ -355,10 +355,11 @@ class PlacedStep:
 
 
 def place_step(step: Step, config: StepConfig, cluster: Cluster, cost: CostModel, algorithm: str | None = None,
-               compare: tuple[str, ...] = (), time_budget: float | None = None) -> PlacedStep:
+               compare: tuple[str, ...] = (), time_budget: float | None = None, learned: Any = None) -> PlacedStep:
     """Place `step` on `cluster` with `algorithm` (default: the spec's) and simulate it; `compare`
     places it with other algorithms too, for `flowctl place`. A strategy that fixes every node is
-    checked and simulated as it is: there is nothing for a placer to choose."""
+    checked and simulated as it is: there is nothing for a placer to choose. `learned`: the learned
+    placer's options (flowctl.engine.placement.learned.LearnedOptions: budget, seed, checkpoint)."""
     started = time.perf_counter()
     algorithm = algorithm or config.algorithm
     if algorithm not in ALGORITHMS:
@@ -380,7 +381,7 @@ def place_step(step: Step, config: StepConfig, cluster: Cluster, cost: CostModel
         if len(cluster.devices) == 1:
             alg = "single"  # one device: every placer gives the same answer
         return place(g, cluster, cost, alg, targets=targets, rules=rules or None, layers=step.model.layer_of(),
-                     time_budget=budget)
+                     time_budget=budget, learned=learned)
 
     out = PlacedStep(step, cluster, cost, run(algorithm))
     for alg in compare:
@@ -399,14 +400,31 @@ def place_step(step: Step, config: StepConfig, cluster: Cluster, cost: CostModel
 
 def plan(loaded: LoadedSpec, algorithm: str | None = None, devices: str | None = None,
          compare: tuple[str, ...] = ("single", "expert"), batch: int | None = None,
-         cost: CostModel | None = None, time_budget: float | None = None) -> PlacedStep:
+         cost: CostModel | None = None, time_budget: float | None = None, learned: Any = None) -> PlacedStep:
     """Where a spec's training step would run, and how fast (`flowctl place`): built, placed on the
     spec's devices (or `devices`, a what-if cluster) and compared with other placers."""
     config = step_config(loaded)
     step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config, devices)
     cost = cost or StaticCostModel(cluster, batch=batch or config.per_replica_batch)
-    return place_step(step, config, cluster, cost, algorithm, compare, time_budget)
+    return place_step(step, config, cluster, cost, algorithm, compare, time_budget, learned)
+
+
+def step_memory(loaded: LoadedSpec) -> dict[str, Any]:
+    """What one training step holds with everything on the spec's first device, by the placement
+    simulator (the figure `place` shows per device): the peak, and the resident part of it --
+    parameters, optimizer slots, fed inputs -- the rest being activations kept for the backward
+    pass, gradients and temporaries alive at the peak. `flowctl inspect` reports it."""
+    config = step_config(loaded)
+    step = build_step(build_model(loaded, training=True), config)
+    cluster = cluster_for(config)
+    dev = cluster.names[0]
+    for n in step.graph.nodes.values():  # one device: the spec's device constraints do not apply
+        n.device = ""
+    pl = evaluate(step.graph, {n: dev for n in step.graph.nodes}, cluster,
+                  StaticCostModel(cluster, batch=config.per_replica_batch), targets=step.targets)
+    s = pl.simulation.device(dev)
+    return {"device": dev, "step_peak_bytes": s.peak_memory, "step_resident_bytes": s.resident}
 
 
 # ---------------------------------------------------------------------------- what a trainer runs
@@ -492,4 +510,4 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
 
 __all__ = ["DATA_PARALLEL", "STRATEGIES", "ClusterConfig", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
            "StepConfig", "apply_constraints", "build_step", "cluster_for", "gradient_process", "layer_of",
-           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config"]
+           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config", "step_memory"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph
 from flowctl.engine.placement.simulator import (EXPECTATION_SAMPLES, DeviceStats, Expectation, LinkStats,
-                                                SimResult, expected_step_time)
+                                                SimResult, expected_step_time, fmt_bytes)
 
 if TYPE_CHECKING:
     from flowctl.engine.cluster import Cluster
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class Candidate:
     device: str
     finish: float | None = None  # estimated finish of the deciding node there, seconds
-    score: float | None = None  # what was compared: finish + remaining group work + comm
+    score: float | None = None  # what was compared (the least eligible wins): finish + rest of group + comm
     comm: float | None = None  # transfers to neighbours already placed elsewhere, seconds
     note: str = ""  # why it was not eligible (memory), if it was not
 
@@ -126,9 +126,34 @@ class Placement:
     def __getitem__(self, node: str) -> str:
         return self.assignment[node]
 
+    def memory_report(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Per device whose simulated peak exceeds its memory: the peak, the capacity, and the step
+        nodes there holding the most (resident state first: Variables, optimizer slots, fed
+        inputs; then the largest outputs), up to `limit` each."""
+        t, dev = self.table, self.device_index
+        out = []
+        for k, s in enumerate(self.simulation.devices):
+            if s.peak_memory <= s.capacity:
+                continue
+            held: list[tuple[int, int, str, str]] = []
+            if t is not None and dev:
+                for i, name in enumerate(t.names):
+                    if t.devices[dev[i]] == s.device:
+                        b = int(sum(t.out_bytes[i]))
+                        if b:
+                            held.append((0 if t.resident[i] else 1, -b, name, "resident" if t.resident[i] else "output"))
+            held.sort()
+            out.append({"device": s.device, "peak": s.peak_memory, "capacity": s.capacity, "resident": s.resident,
+                        "over": s.peak_memory - s.capacity,
+                        "largest": [{"node": n, "bytes": -b, "kind": kind} for _, b, n, kind in held[:limit]]})
+        return out
+
     def check(self) -> Placement:
         if not self.valid:
-            raise PlacementError(f"{self.algorithm} placement is invalid: " + "; ".join(self.simulation.problems))
+            report = self.memory_report()
+            raise PlacementError(f"{self.algorithm} placement is invalid: " + "; ".join(with_largest(
+                self.simulation.problems, report)), {"kind": "out_of_memory", "algorithm": self.algorithm,
+                                                     "devices": report})
         return self
 
     def apply(self, graph: Graph) -> Graph:
@@ -168,3 +193,13 @@ class Placement:
         if nodes:
             d["nodes"] = [x.to_dict() for x in self.node_reports()]
         return d
+
+
+def with_largest(problems: list[str], report: list[dict[str, Any]], shown: int = 3) -> list[str]:
+    """Each device's overflow line with the nodes holding the most there (the report's order is
+    the problems' order: both list overflowing devices in cluster order)."""
+    out = []
+    for line, r in zip(problems, report):
+        top = ", ".join(f"'{x['node']}' ({fmt_bytes(x['bytes'])} {x['kind']})" for x in r["largest"][:shown])
+        out.append(line + (f" (largest there: {top})" if top else ""))
+    return out + problems[len(report):]

@@ -209,16 +209,37 @@ def feasible_sets(graph: Graph, cluster: Cluster) -> Feasibility:
 
 
 def _conflict(graph: Graph, order: list[str], devices: list[str], own: list[frozenset[int]],
-              before: list[int], m: int, links: list[str], available: str) -> PlacementError:
+              before: list[int], m: int, links: list[str], available: str, shown: int = 4) -> PlacementError:
     """The error for a colocation group whose intersection emptied at member `m`: it names `m`, the
-    earlier members whose own sets narrowed the group (the ones in conflict), and why they are
-    colocated at all."""
+    earlier members whose own sets narrowed the group (the ones in conflict: one per distinct
+    op and constraint), a few members and why they are colocated. The message stays
+    short however large the group; `details` holds every member, culprit and link."""
     node = graph.nodes[order[m]]
     all_devs = frozenset(range(len(devices)))
     narrowing = [i for i in before if own[i] != all_devs] or before
-    culprits = " and ".join(_describe(graph.nodes[order[i]], own[i], devices) for i in narrowing)
-    group = ", ".join(f"'{order[i]}'" for i in before + [m])
+    distinct: dict[tuple[str, str, frozenset[int]], int] = {}
+    for i in narrowing:
+        n = graph.nodes[order[i]]
+        distinct.setdefault((n.op, n.device, own[i]), i)
+    firsts = list(distinct.values())[:max(1, shown // 2)]
+    culprits = " and ".join(_describe(graph.nodes[order[i]], own[i], devices) for i in firsts)
+    if len(narrowing) > len(firsts):
+        culprits += f" (and {len(narrowing) - len(firsts)} more member(s) so constrained)"
+    members = [order[i] for i in before + [m]]
+    group = ", ".join(f"'{n}'" for n in members[:shown]) + (
+        f" and {len(members) - shown} more" if len(members) > shown else "")
+    few = max(1, shown // 2)
+    because = "; ".join(links[:few]) if len(links) > shown else "; ".join(links)
+    because = because or "of colocation constraints"
+    if len(links) > shown:
+        because += f"; and {len(links) - few} more"
+    truncated = len(members) > shown or len(links) > shown or len(narrowing) > len(firsts)
+    details: dict[str, object] = {
+        "kind": "colocation_conflict", "node": node.name, "members": members,
+        "conflicting": [_describe(graph.nodes[order[i]], own[i], devices) for i in narrowing],
+        "colocated_because": list(links), "devices": list(devices)}
     return PlacementError(
         f"cannot place node '{node.name}' ({node.op}): no device satisfies its colocation group "
         f"[{group}]: {_describe(node, own[m], devices)}, but {culprits}; colocated because "
-        f"{'; '.join(links) or 'of colocation constraints'}; devices available: {available}")
+        f"{because}; devices available: {available}" + (" (place --json lists them all)" if truncated else ""),
+        details)

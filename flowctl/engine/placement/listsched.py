@@ -20,7 +20,8 @@ idle device at time zero, and drag the layer with them.
 
 Memory: each device's resident state plus live tensors is tracked as the walk goes; a device that
 would overflow is not a candidate. The simulator checks the result, and the placer retries with
-the offending device's budget lowered when it still overflows.
+the offending device's budget lowered when it still overflows; if the walks still overflow,
+memfit.py moves groups off the overflowing device to where memory is free.
 """
 from __future__ import annotations
 
@@ -29,35 +30,41 @@ import time
 from collections.abc import Callable
 
 from flowctl.engine.placement.explain import Candidate, Decision, Placement
+from flowctl.engine.placement.memfit import fit_memory
 from flowctl.engine.placement.problem import Problem, finalize
 from flowctl.engine.placement.simulator import fmt_bytes
 
-RETRIES = 3
+RETRIES = 2
 
 
 def place_greedy(pb: Problem, priority: str = "ready") -> Placement:
     started = time.perf_counter()
     caps = [float(pb.cluster.device(d).profile.memory) for d in pb.devices]
     notes: list[str] = []
-    best: Placement | None = None
+    best: tuple[float, Placement, dict[int, int], list[Decision]] | None = None
+    name = "greedy" if priority == "ready" else "heft"
     for attempt in range(RETRIES + 1):
         group_dev, decisions = list_schedule(pb, priority, caps)
-        pl = finalize(pb, "greedy" if priority == "ready" else "heft", group_dev, decisions, started, notes)
+        pl = finalize(pb, name, group_dev, decisions, started, list(notes))
         if pl.valid:
             return pl
-        best = pl
+        over = sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices)
+        if best is None or over < best[0]:
+            best = (over, pl, group_dev, decisions)
         if attempt == RETRIES:
             break
-        # Lower the budget of each overflowing device by its overflow (and a margin): the walk's
-        # memory estimate runs ahead of the simulator's, so the next walk moves work elsewhere.
+        # The walk's memory estimate falls short of the simulated peak (tensors live longer in
+        # the real schedule than the walk assumes): scale each overflowing device's budget by how
+        # far short it fell, with a margin, so the next walk moves work to where memory is free.
         for s in pl.simulation.devices:
             if s.peak_memory > s.capacity:
                 d = pb.devices.index(s.device)
-                caps[d] -= 1.1 * (s.peak_memory - s.capacity)
+                caps[d] *= 0.95 * s.capacity / s.peak_memory
                 notes.append(f"retry {attempt + 1}: {s.device} overflowed by "
-                             f"{fmt_bytes(s.peak_memory - s.capacity)}; its budget lowered")
+                             f"{fmt_bytes(s.peak_memory - s.capacity)}; its budget lowered to {fmt_bytes(caps[d])}")
     assert best is not None
-    return best
+    _, pl, group_dev, decisions = best
+    return fit_memory(pb, pl, group_dev, name, list(decisions), started, list(pl.notes))
 
 
 def place_heft(pb: Problem) -> Placement:
@@ -306,8 +313,9 @@ def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float],
            extra_bytes: Callable[[int, int], float], left: dict[int, list[float]], times: list[list[float]],
            mem: list[float], caps: list[float], decisions: list[Decision]) -> int:
     """§3.2.1: the feasible device where node i would finish soonest, plus the group's remaining
-    work there and the transfers it would need to neighbours already placed elsewhere; devices
-    that would overflow their memory are not candidates."""
+    work there and the transfers it would need to neighbours already placed elsewhere (each
+    Candidate's `score`, the number compared; `finish` is node i's own estimated finish); devices
+    that would overflow their memory are not candidates (their `note` says so)."""
     g = pb.step_group[i]
     cands: list[Candidate] = []
     best, best_score = -1, float("inf")
@@ -325,7 +333,7 @@ def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float],
         elif score < best_score:
             best, best_score = d, score
         cands.append(c)
-    reason = "earliest estimated finish"
+    reason = "earliest estimated group finish"
     if best < 0:
         best = fallback
         reason = "every device over its memory budget: the least over"

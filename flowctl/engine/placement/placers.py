@@ -9,6 +9,8 @@
 - `greedy` and `heft`: list scheduling on the simulator (listsched.py).
 - `mincut`: a METIS k-way partition of the grouped graph, edges weighted by bytes, vertices by
   op time (the graph-partitioner baseline of Mirhoseini et al. 2017), parts mapped to devices.
+- `learned`: a policy trained by REINFORCE on the simulator, started from the best of the
+  above (learned.py).
 - `auto`: the others within a time budget; the valid placement with the least expected simulated
   step time, over the cost model's jitter (ties: the earlier in the fixed order single, expert,
   greedy, heft, mincut).
@@ -28,8 +30,10 @@ from flowctl.engine.devices import canonical, device_matches
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel
-from flowctl.engine.placement.explain import Decision, Placement
+from flowctl.engine.placement.explain import Decision, Placement, with_largest
+from flowctl.engine.placement.learned import LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
+from flowctl.engine.placement.memfit import fit_memory
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
 Rules = Sequence[tuple[str, str]]
@@ -46,6 +50,7 @@ def place_single(pb: Problem) -> Placement:
             row[d] += pb.table.times[i][d]
     seen: dict[tuple[Any, ...], str] = {}
     results: list[tuple[int, Placement]] = []
+    made: dict[int, dict[int, int]] = {}
     alternatives: dict[str, Any] = {}
     for d, name in enumerate(pb.devices):
         gd = {}
@@ -68,10 +73,26 @@ def place_single(pb: Problem) -> Placement:
         pl = finalize(pb, "single", gd, decisions, started, notes)
         alternatives[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
         results.append((d, pl))
+        made[d] = gd
     valid = [(pl.step_time, d, pl) for d, pl in results if pl.valid]
+    if not valid and results:
+        # No device holds the step: start from the fastest and spread what does not fit.
+        # Two ways to spread: cut it into consecutive stages, or move the groups holding the
+        # most memory per second of work; the faster that fits.
+        d, pl = min(results, key=lambda x: (x[1].step_time, x[0]))
+        spreads = [fit_memory(pb, pl, made[d], "single", list(pl.decisions), started,
+                              [f"no single device holds the step: started on {pb.devices[d]}, spread by {how}"],
+                              order=how) for how in ("suffix", "dense")]
+        fits = [x for x in spreads if x.valid]
+        if fits:
+            spread = min(fits, key=lambda x: x.step_time)
+            spread.alternatives = alternatives
+            return spread
     if not valid:
-        raise PlacementError("no single device can hold this graph: " + "; ".join(
-            p for _, pl in results for p in pl.simulation.problems))
+        reports = [r for _, pl in results for r in pl.memory_report()]
+        lines = [line for _, pl in results for line in with_largest(pl.simulation.problems, pl.memory_report(), 2)]
+        raise PlacementError("no single device can hold this graph: " + "; ".join(lines),
+                             {"kind": "out_of_memory", "algorithm": "single", "devices": reports})
     _, d, best = min(valid, key=lambda x: (x[0], x[1]))
     best.alternatives = alternatives
     best.notes.insert(0, f"fastest single device: {pb.devices[d]}")
@@ -239,7 +260,8 @@ def place_mincut(pb: Problem, seed: int = 0) -> Placement:
     if moved:
         notes.append(f"{moved} group(s) infeasible on their part's device moved to their first feasible device")
     decisions = [pb.decision(g, gd[g], f"METIS part {part[vid[g]]}") for g in groups]
-    return finalize(pb, "mincut", gd, decisions, started, notes)
+    pl = finalize(pb, "mincut", gd, decisions, started, notes)
+    return fit_memory(pb, pl, gd, "mincut", decisions, started, notes)
 
 
 def _metis(n: int, edges: dict[tuple[int, int], int], vweights: list[int], pb: Problem, seed: int) -> list[int]:
@@ -309,9 +331,9 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
     contenders = []
     for t, k, pl in results:
         if t <= reach:
-            e = pl.expected()
-            contenders.append((e.mean, k, pl))
-            alternatives[tried[k][0]] = e.mean
+            mean = pl.expected().mean
+            contenders.append((mean, k, pl))
+            alternatives[tried[k][0]] = mean
     _, k, best = min(contenders, key=lambda x: (x[0], x[1]))
     best.notes.insert(0, f"auto chose {best.algorithm}")
     best.alternatives = alternatives
@@ -320,16 +342,48 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
     return best
 
 
-ALGORITHMS = ("single", "expert", "greedy", "heft", "mincut", "auto")
+def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
+                   layers: Mapping[str, str] | None) -> tuple[Placement, dict[str, Any]]:
+    """The best valid placement of the fast placers (exact simulated step), and each one's step
+    or why it failed. When none is valid (memory), the one overflowing least: the penalty on
+    overflow then pushes the policy toward placements that fit."""
+    tried: list[tuple[str, Callable[[], Placement]]] = [("single", lambda: place_single(pb))]
+    if rules:
+        tried.append(("expert", lambda: place_expert(pb, rules, layers)))
+    tried += [("greedy", lambda: place_greedy(pb)), ("heft", lambda: place_heft(pb))]
+    best: Placement | None = None
+    least: tuple[float, Placement] | None = None
+    out: dict[str, Any] = {}
+    for name, fn in tried:
+        try:
+            pl = fn()
+        except PlacementError as e:
+            out[name] = f"failed: {e}"
+            continue
+        out[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
+        if pl.valid and (best is None or pl.step_time < best.step_time):
+            best = pl
+        over = sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices)
+        if not pl.valid and (least is None or over < least[0]):
+            least = (over, pl)
+    if best is None and least is None:
+        raise PlacementError("learned: no heuristic produced a placement to start from: " +
+                             "; ".join(f"{k}: {v}" for k, v in out.items()))
+    return (best if best is not None else least[1]), out  # type: ignore[index]
+
+
+
+ALGORITHMS = ("single", "expert", "greedy", "heft", "mincut", "auto", "learned")
 
 
 def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str = "greedy", *,
           targets: Iterable[str] | None = None, rules: Rules | None = None, layers: Mapping[str, str] | None = None,
-          time_budget: float = 10.0, problem: Problem | None = None) -> Placement:
+          time_budget: float = 10.0, problem: Problem | None = None, learned: Any = None) -> Placement:
     """Place every node of `graph` on a device of `cluster`. `targets`: the nodes (or refs) one
     step runs, which is what the simulator times (default: the whole graph; pass the train op so
     initialisers do not count). `rules`/`layers`: the expert's rules and the node -> layer map of
     a spec-built model. `problem`: a `prepare`d Problem to reuse across calls (its targets win).
+    `learned`: the learned placer's `LearnedOptions` (default: seed 0, `time_budget` seconds).
     Raises PlacementError when the constraints cannot be met or the result would overflow a
     device's memory."""
     if algorithm not in ALGORITHMS:
@@ -351,6 +405,9 @@ def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str 
         pl = place_heft(pb)
     elif algorithm == "mincut":
         pl = place_mincut(pb)
+    elif algorithm == "learned":
+        seed, alternatives = heuristic_seed(pb, rules, layers)
+        pl = place_learned(pb, seed, alternatives, layers, learned or LearnedOptions(budget_s=time_budget))
     else:
         pl = place_auto(pb, rules, layers, time_budget)
     return pl.check()

@@ -1,0 +1,66 @@
+"""Placement that fits memory: capped devices make placers spread work, not fail; `inspect` and
+`place` agree on what a step holds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from flowctl.bench.placement import CAP, _variant, single_device_need
+from flowctl.cli.main import cli
+from flowctl.engine.cluster import Cluster
+from flowctl.engine.errors import PlacementError
+from flowctl.engine.placement import StaticCostModel, place, prepare
+from flowctl.engine.placement.learned import LearnedOptions
+from flowctl.spec.model import build_model
+from flowctl.training.program import build_step, cluster_for, step_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_memory_cap_in_the_devices_syntax() -> None:
+    c = Cluster.from_spec("2xgpu:k40:2GiB+cpu:512MiB")
+    assert [d.profile.memory for d in c.devices] == [2 << 30, 2 << 30, 512 << 20]
+    assert c.devices[0].profile.peak_flops == Cluster.from_spec("gpu:k40").devices[0].profile.peak_flops
+    with pytest.raises(PlacementError, match="4xgpu:k40:2GiB"):
+        Cluster.from_spec("4xgpu:k40:2TB")
+
+
+def test_every_placer_fits_a_4_layer_lstm_capped_at_60_percent_of_its_one_device_need() -> None:
+    loaded = _variant("lstm4.yaml", "lstm4", 4)
+    need = single_device_need(_variant("lstm4.yaml", "lstm4", 4, free=True), "4xgpu:k40", 20)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    targets, rules, layers = [sg.targets[0]], step_config(loaded).expert_rules(), sg.model.layer_of()
+    free = cluster_for(step_config(loaded), "4xgpu:k40")
+    cap = int(need * CAP)
+    capped = cluster_for(step_config(loaded), f"4xgpu:k40:{cap >> 20}MiB")
+    pb_free = prepare(sg.graph, free, StaticCostModel(free, batch=20), targets)
+    pb_cap = prepare(sg.graph, capped, StaticCostModel(capped, batch=20), targets)
+    for alg in ("single", "greedy", "heft", "expert", "learned"):
+        kw = {"rules": rules, "layers": layers,
+              "learned": LearnedOptions(steps=3, batch=2, max_units=8)}
+        uncapped = place(sg.graph, free, pb_free.cost_model, alg, targets=targets, problem=pb_free, **kw)
+        pl = place(sg.graph, capped, pb_cap.cost_model, alg, targets=targets, problem=pb_cap, **kw)
+        assert pl.valid, alg
+        assert max(d.peak_memory for d in pl.devices) <= (cap >> 20) << 20, alg
+        assert pl.step_time <= 1.10 * uncapped.step_time, (alg, pl.step_time, uncapped.step_time)
+    one = place(sg.graph, capped, pb_cap.cost_model, "single", targets=targets, problem=pb_cap)
+    assert len({d for d in one.assignment.values()}) > 1  # spread, as the note says
+    assert any("no single device holds the step" in n for n in one.notes)
+
+
+def test_inspect_and_place_agree_on_what_a_step_holds() -> None:
+    spec = str(ROOT / "specs" / "lstm4.yaml")
+    r = CliRunner().invoke(cli, ["inspect", spec, "--json"])
+    assert r.exit_code == 0, r.output
+    mem = json.loads(r.stdout)["memory"]
+    p = CliRunner().invoke(cli, ["place", spec, "-a", "single", "--json"])
+    assert p.exit_code == 0, p.output
+    devices = json.loads(p.stdout)["devices"]
+    peak = {d["device"]: d["peak_memory"] for d in devices}
+    assert peak[mem["device"]] == mem["step_peak_bytes"]
+    resident = {d["device"]: d["resident"] for d in devices}
+    assert resident[mem["device"]] == mem["step_resident_bytes"]
+    assert mem["step_peak_bytes"] > mem["step_resident_bytes"] >= mem["parameter_bytes"]
