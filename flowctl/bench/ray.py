@@ -36,39 +36,10 @@ from flowctl.engine.cluster import Cluster, Link
 from flowctl.engine.container import ContainerStore
 from flowctl.engine.devices import canonical
 from flowctl.engine.optimizers import SGD
+from flowctl.bench.spec import OpenSession, chain_link
 from flowctl.engine.runtime import DistributedSession, blas_limits
 
-OpenSession = Callable[[fc.Graph, dict[str, str]], Any]  # (graph, placement) -> a session (context manager)
 OpenSyncSession = Callable[[fc.Graph, dict[str, str], Sequence[str]], Any]  # ... and its devices
-MiB4 = 1 << 20  # float32 elements in 4 MiB
-
-
-def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, repeat: int = 7) -> dict[str, float]:
-    """Latency (s per crossing, 4-byte tensor) and bandwidth (bytes/s, from the 4 MiB tensor's extra
-    time per crossing) of the link a <-> b as the sessions `open_session` makes move tensors."""
-    per: dict[int, float] = {}
-    for n, hops in ((1, crossings), (MiB4, 4)):
-        g = fc.Graph()
-        with g.as_default():
-            x = fc.placeholder("float32", (n,), name="x")
-            h = x
-            for k in range(hops):
-                h = fc.identity(h, name=f"hop{k}")
-        value = np.ones(n, np.float32)
-        took = {}
-        for label, far in (("one", a), ("two", b)):
-            placement = {nm: (far if nm.startswith("hop") and int(nm[3:]) % 2 == 0 else a) for nm in g.nodes}
-            with open_session(g, placement) as s:
-                s.run(h, {x: value})  # warm-up: plans, actors' first calls
-                ts = []
-                for _ in range(repeat):
-                    t0 = time.perf_counter()
-                    s.run(h, {x: value})
-                    ts.append(time.perf_counter() - t0)
-            took[label] = statistics.median(ts)
-        per[n] = max(0.0, took["two"] - took["one"]) / hops  # `two` crosses at every hop
-    extra = per[MiB4] - per[1]
-    return {"latency_s": per[1], "bandwidth_Bps": (4 * MiB4) / extra if extra > 0 else float("inf")}
 
 
 def run_overhead(open_session: OpenSession, device: str, sizes: Sequence[int] = (1, 64 * 1024),

@@ -7,6 +7,7 @@ scheduling), not a roofline guess.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -110,41 +111,53 @@ def _set_contention(cost: MeasuredCostModel, graph: fc.Graph, nodes: list[str], 
     cost.contention = contention_for(table, names.index(cpus[0].name), names.index(cpus[1].name), ratio, cluster)
 
 
+OpenSession = Callable[[fc.Graph, dict[str, str]], Any]  # (graph, placement) -> a session (context manager)
+MiB4 = 1 << 20  # float32 elements in 4 MiB
+
+
+def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, repeat: int = 7) -> dict[str, float]:
+    """Latency (s per crossing, 4-byte tensor) and bandwidth (bytes/s, from the 4 MiB tensor's extra
+    time per crossing) of the link a <-> b as the sessions `open_session` makes move tensors."""
+    per: dict[int, float] = {}
+    for n, hops in ((1, crossings), (MiB4, 4)):
+        g = fc.Graph()
+        with g.as_default():
+            x = fc.placeholder("float32", (n,), name="x")
+            h = x
+            for k in range(hops):
+                h = fc.identity(h, name=f"hop{k}")
+        value = np.ones(n, np.float32)
+        took = {}
+        for label, far in (("one", a), ("two", b)):
+            placement = {nm: (far if nm.startswith("hop") and int(nm[3:]) % 2 == 0 else a) for nm in g.nodes}
+            with open_session(g, placement) as s:
+                s.run(h, {x: value})  # warm-up: plans, actors' first calls
+                ts = []
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    s.run(h, {x: value})
+                    ts.append(time.perf_counter() - t0)
+            took[label] = min(ts)  # the least disturbed run: a loaded machine only adds
+        per[n] = max(0.0, took["two"] - took["one"]) / hops  # `two` crosses at every hop
+    extra = per[MiB4] - per[1]
+    return {"latency_s": per[1], "bandwidth_Bps": (4 * MiB4) / extra if extra > 0 else float("inf")}
+
+
 def measure_links(cluster: Cluster, crossings: int = 40, repeat: int = 7) -> dict[tuple[str, str], Link]:
     """Each pair of devices' link as the runtime moves tensors over it (Send, rendezvous, Recv and
     any copy): a chain of Identity ops alternating between the two devices is timed against the
     same chain on one device, with a 4-byte tensor (latency per crossing) and a 4 MiB one (the
     extra per byte). The simulator then costs transfers as they are, not as a datasheet says."""
+    def open_session(g: fc.Graph, placement: dict[str, str]) -> Any:
+        return DistributedSession(g, cluster, placement, store=ContainerStore())
+
     out: dict[tuple[str, str], Link] = {}
     names = cluster.names
     for a_i, a in enumerate(names):
         for b in names[a_i + 1:]:
-            per: dict[int, float] = {}
-            for n, hops in ((1, crossings), (1 << 20, 4)):
-                g = fc.Graph()
-                with g.as_default():
-                    x = fc.placeholder("float32", (n,), name="x")
-                    h = x
-                    for k in range(hops):
-                        h = fc.identity(h, name=f"hop{k}")
-                value = np.ones(n, np.float32)
-                took = {}
-                for label, far in (("one", a), ("two", b)):
-                    pl = {nm: (far if nm.startswith("hop") and int(nm[3:]) % 2 == 0 else a) for nm in g.nodes}
-                    with DistributedSession(g, cluster, pl, store=ContainerStore()) as s:
-                        s.run(h, {x: value})
-                        ts = []
-                        for _ in range(repeat):
-                            t0 = time.perf_counter()
-                            s.run(h, {x: value})
-                            ts.append(time.perf_counter() - t0)
-                    took[label] = min(ts)  # the least disturbed run: a loaded machine only adds
-                # `two` crosses at every even hop and back at the next: `hops` crossings in all.
-                per[n] = max(0.0, took["two"] - took["one"]) / hops
-            latency = per[1]
-            extra = per[1 << 20] - latency
-            bandwidth = (4 << 20) / extra if extra > 0 else 1e15  # handed over by reference: free
-            out[(a, b)] = Link(bandwidth, latency)
+            r = chain_link(open_session, a, b, crossings, repeat)
+            bandwidth = r["bandwidth_Bps"] if math.isfinite(r["bandwidth_Bps"]) else 1e15  # by reference: free
+            out[(a, b)] = Link(bandwidth, r["latency_s"])
     return out
 
 

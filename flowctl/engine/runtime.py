@@ -193,6 +193,20 @@ class DeviceThreads:
             pool.shutdown(wait=wait)
 
 
+def checked_placement(cluster: Cluster, placement: Any, recv_schedule: str) -> dict[str, str]:
+    """node -> canonical device, every device one of `cluster`'s. A placer's Placement object
+    carries the mapping as `.assignment` and is accepted as it is."""
+    assignment: Mapping[str, str] = getattr(placement, "assignment", placement)
+    out = {n: canonical(d) for n, d in assignment.items()}
+    unknown = sorted(set(out.values()) - set(cluster.names))
+    if unknown:
+        raise PlacementError(f"the placement uses device(s) {', '.join(unknown)} that the cluster lacks; "
+                             f"devices: {', '.join(cluster.names)}")
+    if recv_schedule not in RECV_SCHEDULES:
+        raise ValueError(f"recv_schedule must be one of {RECV_SCHEDULES}, not {recv_schedule!r}")
+    return out
+
+
 class DistributedSession(Session):
     def __init__(self, graph: Graph, cluster: Cluster, placement: Mapping[str, str],
                  store: ContainerStore | None = None, check_numerics: bool = False, compress: bool = False,
@@ -205,18 +219,9 @@ class DistributedSession(Session):
         super().__init__(graph, device=cluster.devices[0].name, store=store, check_numerics=check_numerics,
                          executor="dataflow")
         self.cluster = cluster
-        # (A placer's Placement object carries the mapping as `.assignment`; accept it directly.)
-        assignment: Mapping[str, str] = getattr(placement, "assignment", placement)
-        self.placement = {n: canonical(d) for n, d in assignment.items()}
+        self.placement = checked_placement(cluster, placement, recv_schedule)
         for dev in dict.fromkeys(self.placement.values()):
-            if dev in cluster.names:
-                require_device(dev)
-        unknown = sorted({d for d in self.placement.values()} - set(cluster.names))
-        if unknown:
-            raise PlacementError(f"the placement uses device(s) {', '.join(unknown)} that the cluster lacks; "
-                                 f"devices: {', '.join(cluster.names)}")
-        if recv_schedule not in RECV_SCHEDULES:
-            raise ValueError(f"recv_schedule must be one of {RECV_SCHEDULES}, not {recv_schedule!r}")
+            require_device(dev)
         self.compress = compress
         self.recv_schedule = recv_schedule
         self.durations = dict(durations or {})

@@ -41,15 +41,14 @@ import numpy as np
 
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.container import ContainerStore
-from flowctl.engine.devices import CPU0, canonical, parse_device
+from flowctl.engine.devices import CPU0, parse_device
 from flowctl.engine.distributed.cluster import TaskSpec, check_resources, connect, tasks_of
 from flowctl.engine.distributed.worker import PartitionWire, writable
 from flowctl.engine.errors import ExecutionError, FlowctlError, GraphError, PlacementError, WorkerLostError
 from flowctl.engine.executor import RunStats
 from flowctl.engine.graph import GRAPHDEF_VERSION, Graph
-from flowctl.engine.partition import RECV_SCHEDULES
 from flowctl.engine.rendezvous import next_step_id
-from flowctl.engine.runtime import PartitionSpec, host_feed, split_signature
+from flowctl.engine.runtime import PartitionSpec, checked_placement, host_feed, split_signature
 from flowctl.engine.session import Session
 
 _MAX_CONCURRENCY = 32  # actor threads: Runs waiting their turn, transfers, aborts, pings
@@ -98,14 +97,7 @@ class RaySession(Session):
         super().__init__(graph, device=CPU0, store=store or ContainerStore(),
                          check_numerics=check_numerics, executor="dataflow")
         self.cluster = cluster
-        assignment: Mapping[str, str] = getattr(placement, "assignment", placement)
-        self.placement = {n: canonical(d) for n, d in assignment.items()}
-        unknown = sorted(set(self.placement.values()) - set(cluster.names))
-        if unknown:
-            raise PlacementError(f"the placement uses device(s) {', '.join(unknown)} that the cluster lacks; "
-                                 f"devices: {', '.join(cluster.names)}")
-        if recv_schedule not in RECV_SCHEDULES:
-            raise ValueError(f"recv_schedule must be one of {RECV_SCHEDULES}, not {recv_schedule!r}")
+        self.placement = checked_placement(cluster, placement, recv_schedule)
         self.compress = compress
         self.recv_schedule = recv_schedule
         self.durations = dict(durations or {})
