@@ -463,3 +463,19 @@ def test_sigkill_at_each_save_phase_leaves_a_valid_checkpoint(crashed, phase):
     # The run goes on from there: the next save commits and prunes normally.
     m.save(step + 1, child.tensors_for(step + 1), child.state_for(step + 1))
     assert m.restore_latest().step == step + 1
+
+
+def test_a_damaged_checkpoint_does_not_count_toward_keep(tmp_path):
+    """keep=2 with checkpoint 2 damaged: saving 3 keeps 3 and 1 (two good ones), and removes the
+    damaged 2 with a warning -- before, 2 counted and the good 1 was deleted."""
+    warned: list[str] = []
+    m = CheckpointDir(tmp_path, keep=2, spec_hash="s", on_warning=warned.append)
+    m.save(1, child.tensors_for(1), child.state_for(1))
+    p2 = m.save(2, child.tensors_for(2), child.state_for(2))
+    flip_in_w(p2)
+    m.save(3, child.tensors_for(3), child.state_for(3))
+    assert [p.name for p in m.list()] == ["ckpt-00000001", "ckpt-00000003"]
+    assert any("ckpt-00000002" in w and "damaged" in w for w in warned), warned
+    # With nothing damaged, keep counts as before: 4 pushes 1 out.
+    m.save(4, child.tensors_for(4), child.state_for(4))
+    assert [p.name for p in m.list()] == ["ckpt-00000003", "ckpt-00000004"]

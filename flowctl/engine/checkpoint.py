@@ -316,6 +316,9 @@ class CheckpointDir:
         self.spec_hash = spec_hash
         self.on_warning = on_warning
         self.fault = fault
+        # Checkpoints verified whole in this process (path -> the commit marker's mtime): each is
+        # read and hashed at most once when pruning decides what `keep` keeps.
+        self._verified: dict[Path, float] = {}
 
     def _reach(self, phase: str) -> None:
         if self.fault is not None:
@@ -456,7 +459,7 @@ class CheckpointDir:
         for p in newer:
             self._warn(f"{p.name} removed: newer than the checkpoint {step} just saved, so from an abandoned run")
         kept = [p for p in committed if (_step_of(p) or 0) <= step]
-        doomed += newer + (kept[: -self.keep] if self.keep is not None else [])
+        doomed += newer + (self._beyond_keep(kept, step) if self.keep is not None else [])
         for p in doomed:
             try:
                 if p.name.startswith(TMP_PREFIX):
@@ -468,6 +471,35 @@ class CheckpointDir:
                 shutil.rmtree(gone)
             except OSError as e:
                 self._warn(f"could not remove old checkpoint {p}: {e.strerror or e}")
+
+    def _beyond_keep(self, kept: builtins.list[Path], step: int) -> builtins.list[Path]:
+        """What `keep` lets go, newest first counting only checkpoints that verify: a damaged one
+        counts for nothing (it would push a good one out) and goes too, with a warning."""
+        assert self.keep is not None
+        whole, out = 0, []
+        for p in reversed(kept):
+            if whole >= self.keep:
+                out.append(p)
+            elif _step_of(p) == step or self._whole(p):  # the one just written was verified as written
+                whole += 1
+            else:
+                self._warn(f"{p.name} removed: damaged, so it does not count toward keep {self.keep}")
+                out.append(p)
+        return out
+
+    def _whole(self, path: Path) -> bool:
+        try:
+            stamp = (path / COMMIT).stat().st_mtime
+        except OSError:
+            return False
+        if self._verified.get(path) == stamp:
+            return True
+        try:
+            load(path, allow_spec_change=True)
+        except CheckpointError:
+            return False
+        self._verified[path] = stamp
+        return True
 
     # ------------------------------------------------------------------ restore
     def restore(self, step: int, allow_spec_change: bool = False) -> Checkpoint:
