@@ -122,6 +122,18 @@ training: {optimizer: {type: adam}, learning_rate: 0.02, batch_size: 4, steps: 3
     assert p["context"][-5:] == ["the", "cat", "sat", "on", "the"]
     assert len(p["next"]) == 3 and all(w["word"] in words + ["<eos>", "<unk>"] for w in p["next"])
     assert p["next"][0]["probability"] >= p["next"][1]["probability"]
+    try:  # the unrolled LSTM in ONNX computes the same logits
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+    except ImportError:
+        return
+    o = _json(["export", str(run), "--out", str(tmp_path / "onnx"), "--format", "onnx"])
+    model = onnx.load(o["file"])
+    x = np.random.default_rng(1).integers(0, 16, (4, 6)).astype(np.int32)
+    (got,) = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: x})
+    m = open_run(run)
+    want = m.session.run(m.evaluator.logits, {m.evaluator.model.inputs["tokens"]: x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvement(tmp_path):
@@ -137,3 +149,29 @@ def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvem
     assert json.loads((run / "run.json").read_text())["status"] == "early_stopped"
     assert (run / "checkpoints" / "ckpt-00000150").is_dir()
     assert "stopped early" in r.output
+
+
+def test_an_onnx_export_checks_and_computes_the_runs_logits(demo_run, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    r = _json(["export", str(demo_run), "--out", str(tmp_path / "o"), "--format", "onnx"])
+    model = onnx.load(r["file"])
+    onnx.checker.check_model(model, full_check=True)
+    x = np.random.default_rng(5).standard_normal((7, 16)).astype(np.float32)
+    (got,) = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: x})
+    run = open_run(demo_run)
+    want = run.session.run(run.evaluator.logits, {run.evaluator.model.inputs["features"]: x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_op_onnx_lacks_here_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("onnx")
+    from flowctl.training import onnx_export
+
+    monkeypatch.delitem(onnx_export.SAME_NAME, "Relu")
+    run = tmp_path / "run"
+    assert CliRunner().invoke(cli, ["train", str(ROOT / "specs" / "demo.yaml"), "--run-dir", str(run),
+                                    "--steps", "2"]).exit_code == 0
+    r = CliRunner().invoke(cli, ["export", str(run), "--out", str(tmp_path / "o"), "--format", "onnx"])
+    assert r.exit_code == 2 and "(Relu) has no ONNX form" in r.output and len(r.output.strip().splitlines()) == 1

@@ -65,12 +65,14 @@ def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, ou
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory to write model.json, weights.safetensors and signature.json to.")
 @CHECKPOINT
+@click.option("--format", "fmt", type=click.Choice(["flowctl", "onnx"]), default="flowctl", show_default=True,
+              help="flowctl: model.json + weights.safetensors; onnx: model.onnx (inputs to logits).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON on stdout.")
-def export(run_dir: Path, out: Path, checkpoint: str | None, as_json: bool) -> None:
+def export(run_dir: Path, out: Path, checkpoint: str | None, fmt: str, as_json: bool) -> None:
     """Write RUN_DIR's inference graph and weights; `flowctl.load_model(OUT)` runs them without the spec."""
     from flowctl.training.inference import export_run
 
-    r = export_run(run_dir, out, checkpoint)
+    r = export_run(run_dir, out, checkpoint, fmt)
     Console(stderr=True).print(f"exported step {r['step']} ({r['nodes']:,} nodes, {r['weights']} weights, "
                                f"{r['bytes'] / 2**20:,.1f} MiB) to {r['out']}")
     if as_json:

@@ -182,11 +182,14 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- export
-def export_run(run_dir: Path, out: Path, checkpoint: str | None = None) -> dict[str, Any]:
-    """Write the run's inference graph, weights and signature to `out`."""
+def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, fmt: str = "flowctl") -> dict[str, Any]:
+    """Write the run's inference graph, weights and signature to `out` (`fmt` "onnx": the graph
+    from the inputs to the logits as `out/model.onnx`, checked by onnx.checker)."""
     from safetensors.numpy import save_file
 
     m = open_run(run_dir, checkpoint)
+    if fmt == "onnx":
+        return _export_onnx(m, out)
     model = m.evaluator.model
     logits = _logits_of(m) if m.evaluator.logits is not None else None
     outputs = {"logits": logits.name} if logits is not None else {}
@@ -208,6 +211,21 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None) -> dict[
     return {"out": str(out), "checkpoint": str(m.checkpoint.path), "step": m.checkpoint.step,
             "nodes": len(m.graph), "weights": len(weights),
             "bytes": int(sum(v.nbytes for v in weights.values()))}
+
+
+def _export_onnx(m: RunModel, out: Path) -> dict[str, Any]:
+    from flowctl.training.onnx_export import to_onnx, write_onnx
+
+    logits = _logits_of(m)
+    model = m.evaluator.model
+    weights = m.session.variable_values()
+    proto = to_onnx(m.graph, {k: t.name for k, t in model.inputs.items()}, {"logits": logits.name}, weights,
+                    name=m.loaded.spec.model.name)
+    out.mkdir(parents=True, exist_ok=True)
+    path = write_onnx(proto, out / "model.onnx")
+    return {"out": str(out), "file": str(path), "format": "onnx", "checkpoint": str(m.checkpoint.path),
+            "step": m.checkpoint.step, "nodes": len(proto.graph.node), "weights": len(proto.graph.initializer),
+            "bytes": path.stat().st_size}
 
 
 def validation_arrays(run_dir: Path, path: Path) -> Path:

@@ -1,0 +1,147 @@
+"""`flowctl export --format onnx`: a run's forward graph (inputs to logits) as an ONNX model, for the
+ops ONNX has a form of here: matrix products, bias adds and element-wise arithmetic, the usual
+activations, concat/split/stack/unstack, reshape, slice and gather (dense, embedding and
+unrolled LSTM layers). Anything else is refused naming the node, never exported approximately.
+Weights travel as initializers; a dimension the graph leaves open (the batch) is symbolic.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from flowctl.engine.errors import SpecError
+from flowctl.engine.executor import needed_nodes
+from flowctl.engine.graph import Graph, Node, parse_ref
+
+OPSET = 17
+SAME_NAME = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "Exp": "Exp", "Log": "Log", "Sqrt": "Sqrt",
+             "Neg": "Neg", "Abs": "Abs", "Add": "Add", "Sub": "Sub", "Mul": "Mul", "Div": "Div",
+             "Maximum": "Max", "Minimum": "Min", "Identity": "Identity", "Floor": "Floor", "Ceil": "Ceil",
+             "Erf": "Erf", "Sin": "Sin", "Cos": "Cos"}
+
+
+def onnx_module() -> Any:
+    try:
+        import onnx
+    except ImportError:
+        raise SpecError('ONNX export needs the onnx package: pip install -e ".[onnx]"') from None
+    return onnx
+
+
+class _Builder:
+    def __init__(self, onnx: Any, graph: Graph) -> None:
+        self.onnx, self.h, self.graph = onnx, onnx.helper, graph
+        self.nodes: list[Any] = []
+        self.initializers: list[Any] = []
+        self.count = 0
+
+    def name(self, ref: str) -> str:
+        node, port = parse_ref(ref)
+        return f"{node}:{port}"
+
+    def const(self, value: np.ndarray, hint: str) -> str:
+        self.count += 1
+        name = f"{hint}/const{self.count}"
+        self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def add(self, op: str, inputs: list[str], outputs: list[str], **attrs: Any) -> None:
+        self.nodes.append(self.h.make_node(op, inputs, outputs, **attrs))
+
+
+def _emit(b: _Builder, node: Node) -> None:
+    ins = [b.name(r) for r in node.inputs]
+    outs = [f"{node.name}:{p}" for p in range(len(node.outputs))]
+    a = node.attrs
+    if node.op in SAME_NAME:
+        b.add(SAME_NAME[node.op], ins, outs)
+    elif node.op == "BiasAdd":
+        b.add("Add", ins, outs)
+    elif node.op == "MatMul":
+        x, w = ins
+        if a.get("transpose_a"):
+            b.add("Transpose", [x], [x + "/T"], perm=[1, 0])
+            x += "/T"
+        if a.get("transpose_b"):
+            b.add("Transpose", [w], [w + "/T"], perm=[1, 0])
+            w += "/T"
+        b.add("MatMul", [x, w], outs)
+    elif node.op == "Concat":
+        b.add("Concat", ins, outs, axis=int(a["axis"]))
+    elif node.op == "Split":
+        axis = int(a["axis"])
+        sizes = [int(s.shape[axis]) for s in node.outputs]
+        b.add("Split", [ins[0], b.const(np.asarray(sizes, np.int64), node.name)], outs, axis=axis)
+    elif node.op == "Stack":
+        axis = int(a["axis"])
+        axes = b.const(np.asarray([axis], np.int64), node.name)
+        parts = [f"{i}/unsq" for i in ins]
+        for i, p in zip(ins, parts):
+            b.add("Unsqueeze", [i, axes], [p])
+        b.add("Concat", parts, outs, axis=axis)
+    elif node.op == "Unstack":
+        axis = int(a["axis"])
+        parts = [o + "/split" for o in outs]
+        b.add("Split", [ins[0], b.const(np.ones(len(outs), np.int64), node.name)], parts, axis=axis)
+        axes = b.const(np.asarray([axis], np.int64), node.name)
+        for p, o in zip(parts, outs):
+            b.add("Squeeze", [p, axes], [o])
+    elif node.op == "Reshape":
+        b.add("Reshape", [ins[0], b.const(np.asarray(a["shape"], np.int64), node.name)], outs)
+    elif node.op == "Slice":
+        begin = np.asarray(a["begin"], np.int64)
+        size = np.asarray(a["size"], np.int64)
+        ends = np.where(size < 0, np.iinfo(np.int64).max, begin + size)
+        b.add("Slice", [ins[0], b.const(begin, node.name), b.const(ends, node.name),
+                        b.const(np.arange(len(begin), dtype=np.int64), node.name)], outs)
+    elif node.op == "Gather":
+        b.add("Gather", ins, outs, axis=int(a["axis"]))
+    else:
+        raise SpecError(f"ONNX export: node '{node.name}' ({node.op}) has no ONNX form in this exporter; export "
+                        f"the flowctl format instead (flowctl export without --format)")
+
+
+def to_onnx(graph: Graph, inputs: Mapping[str, str], outputs: Mapping[str, str], weights: Mapping[str, np.ndarray],
+            name: str = "flowctl") -> Any:
+    """The subgraph computing `outputs` (name -> ref) from `inputs` (name -> Placeholder ref), with
+    each Variable it reads an initializer from `weights`."""
+    onnx = onnx_module()
+    b = _Builder(onnx, graph)
+    needed = needed_nodes(graph, [parse_ref(r)[0] for r in outputs.values()], set())
+    fed = {parse_ref(r)[0] for r in inputs.values()}
+    for n in graph.topo_order(needed):
+        node = graph.nodes[n]
+        if node.op == "Variable":
+            b.initializers.append(onnx.numpy_helper.from_array(np.asarray(weights[n]), f"{n}:0"))
+        elif node.op == "Placeholder":
+            if n not in fed:
+                raise SpecError(f"ONNX export: the outputs need placeholder '{n}', which is not an input")
+        else:
+            _emit(b, node)
+
+    def value_info(io_name: str, ref: str) -> Any:
+        spec = graph.tensor(ref).spec
+        dims: list[Any] = ["N" if d is None else int(d) for d in spec.shape]
+        elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(spec.dtype))
+        return onnx.helper.make_tensor_value_info(b.name(ref), elem, dims)
+
+    g = onnx.helper.make_graph(b.nodes, name, [value_info(k, r) for k, r in inputs.items() if parse_ref(r)[0] in needed],
+                               [value_info(k, r) for k, r in outputs.items()], initializer=b.initializers)
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", OPSET)],
+                                   producer_name="flowctl")
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def write_onnx(model: Any, path: Path, write: Callable[[Path, bytes], None] | None = None) -> Path:
+    data = model.SerializeToString()
+    if write is not None:
+        write(path, data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+__all__ = ["OPSET", "onnx_module", "to_onnx", "write_onnx"]
