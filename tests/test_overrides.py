@@ -83,3 +83,13 @@ def test_place_devices_takes_names_or_profiles():
     r = CliRunner().invoke(cli, ["place", str(DEMO), "--devices", "2xgpu:k40", "--json"])
     assert r.exit_code == 0, r.output
     assert [d["profile"] for d in json.loads(r.stdout)["cluster"]] == ["k40", "k40"]
+
+
+def test_a_spec_that_is_not_utf8_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("version: 1\nname: caf\xe9\n".encode("latin-1"))
+    for command in (["validate", str(bad)], ["train", str(bad)], ["place", str(bad)], ["inspect", str(bad)]):
+        r = CliRunner().invoke(cli, command)
+        assert r.exit_code == 2, r.output
+        assert f"{bad}:2: not UTF-8 text (byte 0xe9" in r.output and "Traceback" not in r.output
+        assert len(r.output.strip().splitlines()) == 1
