@@ -1,8 +1,11 @@
 """Recurrent layers: an LSTM unrolled over time, and content-based attention for encoder-decoders.
 
-The graph is static (whitepaper §4.4's control flow is not needed for a fixed unroll length), so
-an LSTM over T steps is T copies of the cell, each with one fused-gate MatMul of [x_t, h] against
-a [(in + units), 4 * units] kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell.
+The graph is static (whitepaper §4.4's control flow is not needed for a fixed unroll length). The
+LSTM's [(in + units), 4 * units] kernel (Zaremba et al. 2014, TensorFlow's BasicLSTMCell layout) is
+used as its two row blocks, the way fast recurrent libraries cut the work: the input block W_x
+multiplies every time step's input in one product over T*B rows, only h_{t-1} W_h stays in the
+per-step loop, and one LSTMBlockCell node per step does the gates and the cell update. Autodiff
+turns the T per-step products' weight gradients into one product over all steps.
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ class LSTM(Layer):
     return_sequences: bool = True
     forget_bias: float = Field(0.0, description="added to the forget gate (BasicLSTMCell's forget_bias)")
     init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
+    projection_steps: int | None = Field(
+        7, ge=1, description="time steps per input-projection product when the input arrives step by "
+        "step from a recurrent layer below (the layer can start once that many are in; null: all)")
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
         x = ins[0]
@@ -43,30 +49,43 @@ class LSTM(Layer):
         return [Weight("kernel", (d + u, 4 * u), init=init[0], scale=init[1]),
                 Weight("bias", (4 * u,), init="zeros")]
 
+    def _projections(self, b: Builder, x: Tensor, w_x: Tensor, bias: Tensor) -> list[Tensor]:
+        """x_t W_x + b for every step t, as [batch, 4 * units] tensors: one product over the whole
+        sequence, or, where the layer below hands over its steps one by one, one per
+        `projection_steps` of them (so this layer runs step t while the one below runs later ones:
+        Figure 8's model parallelism)."""
+        d, t_len = int(x.shape[2]), int(x.shape[1])
+        steps = b.steps.get(x.name)
+        if steps is None:
+            xw = fc.bias_add(fc.matmul(fc.reshape(x, [-1, d], name="rows"), w_x, name="input_matmul"),
+                             bias, name="input_bias")
+            return fc.unstack(fc.reshape(xw, [-1, t_len, 4 * self.units], name="sequence"), axis=1,
+                              name="input_steps")
+        k = self.projection_steps or t_len
+        out: list[Tensor] = []
+        for c0 in range(0, t_len, k):
+            with b.graph.name_scope(f"in{c0}"):
+                chunk = steps[c0:c0 + k]
+                rows = chunk[0] if len(chunk) == 1 else fc.concat(chunk, axis=0, name="rows")
+                xw = fc.bias_add(fc.matmul(rows, w_x, name="input_matmul"), bias, name="input_bias")
+                out += [xw] if len(chunk) == 1 else fc.split(xw, len(chunk), axis=0, name="input_steps")
+        return out
+
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
         x = ins[0]
         d, u = int(x.shape[2]), self.units
         kernel, bias = (b.variable(w) for w in self.weights([x.spec]))
-        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
-        # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing them
-        # avoids materialising a zero state whose batch size is unknown until run time.
-        w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
+        # Row blocks of the one kernel (views): checkpoints and parameter counts keep its layout.
+        w_x, w_h = fc.split(kernel, [d, u], axis=0, name="kernel_rows")
         h: Tensor | None = None
         c: Tensor | None = None
         outs: list[Tensor] = []
-        for t, xt in enumerate(steps):
+        for t, xw in enumerate(self._projections(b, x, w_x, bias)):
             with b.graph.name_scope(f"t{t}"):
-                if h is None:
-                    z = fc.bias_add(fc.matmul(xt, w_in, name="matmul"), bias, name="bias_add")
-                else:
-                    z = fc.bias_add(fc.matmul(fc.concat([xt, h], axis=1, name="concat"), kernel, name="matmul"),
-                                    bias, name="bias_add")
-                i, f, g, o = fc.split(z, 4, axis=1, name="gates")
-                if self.forget_bias:
-                    f = f + self.forget_bias
-                ig = fc.sigmoid(i, name="input_gate") * fc.tanh(g, name="candidate")
-                c = ig if c is None else fc.sigmoid(f, name="forget_gate") * c + ig
-                h = fc.sigmoid(o, name="output_gate") * fc.tanh(c, name="tanh_c")
+                # At t = 0 the state is zero: the cell takes x's projection alone, so no zero state
+                # (whose batch size is unknown until run time) is materialised.
+                hw = None if h is None else fc.matmul(h, w_h, name="matmul")
+                h, c = fc.lstm_block_cell(xw, hw, c, forget_bias=self.forget_bias, name="cell")
                 outs.append(h)
         if not self.return_sequences:
             return fc.identity(outs[-1], name="last")
