@@ -12,7 +12,7 @@ from rich.table import Table
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch")
+SUITES = ("engine", "strategies", "prefetch", "peers")
 
 
 @click.command()
@@ -26,8 +26,10 @@ SUITES = ("engine", "strategies", "prefetch")
               help="Timed steps per placement and round (a spec target).")
 @click.option("--rounds", default=3, show_default=True,
               help="Rounds in which the placements take turns (a spec target).")
+@click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
+              "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
-          rounds: int) -> None:
+          rounds: int, rows: str | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -51,6 +53,8 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         with err.status("benchmarking: steps/s with and without prefetching a slow input"):
             results = prefetch_benchmark(steps=10 if quick else 40, rounds=2 if quick else 4)
         render = _render_ratios
+    elif target == "peers":
+        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.training.benchmark import bench_spec
@@ -69,6 +73,33 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     if as_json:
         click.echo(json.dumps(results, indent=2))
     render(err, results)
+
+
+def _peers(err: Console, rows: str | None, steps: int, rounds: int) -> tuple[dict[str, Any], Any]:
+    """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
+    from flowctl.bench.peers import run_peers
+
+    picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
+    with err.status("benchmarking against PyTorch") as status:
+        results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m))
+    return results, _render_peers
+
+
+def _render_peers(console: Console, r: dict[str, Any]) -> None:
+    t = Table(title=f"seconds per step, flowctl vs PyTorch (median of {r['rounds']} rounds x {r['steps']} "
+                    f"steps, 95% interval)")
+    for col in ("row", "flowctl s", "PyTorch s", "ratio", "params (spec / twin)"):
+        t.add_column(col, justify="right")
+    for name, row in r["rows"].items():
+        f, p = row["flowctl"], row["pytorch"]
+        t.add_row(name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
+                  f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
+                  f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
+                  f"{row['params']['spec']:,} / {row['params']['pytorch']:,}")
+    console.print(t)
+    blas = r["machine"]["blas_gflops"]
+    console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
+                  f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['cpus']} CPUs")
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:
