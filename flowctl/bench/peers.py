@@ -216,11 +216,28 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> di
 
 
 def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
-              progress: Callable[[str], None] | None = None, blas_n: int = 2048) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, blas_n: int = 2048,
+              threads: int | None = None) -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
-    `blas_n`: the size of the square product that measures the BLAS peak."""
+    `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
+    count both frameworks compute with (default: every CPU)."""
     torch = import_torch()
-    say = progress or (lambda _m: None)
+    from threadpoolctl import threadpool_limits
+
+    n = threads or os.cpu_count() or 1
+    if n < 1:
+        raise FlowctlError(f"bench peers: threads must be >= 1, got {n}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with threadpool_limits(n):
+            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
+         blas_n: int) -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -233,7 +250,7 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
         raise FlowctlError(f"bench peers: steps and rounds must be >= 1, got {steps} and {rounds}")
     say("measuring the BLAS peak")
     results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n)},
         "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:

@@ -28,8 +28,9 @@ SUITES = ("engine", "strategies", "prefetch", "peers")
               help="Rounds in which the placements take turns (a spec target).")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32).")
+@click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
-          rounds: int, rows: str | None) -> None:
+          rounds: int, rows: str | None, threads: int | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -54,7 +55,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
             results = prefetch_benchmark(steps=10 if quick else 40, rounds=2 if quick else 4)
         render = _render_ratios
     elif target == "peers":
-        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds)
+        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.training.benchmark import bench_spec
@@ -75,13 +76,13 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     render(err, results)
 
 
-def _peers(err: Console, rows: str | None, steps: int, rounds: int) -> tuple[dict[str, Any], Any]:
+def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None) -> tuple[dict[str, Any], Any]:
     """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
     from flowctl.bench.peers import run_peers
 
     picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
     with err.status("benchmarking against PyTorch") as status:
-        results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m))
+        results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads)
     return results, _render_peers
 
 
@@ -99,7 +100,8 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
     console.print(t)
     blas = r["machine"]["blas_gflops"]
     console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
-                  f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['cpus']} CPUs")
+                  f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['threads']} threads on "
+                  f"{r['machine']['cpus']} CPUs")
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:

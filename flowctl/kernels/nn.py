@@ -65,7 +65,7 @@ def softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
 @kernel("SparseSoftmaxCrossEntropyWithLogits")
 def sparse_softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
     def run(logits: Any, labels: Any) -> tuple[Any, Any]:
-        c = logits.shape[1]
+        n, c = logits.shape
         bad = (labels < 0) | (labels >= c)
         # A bad label would index out of bounds (or wrap, for -1): say which one. On a GPU this
         # check costs one device-to-host sync per step, a price worth a clear error.
@@ -73,11 +73,18 @@ def sparse_softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
             i = int(xp.argmax(bad))
             raise ValueError(f"label {int(labels[i])} (example {i}) is out of range for {c} classes: "
                              f"labels must be in [0, {c})")
-        log_p, e, z = _log_softmax(xp, logits, 1)
-        idx = labels.astype("int64")[:, None]
-        loss = -xp.take_along_axis(log_p, idx, axis=1)[:, 0]
+        # Four passes over the (n, c) logits (shift, exp, sum, scale), all in one buffer: the loss
+        # needs log p only at the labels, and the one-hot is n scattered subtractions. The label
+        # entries get the same float operations as the full log-softmax would give them.
+        rows = xp.arange(n)
+        idx = labels.astype("int64")
+        e = logits - logits.max(axis=1, keepdims=True)
+        shifted = e[rows, idx]
+        xp.exp(e, out=e)
+        z = e.sum(axis=1, keepdims=True)
+        loss = -(shifted - xp.log(z)[:, 0])
         e /= z
-        e -= (idx == xp.arange(c)).astype(e.dtype)
+        e[rows, idx] -= 1.0
         return loss, e
 
     return run
