@@ -60,7 +60,8 @@ def test_without_torch_one_message_and_exit_2(monkeypatch):
 def test_a_small_run_measures_both_and_the_counts_agree():
     pytest.importorskip("torch")
     r = run_peers([Row("tiny_lm", TINY, 4), Row("tiny_conv", TINY_CONV, 2),
-                   Row("tiny_conv_infer", TINY_CONV, 2, train=False)], steps=1, rounds=2, blas_n=256)
+                   Row("tiny_conv_infer", TINY_CONV, 2, train=False)], steps=1, rounds=2, blas_n=256,
+                  memory=False)
     assert r["machine"]["blas_gflops"]["numpy"] > 0
     for name, row in r["rows"].items():
         assert row["params"]["spec"] == row["params"]["pytorch"], name
@@ -81,6 +82,17 @@ def test_the_inception_and_lstm_twins_have_the_specs_parameter_counts():
     assert not any("aux" in n for n, _ in twin.named_parameters())
     lm = _load(ROWS["lstm_lm"])
     assert Twin(lm).param_count() == sum(lm.params()) == 19_775_200
+
+
+@pytest.mark.slow
+def test_peak_memory_comes_from_a_fresh_process_per_framework():
+    pytest.importorskip("torch")
+    from flowctl.bench.peers import peak_memory
+
+    mem = peak_memory(Row("tiny_lm", TINY, 4), threads=1)
+    for framework in ("flowctl", "pytorch"):
+        m = mem[framework]
+        assert 0 < m["built_mib"] <= m["peak_mib"] and m["step_mib"] >= 0
 
 
 def test_unknown_row_is_one_clear_error():

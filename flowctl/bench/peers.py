@@ -193,6 +193,46 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _rss_kib() -> int:
+    """This process's resident set now, in KiB (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+    except OSError:
+        return 0
+
+
+def _peak_in_child(row: Row, framework: str, threads: int) -> dict[str, float]:
+    """Run in a fresh process: resident memory after building `framework`'s step for `row`, and
+    the peak over three steps of it (ru_maxrss), in MiB."""
+    import resource
+
+    torch = import_torch()
+    torch.set_num_threads(threads)
+    loaded = _load(row)
+    arrays = _batch(loaded, row.batch)
+    run = flowctl_step(loaded, arrays, row.train) if framework == "flowctl" else \
+        torch_step(loaded, arrays, row.train)[0]
+    built = _rss_kib()
+    for _ in range(3):
+        run()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024}
+
+
+def peak_memory(row: Row, threads: int) -> dict[str, dict[str, float]]:
+    """Each framework's resident memory for `row`, each measured alone in a fresh process (one
+    process's peak cannot be split between two frameworks that share its heap)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = {}
+    for framework in ("flowctl", "pytorch"):
+        with ctx.Pool(1) as pool:
+            out[framework] = pool.apply(_peak_in_child, (row, framework, threads))
+    return out
+
+
 def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> dict[str, Any]:
     loaded = _load(row)
     arrays = _batch(loaded, row.batch)
@@ -217,10 +257,11 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> di
 
 def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
               progress: Callable[[str], None] | None = None, blas_n: int = 2048,
-              threads: int | None = None) -> dict[str, Any]:
+              threads: int | None = None, memory: bool = True) -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
     `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
-    count both frameworks compute with (default: every CPU)."""
+    count both frameworks compute with (default: every CPU). `memory`: also each framework's
+    resident memory, from a fresh process per framework and row."""
     torch = import_torch()
     from threadpoolctl import threadpool_limits
 
@@ -231,13 +272,13 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     torch.set_num_threads(n)
     try:
         with threadpool_limits(n):
-            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n)
+            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
-         blas_n: int) -> dict[str, Any]:
+         blas_n: int, memory: bool) -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -255,4 +296,7 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
         "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:
         results["rows"][row.name] = run_row(row, steps, rounds, say)
+        if memory:
+            say(f"{row.name}: resident memory, each framework in a fresh process")
+            results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads())
     return results

@@ -89,13 +89,15 @@ def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int
 def _render_peers(console: Console, r: dict[str, Any]) -> None:
     t = Table(title=f"seconds per step, flowctl vs PyTorch (median of {r['rounds']} rounds x {r['steps']} "
                     f"steps, 95% interval)")
-    for col in ("row", "flowctl s", "PyTorch s", "ratio", "params (spec / twin)"):
+    for col in ("row", "flowctl s", "PyTorch s", "ratio", "peak MiB (flowctl / PyTorch)", "params (spec / twin)"):
         t.add_column(col, justify="right")
     for name, row in r["rows"].items():
         f, p = row["flowctl"], row["pytorch"]
         t.add_row(name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
                   f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
                   f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
+                  " / ".join(f"{row['memory'][k]['peak_mib']:,.0f}" for k in ("flowctl", "pytorch"))
+                  if "memory" in row else "-",
                   f"{row['params']['spec']:,} / {row['params']['pytorch']:,}")
     console.print(t)
     blas = r["machine"]["blas_gflops"]
