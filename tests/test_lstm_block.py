@@ -95,8 +95,9 @@ def test_lstm_outputs_and_gradients_match_the_primitive_composition(rng):
     # for the second, one recurrent product per step after the first, and one product for each
     # weight's gradient (no AddN over per-step products).
     ops = [n for n in g.nodes.values() if n.name.startswith("lstm_1/")]
-    assert sum(n.op == "MatMul" for n in ops) == 1 + (T - 1)
-    assert sum(n.op == "MatMul" for n in g.nodes.values() if n.name.startswith("lstm_2/")) == 3 + (T - 1)
+    assert sum(n.op == "MatMul" for n in ops) == 1 and sum(n.op == "RecurrentMatMul" for n in ops) == T - 1
+    ops = [n for n in g.nodes.values() if n.name.startswith("lstm_2/")]
+    assert sum(n.op == "MatMul" for n in ops) == 3 and sum(n.op == "RecurrentMatMul" for n in ops) == T - 1
     assert sum(n.op == "LSTMBlockCell" for n in g.nodes.values()) == 2 * T
     products = {n.name for n in g.nodes.values() if n.op == "MatMul" and n.attrs["transpose_a"]}
     assert not [n for n in g.nodes.values()

@@ -18,6 +18,17 @@ def _sigmoid_(xp: Any, x: Any) -> None:
     x += 0.5
 
 
+@kernel("RecurrentMatMul")
+def recurrent_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
+    mm = xp.matmul
+    return lambda h, w, w_t: mm(h, w)
+
+
+@kernel("TransposeCopy")
+def transpose_copy(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return lambda w: xp.ascontiguousarray(w.T)
+
+
 @kernel("LSTMBlockCell")
 def lstm_block_cell(xp: Any, attrs: dict[str, Any]) -> Fn:
     forget_bias = attrs["forget_bias"]
