@@ -193,30 +193,33 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _rss_kib() -> int:
-    """This process's resident set now, in KiB (Linux; 0 where /proc is missing)."""
+def _status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB (0 where /proc is missing).
+    VmHWM is the peak of this address space: unlike ru_maxrss it does not carry over the peak of
+    the parent a spawned process was forked from."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except OSError:
-        return 0
+        pass
+    return 0
 
 
 def _peak_in_child(row: Row, framework: str, threads: int) -> dict[str, float]:
     """Run in a fresh process: resident memory after building `framework`'s step for `row`, and
-    the peak over three steps of it (ru_maxrss), in MiB."""
-    import resource
-
+    the peak over three steps of it, in MiB."""
     torch = import_torch()
     torch.set_num_threads(threads)
     loaded = _load(row)
     arrays = _batch(loaded, row.batch)
     run = flowctl_step(loaded, arrays, row.train) if framework == "flowctl" else \
         torch_step(loaded, arrays, row.train)[0]
-    built = _rss_kib()
+    built = _status_kib("VmRSS")
     for _ in range(3):
         run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = _status_kib("VmHWM")
     return {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024}
 
 
