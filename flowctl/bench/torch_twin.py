@@ -36,7 +36,7 @@ def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
-def _window_pads(info: LayerInfo, spec_in: Any, k: tuple[int, int], s: tuple[int, int],
+def _window_pads(spec_in: Any, k: tuple[int, int], s: tuple[int, int],
                  padding: str) -> tuple[int, int, int, int]:
     """(top, bottom, left, right) padding of a 2-D window layer over its NHWC input."""
     if padding == "valid":
@@ -66,7 +66,7 @@ class ConvLayer(nn.Module):
         super().__init__()
         layer = info.layer
         k, s = pair(layer.kernel, "kernel"), pair(layer.strides, "strides")
-        t, b, left, r = _window_pads(info, spec_in, k, s, layer.padding)
+        t, b, left, r = _window_pads(spec_in, k, s, layer.padding)
         self.pad = (left, r, t, b) if (t, left) != (b, r) else None
         self.conv = nn.Conv2d(int(spec_in.shape[3]), layer.filters, k, s, padding=0 if self.pad else (t, left),
                               bias=layer.bias)
@@ -89,7 +89,7 @@ class Pool(nn.Module):
         layer = info.layer
         k = pair(layer.pool, "pool")
         s = pair(layer.strides if layer.strides is not None else layer.pool, "strides")
-        t, b, left, r = _window_pads(info, spec_in, k, s, layer.padding)
+        t, b, left, r = _window_pads(spec_in, k, s, layer.padding)
         if (t, left) != (b, r):
             raise TwinError(f"layer '{layer.name}': an asymmetric SAME pool has no PyTorch twin here")
         if layer.type == "max_pool":
