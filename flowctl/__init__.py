@@ -33,6 +33,7 @@ from flowctl.engine.ops.matrix import *  # noqa: F401,F403
 from flowctl.engine.ops.queues import *  # noqa: F401,F403
 from flowctl.engine.ops.nn import *  # noqa: F401,F403
 from flowctl.engine.ops.random import *  # noqa: F401,F403
+from flowctl.engine.ops.recurrent import lstm_block_cell, recurrent_matmul, transpose_copy
 from flowctl.engine.ops.reduction import *  # noqa: F401,F403
 from flowctl.engine.ops.state import (
     assign, assign_add, assign_sub, global_variables_initializer, placeholder, trainable_variables,

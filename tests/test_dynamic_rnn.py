@@ -68,7 +68,7 @@ def test_dynamic_lstm_graph_does_not_grow_with_the_length() -> None:
             model = build_model(load_text(spec(unroll, steps)))
             sizes[unroll, steps] = len(model.layer_nodes["lstm_1"])
     assert sizes["dynamic", 5] == sizes["dynamic", 35] < 100
-    assert sizes["static", 35] > 400
+    assert sizes["static", 35] > sizes["static", 5] + 25  # a cell node and its product per step
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -251,4 +251,5 @@ training: {optimizer: {type: sgd}, batch_size: 2, steps: 1}
         sess = fc.Session(model.graph)
         sess.run(model.initializer())
         out[unroll] = sess.run(model.outputs["lstm_1"], {model.inputs["x"]: x})
-    np.testing.assert_array_equal(out["dynamic"], out["static"])
+    # The static unroll runs the fused LSTMBlockCell, the loop the composed cell: float32 rounding.
+    np.testing.assert_allclose(out["dynamic"], out["static"], rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ from rich.table import Table
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch", "placement")
+SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
 
 
 @click.command()
@@ -30,8 +30,12 @@ SUITES = ("engine", "strategies", "prefetch", "placement")
               help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
 @click.option("--full", is_flag=True, help="placement: the whole grid (2/4/8 GPUs x K40/V100/H100).")
 @click.option("--learned-budget", default=20.0, show_default=True, help="placement: seconds per learned row.")
+@click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
+              "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32).")
+@click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
-          rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float) -> None:
+          rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, rows: str | None,
+          threads: int | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -62,6 +66,8 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
             results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget,
                                       progress=lambda m: status.update(m))
         render = _render_placement
+    elif target == "peers":
+        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -97,6 +103,36 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
         dev = row["devices"].replace("gpu:", "").split(":")[0] + (" cap" if row["capped"] else "")
         t.add_row(row["model"], dev, *cells, "-" if ratio is None else f"{ratio:.3f}")
     Console(stderr=True, width=max(console.width, 132)).print(t)  # one row per line, whatever the terminal
+
+
+def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None) -> tuple[dict[str, Any], Any]:
+    """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
+    from flowctl.bench.peers import run_peers
+
+    picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
+    with err.status("benchmarking against PyTorch") as status:
+        results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads)
+    return results, _render_peers
+
+
+def _render_peers(console: Console, r: dict[str, Any]) -> None:
+    t = Table(title=f"seconds per step, flowctl vs PyTorch (median of {r['rounds']} rounds x {r['steps']} "
+                    f"steps, 95% interval)")
+    for col in ("row", "flowctl s", "PyTorch s", "ratio", "peak MiB (flowctl / PyTorch)", "params (spec / twin)"):
+        t.add_column(col, justify="right")
+    for name, row in r["rows"].items():
+        f, p = row["flowctl"], row["pytorch"]
+        t.add_row(name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
+                  f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
+                  f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
+                  " / ".join(f"{row['memory'][k]['peak_mib']:,.0f}" for k in ("flowctl", "pytorch"))
+                  if "memory" in row else "-",
+                  f"{row['params']['spec']:,} / {row['params']['pytorch']:,}")
+    console.print(t)
+    blas = r["machine"]["blas_gflops"]
+    console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
+                  f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['threads']} threads on "
+                  f"{r['machine']['cpus']} CPUs")
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:

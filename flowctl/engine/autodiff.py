@@ -5,6 +5,10 @@ outputs and returns those of its inputs. Where an output is used several times t
 summed with one AddN; an unused output of a multi-output op contributes a zero gradient.
 Gradient nodes are named under `gradients/<forward node>` and remember the forward node they follow,
 which the placer uses to keep them on the same device.
+
+A sum of weight gradients of products, sum_t A_t^T B_t (a weight used at every step of an unrolled
+recurrence), is built as one product of the stacked operands, [A_1; ...; A_T]^T [B_1; ...; B_T]:
+the same sum, but one BLAS call of T times the rows instead of T small ones and a T-way AddN.
 """
 from __future__ import annotations
 
@@ -67,7 +71,8 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
     graph = ys[0].graph
     relevant = _between(graph, ys, xs)
     contribs: dict[str, list[Tensor]] = {}
-    loops = _Loops(graph, relevant, ys[0].node)
+    before = set(graph.nodes)
+    loops = _Loops(graph, relevant, ys[0].node, before)
 
     with graph.as_default(), graph.name_scope(name):
         for i, y in enumerate(ys):
@@ -95,7 +100,7 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
                                  f"between the ys and the xs")
             view = OpView(graph, node)
             with graph.name_scope(name_), graph.following(name_), graph.device(node.device):
-                out_grads = [_summed(contribs.get(ref)) for ref in out_refs]
+                out_grads = [_summed(graph, contribs.get(ref), before) for ref in out_refs]
                 if len(out_grads) > 1 and any(g is None for g in out_grads):
                     out_grads = [g if g is not None else ew.zeros_like(view.outputs[p], name=f"zero_grad_{p}")
                                  for p, g in enumerate(out_grads)]
@@ -116,17 +121,15 @@ def gradients(ys: Tensor | Sequence[Tensor], xs: Tensor | Sequence[Tensor],
         result: list[Tensor | None] = []
         for x in xs:
             with graph.name_scope(x.node), graph.following(x.node):
-                result.append(_summed(contribs.get(x.name)))
+                result.append(_summed(graph, contribs.get(x.name), before))
     return result
 
 
-def _summed(parts: list[Tensor] | None) -> Tensor | None:
+def _summed(graph: Graph, parts: list[Tensor] | None, before: set[str]) -> Tensor | None:
     """One gradient from the contributions of an output's several uses (None: no use)."""
-    from flowctl.engine.ops import elementwise as ew
-
     if not parts:
         return None
-    return parts[0] if len(parts) == 1 else ew.add_n(parts, name="sum_fanout")
+    return parts[0] if len(parts) == 1 else _sum(graph, parts, before)
 
 
 class _Loops:
@@ -134,10 +137,11 @@ class _Loops:
     differentiated when the walk (in reverse topological order) has passed all its relevant Exits,
     which is after every use of their values."""
 
-    def __init__(self, graph: Graph, relevant: set[str], y: str) -> None:
+    def __init__(self, graph: Graph, relevant: set[str], y: str, before: set[str]) -> None:
         from flowctl.engine.frames import assign_frames, has_control_flow
 
         self.graph = graph
+        self.before = before  # the nodes that were there before this gradients() call
         self.frames = assign_frames(graph) if has_control_flow(graph.nodes.values()) else None
         self.here = self.frames.out_frame[y] if self.frames else ""
         self.waiting: dict[str, int] = {}
@@ -161,9 +165,46 @@ class _Loops:
         exit_grads: dict[str, Tensor] = {}
         for n in list(self.graph.nodes.values()):  # (add_n adds nodes)
             if n.op == "Exit" and n.attrs["frame_name"] == frame:
-                summed = _summed(contribs.get(f"{n.name}:0"))
+                summed = _summed(self.graph, contribs.get(f"{n.name}:0"), self.before)
                 if summed is not None:
                     exit_grads[n.name] = summed
         if not exit_grads:
             return []
         return list(while_gradient(self.graph, frame, exit_grads, "grad", gradients).items())
+
+
+def _stackable_products(graph: Graph, parts: list[Tensor], before: set[str]) -> bool:
+    """True when every part is a fresh MatMul A^T B (a right operand's gradient) that nothing
+    else reads, all on one device: then their sum is one product of the stacked operands."""
+    nodes = []
+    for p in parts:
+        node = graph.nodes[p.node]
+        if (p.port != 0 or node.op != "MatMul" or p.node in before or not node.attrs["transpose_a"]
+                or node.attrs["transpose_b"]):
+            return False
+        nodes.append(node)
+    if len({n.device for n in nodes}) != 1 or len({p.node for p in parts}) != len(parts):
+        return False
+    names = {n.name for n in nodes}
+    for name in graph.nodes:  # only the nodes this gradients() call made can read them
+        if name not in before and any(parse_ref(r)[0] in names for r in graph.nodes[name].inputs):
+            return False
+    return True
+
+
+def _sum(graph: Graph, parts: list[Tensor], before: set[str]) -> Tensor:
+    from flowctl.engine.ops import elementwise as ew
+    from flowctl.engine.ops.array import concat
+    from flowctl.engine.ops.matrix import matmul
+
+    if not _stackable_products(graph, parts, before):
+        return ew.add_n(parts, name="sum_fanout")
+    nodes = [graph.nodes[p.node] for p in parts]
+    a = [graph.tensor(n.inputs[0]) for n in nodes]
+    b = [graph.tensor(n.inputs[1]) for n in nodes]
+    with graph.device(nodes[0].device):
+        out = matmul(concat(a, axis=0, name="stack_a"), concat(b, axis=0, name="stack_b"),
+                     transpose_a=True, name="sum_products")
+    for n in nodes:
+        del graph.nodes[n.name]  # the per-part products: replaced, and read by nothing
+    return out

@@ -98,9 +98,43 @@ def _emit(b: _Builder, node: Node) -> None:
                         b.const(np.arange(len(begin), dtype=np.int64), node.name)], outs)
     elif node.op == "Gather":
         b.add("Gather", ins, outs, axis=int(a["axis"]))
+    elif node.op == "TransposeCopy":
+        b.add("Transpose", ins, outs, perm=[1, 0])
+    elif node.op == "RecurrentMatMul":  # h @ w (its third input, w's transpose, serves the gradient)
+        b.add("MatMul", ins[:2], outs)
+    elif node.op == "LSTMBlockCell":
+        _lstm_cell(b, node, ins, outs)
     else:
         raise SpecError(f"ONNX export: node '{node.name}' ({node.op}) has no ONNX form in this exporter; export "
                         f"the flowctl format instead (flowctl export without --format)")
+
+
+def _lstm_cell(b: _Builder, node: Node, ins: list[str], outs: list[str]) -> None:
+    """The fused cell spelled out: z = xw (+ hw); gates i, f, g, o; c = s(f + bias) c_prev +
+    s(i) tanh(g); h = s(o) tanh(c). Its third output (the activations a gradient reads) is not
+    made: nothing in a forward graph reads it."""
+    p = node.name + "/"
+    z = ins[0]
+    if len(ins) == 3:
+        b.add("Add", ins[:2], [p + "z"])
+        z = p + "z"
+    units = int(node.outputs[0].shape[-1])
+    i, f, g, o = (p + k for k in "ifgo")
+    b.add("Split", [z, b.const(np.full(4, units, np.int64), node.name)], [i, f, g, o], axis=1)
+    bias = float(node.attrs.get("forget_bias", 0.0))
+    if bias:
+        b.add("Add", [f, b.const(np.asarray(bias, np.dtype(node.outputs[0].dtype)), node.name)], [p + "f_biased"])
+        f = p + "f_biased"
+    for name, fn in ((i, "Sigmoid"), (f, "Sigmoid"), (g, "Tanh"), (o, "Sigmoid")):
+        b.add(fn, [name], [name + "_act"])
+    b.add("Mul", [i + "_act", g + "_act"], [p + "ig"])
+    if len(ins) == 3:
+        b.add("Mul", [f + "_act", ins[2]], [p + "fc"])
+        b.add("Add", [p + "fc", p + "ig"], [outs[1]])
+    else:
+        b.add("Identity", [p + "ig"], [outs[1]])
+    b.add("Tanh", [outs[1]], [p + "tanh_c"])
+    b.add("Mul", [o + "_act", p + "tanh_c"], [outs[0]])
 
 
 def to_onnx(graph: Graph, inputs: Mapping[str, str], outputs: Mapping[str, str], weights: Mapping[str, np.ndarray],

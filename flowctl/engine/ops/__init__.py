@@ -10,6 +10,7 @@ from flowctl.engine.ops import (  # noqa: F401
     nn,
     queues,
     random,
+    recurrent,
     reduction,
     state,
 )

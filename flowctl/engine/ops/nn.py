@@ -313,7 +313,8 @@ def batch_norm(x: Tensor, scale: Tensor, offset: Tensor, moving_mean: Tensor, mo
     with g.name_scope(_scope(g, name or "BatchNorm")):
         if not training:
             inv = rsqrt(moving_variance + epsilon, name="rsqrt") * scale
-            return (x - moving_mean) * inv + offset, []
+            # x * inv + (offset - mean * inv): two passes over x, the rest on per-channel vectors.
+            return x * inv + (offset - moving_mean * inv), []
         y, mean, var = fused_batch_norm(x, scale, offset, epsilon=epsilon, name="FusedBatchNorm")
         updates = []
         for moving, batch, what in ((moving_mean, mean, "mean"), (moving_variance, var, "variance")):

@@ -1,18 +1,19 @@
 """Recurrent layers: an LSTM over time, and content-based attention for encoder-decoders.
 
-Each step of the LSTM is one fused-gate MatMul of [x_t, h] against a [(in + units), 4 * units]
-kernel, as in Zaremba et al. 2014 and TensorFlow's BasicLSTMCell. `unroll: static` makes T copies
-of the cell; `unroll: dynamic` makes one, in a while loop over the time axis (whitepaper §4.4), so
-the graph holds a few dozen nodes whatever T is, and the per-step outputs are pushed onto an
-accumulator stacked after the loop. Both compute step 0 outside any loop (the state
-is zero there, so only the input rows of the kernel contribute) and the same cell after it, so
-they agree up to float32 rounding.
+The LSTM's [(in + units), 4 * units] kernel (Zaremba et al. 2014, TensorFlow's BasicLSTMCell
+layout) is used as its two row blocks, the way fast recurrent libraries cut the work. `unroll:
+static` makes T steps: the input block W_x multiplies every time step's input in one product over
+T*B rows, only h_{t-1} W_h stays in the per-step loop, one LSTMBlockCell node per step does the
+gates and the cell update, and autodiff turns the T per-step products' weight gradients into one
+product over all steps. `unroll: dynamic` makes one cell in a while loop over the time axis
+(whitepaper §4.4), so the graph holds a few dozen nodes whatever T is; its per-step outputs are
+pushed onto an accumulator stacked after the loop. Both compute step 0 from the input alone (the
+state is zero there) and agree up to float32 rounding.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-import numpy as np
 from pydantic import Field
 
 import flowctl as fc
@@ -38,6 +39,9 @@ class LSTM(Layer):
     init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
     unroll: Literal["static", "dynamic"] = Field(
         "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
+    projection_steps: int | None = Field(
+        7, ge=1, description="static: time steps per input-projection product when the input arrives step by "
+        "step from a recurrent layer below (the layer can start once that many are in; null: all)")
 
     arity: ClassVar[tuple[int, int | None]] = (1, 2)  # the sequence, and optionally its lengths
 
@@ -62,25 +66,49 @@ class LSTM(Layer):
         return [Weight("kernel", (d + u, 4 * u), init=init[0], scale=init[1]),
                 Weight("bias", (4 * u,), init="zeros")]
 
+    def _projections(self, b: Builder, x: Tensor, w_x: Tensor, bias: Tensor) -> list[Tensor]:
+        """x_t W_x + b for every step t, as [batch, 4 * units] tensors: one product over the whole
+        sequence, or, where the layer below hands over its steps one by one, one per
+        `projection_steps` of them (so this layer runs step t while the one below runs later ones:
+        Figure 8's model parallelism)."""
+        d, t_len = int(x.shape[2]), int(x.shape[1])
+        steps = b.steps.get(x.name)
+        if steps is None:
+            xw = fc.bias_add(fc.matmul(fc.reshape(x, [-1, d], name="rows"), w_x, name="input_matmul"),
+                             bias, name="input_bias")
+            return fc.unstack(fc.reshape(xw, [-1, t_len, 4 * self.units], name="sequence"), axis=1,
+                              name="input_steps")
+        k = self.projection_steps or t_len
+        out: list[Tensor] = []
+        for c0 in range(0, t_len, k):
+            with b.graph.name_scope(f"in{c0}"):
+                chunk = steps[c0:c0 + k]
+                rows = chunk[0] if len(chunk) == 1 else fc.concat(chunk, axis=0, name="rows")
+                xw = fc.bias_add(fc.matmul(rows, w_x, name="input_matmul"), bias, name="input_bias")
+                out += [xw] if len(chunk) == 1 else fc.split(xw, len(chunk), axis=0, name="input_steps")
+        return out
+
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
         x = ins[0]
         d, u = int(x.shape[2]), self.units
         kernel, bias = (b.variable(w) for w in self.weights([x.spec]))
-        # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing them
-        # avoids materialising a zero state whose batch size is unknown until run time.
-        w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
         if self.unroll == "dynamic":
+            # At t = 0 the state is zero, so only the input rows of the kernel contribute; slicing
+            # them avoids materialising a zero state whose batch size is unknown until run time.
+            w_in = fc.slice_(kernel, (0, 0), (d, 4 * u), name="kernel_input_rows")
             return self._build_dynamic(x, kernel, bias, w_in, ins[1] if len(ins) == 2 else None)
-        steps = b.steps.get(x.name) or fc.unstack(x, axis=1, name="unstack")
+        # Row blocks of the one kernel (views): checkpoints and parameter counts keep its layout.
+        w_x, w_h = fc.split(kernel, [d, u], axis=0, name="kernel_rows")
+        w_h_t = fc.transpose_copy(w_h, name="kernel_rows_t")  # for the gradient's dh = dz W_h^T
         h: Tensor | None = None
         c: Tensor | None = None
         outs: list[Tensor] = []
-        for t, xt in enumerate(steps):
+        for t, xw in enumerate(self._projections(b, x, w_x, bias)):
             with b.graph.name_scope(f"t{t}"):
-                if h is None or c is None:
-                    h, c = self._first(xt, w_in, bias)
-                else:
-                    h, c = self._cell(xt, h, c, kernel, bias)
+                # At t = 0 the state is zero: the cell takes x's projection alone, so no zero state
+                # (whose batch size is unknown until run time) is materialised.
+                hw = None if h is None else fc.recurrent_matmul(h, w_h, w_h_t, name="matmul")
+                h, c = fc.lstm_block_cell(xw, hw, c, forget_bias=self.forget_bias, name="cell")
                 outs.append(h)
         if not self.return_sequences:
             return fc.identity(outs[-1], name="last")

@@ -1,0 +1,306 @@
+"""`flowctl bench peers`: seconds per training (or inference) step, flowctl beside PyTorch, in one
+process sitting.
+
+Each row builds a spec's model twice, as flowctl runs it (the `single` strategy's step: forward,
+gradients, the spec's clipping and optimizer update, batch-norm moving averages) and as a PyTorch
+twin read off the same spec (flowctl.bench.torch_twin: same shapes, same parameter count), feeds
+both the same synthetic batch, and times them in rounds that take turns (the order flips each
+round, so the machine's drift and the other's cache footprint fall on both alike). The learning
+rate is 0 on both sides: every update runs, and the weights stay put.
+
+Figures per row: each framework's median step with a 95% bootstrap interval, and the ratio
+flowctl / PyTorch of the medians with its own bootstrap interval (< 1: flowctl is faster).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from flowctl.engine.errors import FlowctlError
+from flowctl.spec.model import build_model
+from flowctl.training.program import build_step, step_config
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+INSTALL = 'pip install -e ".[peers]"'
+
+
+class PeersUnavailable(FlowctlError):
+    """PyTorch is not installed, so there is no peer to measure against."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a spec (a file name under specs/, a path, or YAML text) run at
+    `batch` for a training step (`train`) or a forward pass in inference mode."""
+
+    name: str
+    spec: str
+    batch: int
+    train: bool = True
+
+
+ROWS: dict[str, Row] = {r.name: r for r in (
+    Row("lstm_lm", "lstm_lm.yaml", 20),
+    Row("inception_v3_b8", "inception_v3.yaml", 8),
+    Row("inception_v3_b32", "inception_v3.yaml", 32),
+    Row("inception_v3_infer_b8", "inception_v3.yaml", 8, train=False),
+)}
+DEFAULT_ROWS = ("lstm_lm", "inception_v3_b8", "inception_v3_infer_b8")
+
+
+def import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise PeersUnavailable(f"flowctl bench peers measures against PyTorch, which is not installed; "
+                               f"install it with: {INSTALL}") from None
+    return torch
+
+
+def _load(row: Row) -> Any:
+    from flowctl.spec import load_spec, load_text
+
+    if "\n" in row.spec:
+        return load_text(row.spec, f"<{row.name}>")
+    path = Path(row.spec)
+    return load_spec(path if path.exists() else SPECS / path)
+
+
+def _batch(loaded: Any, batch: int) -> dict[str, np.ndarray]:
+    from flowctl.data import InputSpec, make_source
+
+    inputs = [InputSpec(i.name, tuple(i.output.shape[1:]), i.output.dtype, getattr(i.layer, "classes", None))
+              for i in loaded.inputs()]
+    return make_source(loaded.spec.data.model_dump(), inputs, batch, base_dir=loaded.base_dir).next_batch()
+
+
+def _logits(loaded: Any) -> str:
+    if loaded.loss is None:
+        raise FlowctlError("bench peers: the spec names no loss layer, so its output layer is unknown")
+    return loaded.layers[loaded.loss].inputs[0]
+
+
+def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> Callable[[], Any]:
+    """A callable that runs one flowctl step on `arrays`."""
+    import flowctl as fc
+    from flowctl.engine.container import ContainerStore
+
+    if train:
+        step = build_step(build_model(loaded, training=True), step_config(loaded))
+        assert step.train is not None
+        model, fetch = step.model, [step.train.loss, step.train.train_op]
+        feeds: dict[Any, Any] = {step.lr: np.asarray(0.0, dtype=step.lr.dtype)}
+    else:
+        model = build_model(loaded, training=False)
+        fetch, feeds = [model.outputs[_logits(loaded)]], {}
+    feeds.update({model.inputs[k]: v for k, v in arrays.items() if k in model.inputs})
+    session = fc.Session(model.graph, store=ContainerStore())
+    session.run(model.initializer())
+    return lambda: session.run(fetch, feeds)
+
+
+def torch_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> tuple[Callable[[], Any], int]:
+    """A callable that runs one step of the PyTorch twin on the same arrays, and the twin's
+    parameter count."""
+    torch = import_torch()
+    from flowctl.bench.torch_twin import Twin, TwinError, torch_feeds
+
+    twin = Twin(loaded)
+    if any(len(i.output.shape) == 4 for i in loaded.layers.values()):
+        twin = twin.to(memory_format=torch.channels_last)
+    feeds = torch_feeds(loaded, arrays)
+    count = twin.param_count()
+    if not train:
+        twin.eval()
+        out = _logits(loaded)
+
+        def infer() -> Any:
+            with torch.inference_mode():
+                return twin(feeds, upto=out)[out]
+        return infer, count
+    t = loaded.spec.training
+    params = [p for p in twin.parameters() if p.requires_grad]
+    o = t.optimizer
+    if o.type == "sgd":
+        opt: Any = torch.optim.SGD(params, lr=0.0)
+    elif o.type == "momentum":
+        opt = torch.optim.SGD(params, lr=0.0, momentum=o.momentum)
+    elif o.type == "adam":
+        opt = torch.optim.Adam(params, lr=0.0, betas=(o.beta1, o.beta2), eps=o.epsilon)
+    else:
+        raise TwinError(f"optimizer {o.type} has no PyTorch twin here")
+    twin.train()
+    loss_name = loaded.loss
+
+    def step() -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = twin(feeds)[loss_name]
+        loss.backward()
+        if t.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, t.clip_value)
+        if t.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, t.clip_norm)
+        opt.step()
+        return loss
+    return step, count
+
+
+def _boot_median(samples: np.ndarray, rng: np.random.Generator, n: int = 2000) -> np.ndarray:
+    idx = rng.integers(0, len(samples), size=(n, len(samples)))
+    return np.median(samples[idx], axis=1)
+
+
+def summarize(f: list[float], t: list[float], seed: int = 0) -> dict[str, Any]:
+    """Medians with 95% bootstrap intervals, and the ratio flowctl / PyTorch of the medians (and of
+    the fastest steps)."""
+    rng = np.random.default_rng(seed)
+    fa, ta = np.asarray(f), np.asarray(t)
+    bf, bt = _boot_median(fa, rng), _boot_median(ta, rng)
+    ratio = bf / bt
+
+    def figure(a: np.ndarray, boot: np.ndarray) -> dict[str, Any]:
+        # The fastest step too: on a shared machine, the one least disturbed by others.
+        return {"median_s": float(np.median(a)), "ci95_s": [float(np.percentile(boot, 2.5)),
+                                                            float(np.percentile(boot, 97.5))],
+                "min_s": float(a.min()), "samples": len(a)}
+
+    return {"flowctl": figure(fa, bf), "pytorch": figure(ta, bt),
+            "ratio": float(np.median(fa) / np.median(ta)), "ratio_of_fastest": float(fa.min() / ta.min()),
+            "ratio_ci95": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]}
+
+
+def blas_peak(torch: Any, n: int = 2048, repeat: int = 5) -> dict[str, float]:
+    """GFLOP/s of an n x n float32 product through numpy and through PyTorch (best of `repeat`)."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    ta = torch.from_numpy(a)
+    out = {}
+    for name, fn in (("numpy", lambda: a @ a), ("pytorch", lambda: ta @ ta)):
+        fn()
+        best = min(_timed(fn) for _ in range(repeat))
+        out[name] = 2.0 * n ** 3 / best / 1e9
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB (0 where /proc is missing).
+    VmHWM is the peak of this address space: unlike ru_maxrss it does not carry over the peak of
+    the parent a spawned process was forked from."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _peak_in_child(row: Row, framework: str, threads: int) -> dict[str, float]:
+    """Run in a fresh process: resident memory after building `framework`'s step for `row`, and
+    the peak over three steps of it, in MiB."""
+    torch = import_torch()
+    torch.set_num_threads(threads)
+    loaded = _load(row)
+    arrays = _batch(loaded, row.batch)
+    run = flowctl_step(loaded, arrays, row.train) if framework == "flowctl" else \
+        torch_step(loaded, arrays, row.train)[0]
+    built = _status_kib("VmRSS")
+    for _ in range(3):
+        run()
+    peak = _status_kib("VmHWM")
+    return {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024}
+
+
+def peak_memory(row: Row, threads: int) -> dict[str, dict[str, float]]:
+    """Each framework's resident memory for `row`, each measured alone in a fresh process (one
+    process's peak cannot be split between two frameworks that share its heap)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = {}
+    for framework in ("flowctl", "pytorch"):
+        with ctx.Pool(1) as pool:
+            out[framework] = pool.apply(_peak_in_child, (row, framework, threads))
+    return out
+
+
+def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> dict[str, Any]:
+    loaded = _load(row)
+    arrays = _batch(loaded, row.batch)
+    say(f"{row.name}: building flowctl's step and PyTorch's")
+    runners = {"flowctl": flowctl_step(loaded, arrays, row.train)}
+    runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train)
+    for run in runners.values():  # warm-up: plans, allocators, thread pools
+        run()
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for r in range(rounds):
+        order = list(runners) if r % 2 == 0 else list(reversed(runners))
+        for name in order:
+            say(f"{row.name}: round {r + 1}/{rounds}, {name}")
+            runners[name]()  # after the other framework ran, caches and threads are its
+            times[name] += [_timed(runners[name]) for _ in range(steps)]
+    out = summarize(times["flowctl"], times["pytorch"])
+    out.update({"spec": loaded.spec.name or loaded.spec.model.name, "batch": row.batch,
+                "mode": "train" if row.train else "inference",
+                "params": {"spec": sum(loaded.params()), "pytorch": twin_params}})
+    return out
+
+
+def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
+              progress: Callable[[str], None] | None = None, blas_n: int = 2048,
+              threads: int | None = None, memory: bool = True) -> dict[str, Any]:
+    """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
+    `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
+    count both frameworks compute with (default: every CPU). `memory`: also each framework's
+    resident memory, from a fresh process per framework and row."""
+    torch = import_torch()
+    from threadpoolctl import threadpool_limits
+
+    n = threads or os.cpu_count() or 1
+    if n < 1:
+        raise FlowctlError(f"bench peers: threads must be >= 1, got {n}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with threadpool_limits(n):
+            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
+         blas_n: int, memory: bool) -> dict[str, Any]:
+    picked: list[Row] = []
+    for r in rows if rows is not None else DEFAULT_ROWS:
+        if isinstance(r, Row):
+            picked.append(r)
+        elif r in ROWS:
+            picked.append(ROWS[r])
+        else:
+            raise FlowctlError(f"bench peers: no row named '{r}'; rows: {', '.join(ROWS)}")
+    if steps < 1 or rounds < 1:
+        raise FlowctlError(f"bench peers: steps and rounds must be >= 1, got {steps} and {rounds}")
+    say("measuring the BLAS peak")
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n)},
+        "steps": steps, "rounds": rounds, "rows": {}}
+    for row in picked:
+        results["rows"][row.name] = run_row(row, steps, rounds, say)
+        if memory:
+            say(f"{row.name}: resident memory, each framework in a fresh process")
+            results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads())
+    return results

@@ -1,0 +1,214 @@
+"""A spec's model rebuilt in PyTorch, layer for layer, for `flowctl bench peers`.
+
+The twin is read off the validated spec (its resolved layers, their static shapes and weights), so
+it has the spec's shapes and parameter count by construction rather than by a second hand-written
+model: convolutions without bias and batch norm without a scale where the spec says so (Keras's
+Inception-v3 layout), TensorFlow's SAME padding (asymmetric where it has to be), average pools that
+leave the padding out of the mean. Images run channels-last in memory (NHWC, as flowctl holds them)
+while PyTorch indexes them NCHW. An LSTM layer is one `nn.LSTM`; its second bias vector (PyTorch
+keeps b_ih and b_hh, the spec one bias) is frozen at zero and left out of the count.
+
+This module imports torch; only `flowctl.bench.peers` imports it, after checking torch is there.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from flowctl.engine.errors import FlowctlError
+from flowctl.spec.check import LayerInfo, LoadedSpec
+from flowctl.spec.layers.base import pair
+
+
+class TwinError(FlowctlError):
+    """The spec uses a layer (or a setting) the PyTorch twin does not build."""
+
+    exit_code = 2
+
+
+def _same_pads(n: int, k: int, s: int) -> tuple[int, int]:
+    """TensorFlow SAME: output ceil(n / s), the extra padding after when it is odd."""
+    total = max((math.ceil(n / s) - 1) * s + k - n, 0)
+    return total // 2, total - total // 2
+
+
+def _window_pads(spec_in: Any, k: tuple[int, int], s: tuple[int, int],
+                 padding: str) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) padding of a 2-D window layer over its NHWC input."""
+    if padding == "valid":
+        return 0, 0, 0, 0
+    (t, b), (left, r) = (_same_pads(int(spec_in.shape[d]), k[d - 1], s[d - 1]) for d in (1, 2))
+    return t, b, left, r
+
+
+class BatchNorm(nn.Module):
+    """Training-mode batch norm over channels (dim 1), with the spec's optional scale."""
+
+    def __init__(self, c: int, scale: bool, eps: float, momentum: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(c)) if scale else None
+        self.beta = nn.Parameter(torch.zeros(c))
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+        self.eps, self.momentum = eps, 1.0 - momentum  # Keras momentum 0.99 is PyTorch's 0.01
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.gamma, self.beta,
+                            training=self.training, momentum=self.momentum, eps=self.eps)
+
+
+class ConvLayer(nn.Module):
+    def __init__(self, info: LayerInfo, spec_in: Any) -> None:
+        super().__init__()
+        layer = info.layer
+        k, s = pair(layer.kernel, "kernel"), pair(layer.strides, "strides")
+        t, b, left, r = _window_pads(spec_in, k, s, layer.padding)
+        self.pad = (left, r, t, b) if (t, left) != (b, r) else None
+        self.conv = nn.Conv2d(int(spec_in.shape[3]), layer.filters, k, s, padding=0 if self.pad else (t, left),
+                              bias=layer.bias)
+        self.bn = BatchNorm(layer.filters, layer.bn_scale, layer.bn_epsilon, layer.bn_momentum) \
+            if layer.batch_norm else None
+        self.act = _activation(layer.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            x = F.pad(x, self.pad)
+        y = self.conv(x)
+        if self.bn is not None:
+            y = self.bn(y)
+        return self.act(y)
+
+
+class Pool(nn.Module):
+    def __init__(self, info: LayerInfo, spec_in: Any) -> None:
+        super().__init__()
+        layer = info.layer
+        k = pair(layer.pool, "pool")
+        s = pair(layer.strides if layer.strides is not None else layer.pool, "strides")
+        t, b, left, r = _window_pads(spec_in, k, s, layer.padding)
+        if (t, left) != (b, r):
+            raise TwinError(f"layer '{layer.name}': an asymmetric SAME pool has no PyTorch twin here")
+        if layer.type == "max_pool":
+            self.pool: nn.Module = nn.MaxPool2d(k, s, padding=(t, left))
+        else:  # TensorFlow's SAME average leaves the padding out of the mean
+            self.pool = nn.AvgPool2d(k, s, padding=(t, left), count_include_pad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(x)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, info: LayerInfo, spec_in: Any) -> None:
+        super().__init__()
+        layer = info.layer
+        self.last = not layer.return_sequences
+        self.lstm = nn.LSTM(int(spec_in.shape[2]), layer.units, batch_first=True)
+        with torch.no_grad():
+            self.lstm.bias_hh_l0.zero_()
+            if layer.forget_bias:
+                self.lstm.bias_ih_l0[layer.units:2 * layer.units] += layer.forget_bias
+        self.lstm.bias_hh_l0.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.lstm(x)
+        return y[:, -1] if self.last else y
+
+
+def _activation(name: str) -> nn.Module:
+    return {"none": nn.Identity(), "relu": nn.ReLU(), "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid()}[name]
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*xs)
+
+
+def _xent(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if labels.dtype.is_floating_point:
+        raise TwinError("softmax_cross_entropy with float labels has no PyTorch twin here")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long())
+
+
+def _concat(axis: int, rank: int) -> Lambda:
+    # NHWC's channel axis (-1, or 3) is PyTorch's dim 1; other ranks keep their axis.
+    dim = 1 if rank == 4 and axis % 4 == 3 else axis % rank
+    return Lambda(lambda *xs: torch.cat(xs, dim=dim))
+
+
+def _module(info: LayerInfo, ins: list[Any]) -> nn.Module:
+    layer, t = info.layer, info.layer.type
+    if t == "conv2d":
+        return ConvLayer(info, ins[0])
+    if t in ("max_pool", "avg_pool"):
+        return Pool(info, ins[0])
+    if t == "global_avg_pool":
+        return Lambda(lambda x: x.mean(dim=(2, 3)))
+    if t == "dense":
+        return nn.Sequential(nn.Linear(int(ins[0].shape[-1]), layer.units, bias=layer.use_bias),
+                             _activation(layer.activation))
+    if t == "dropout":
+        return nn.Dropout(layer.rate)
+    if t == "embedding":
+        return nn.Embedding(layer.vocab, layer.dim)
+    if t == "lstm":
+        return Recurrent(info, ins[0])
+    if t == "concat":
+        return _concat(layer.axis, len(ins[0].shape))
+    if t == "activation":
+        return _activation(layer.activation)
+    if t == "softmax_cross_entropy":
+        return Lambda(_xent)
+    raise TwinError(f"layer '{layer.name}' of type {t} has no PyTorch twin in flowctl bench peers")
+
+
+class Twin(nn.Module):
+    """The spec's layers in order; `forward(feeds)` returns every layer's output by name."""
+
+    def __init__(self, loaded: LoadedSpec) -> None:
+        super().__init__()
+        self.order: list[tuple[str, list[str]]] = []
+        self.inputs: list[str] = []
+        self.layers = nn.ModuleDict()
+        for name, info in loaded.layers.items():
+            if info.layer.type == "input":
+                self.inputs.append(name)
+                continue
+            ins = [loaded.layers[i].output for i in info.inputs]
+            self.layers[_key(name)] = _module(info, ins)
+            self.order.append((name, list(info.inputs)))
+
+    def forward(self, feeds: dict[str, torch.Tensor], upto: str | None = None) -> dict[str, torch.Tensor]:
+        out = dict(feeds)
+        for name, ins in self.order:
+            out[name] = self.layers[_key(name)](*(out[i] for i in ins))
+            if name == upto:
+                break
+        return out
+
+    def param_count(self) -> int:
+        """Trainable parameters plus batch norm's moving statistics: how a spec counts."""
+        stats = sum(b.numel() for n, b in self.named_buffers() if n.endswith(("running_mean", "running_var")))
+        return sum(p.numel() for p in self.parameters() if p.requires_grad) + stats
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__").replace("/", "__")
+
+
+def torch_feeds(loaded: LoadedSpec, arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """flowctl's input batch as PyTorch tensors: images NHWC -> NCHW views of channels-last memory."""
+    out = {}
+    for name, a in arrays.items():
+        t = torch.from_numpy(a)
+        if t.dim() == 4:
+            t = t.permute(0, 3, 1, 2)  # already channels-last in memory: no copy
+        out[name] = t
+    return out

@@ -1,0 +1,103 @@
+"""`flowctl bench peers`: without PyTorch one clear message and exit 2; with it, a small row runs
+both frameworks and the twins have the specs' parameter counts (skipped where torch is missing:
+CI does not install it)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from flowctl.bench.peers import PeersUnavailable, Row, run_peers
+from flowctl.cli.main import cli
+
+TINY = """
+version: 1
+model:
+  layers:
+    - {name: tokens, type: input, shape: [6], dtype: int32, classes: 50}
+    - {name: embedding, type: embedding, vocab: 50, dim: 8}
+    - {name: dropout_0, type: dropout, rate: 0.5}
+    - {name: lstm_1, type: lstm, units: 8}
+    - {name: lstm_2, type: lstm, units: 8, forget_bias: 1.0}
+    - {name: softmax, type: dense, units: 50}
+    - {name: targets, type: input, shape: [6], dtype: int32, classes: 50}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+training: {clip_norm: 5.0}
+"""
+
+TINY_CONV = """
+version: 1
+model:
+  defaults:
+    conv2d: {batch_norm: true, bn_scale: false, activation: relu, padding: same}
+  layers:
+    - {name: image, type: input, shape: [9, 9, 3]}
+    - {name: c1, type: conv2d, filters: 4, kernel: 3, strides: 2}
+    - {name: c2, type: conv2d, filters: 4, kernel: [1, 3]}
+    - {name: p, type: avg_pool, pool: 3, strides: 1, padding: same, inputs: [c1]}
+    - {name: cat, type: concat, inputs: [c2, p]}
+    - {name: m, type: max_pool, pool: 2}
+    - {name: g, type: global_avg_pool}
+    - {name: logits, type: dense, units: 5}
+    - {name: label, type: input, shape: [], dtype: int32, classes: 5}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, label]}
+training: {optimizer: {type: momentum, momentum: 0.9}}
+"""
+
+
+def test_without_torch_one_message_and_exit_2(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    with pytest.raises(PeersUnavailable, match=r'pip install -e "\.\[peers\]"') as e:
+        run_peers(["lstm_lm"])
+    assert e.value.exit_code == 2
+    r = CliRunner().invoke(cli, ["bench", "peers", "--rows", "lstm_lm"])
+    assert r.exit_code == 2
+    assert 'pip install -e ".[peers]"' in r.output and "Traceback" not in r.output
+
+
+def test_a_small_run_measures_both_and_the_counts_agree():
+    pytest.importorskip("torch")
+    r = run_peers([Row("tiny_lm", TINY, 4), Row("tiny_conv", TINY_CONV, 2),
+                   Row("tiny_conv_infer", TINY_CONV, 2, train=False)], steps=1, rounds=2, blas_n=256,
+                  memory=False)
+    assert r["machine"]["blas_gflops"]["numpy"] > 0
+    for name, row in r["rows"].items():
+        assert row["params"]["spec"] == row["params"]["pytorch"], name
+        assert row["flowctl"]["samples"] == row["pytorch"]["samples"] == 2
+        lo, hi = row["ratio_ci95"]
+        assert row["ratio"] > 0 and lo <= hi
+    json.dumps(r)  # plain data all the way down
+
+
+def test_the_inception_and_lstm_twins_have_the_specs_parameter_counts():
+    pytest.importorskip("torch")
+    from flowctl.bench.peers import ROWS, _load
+    from flowctl.bench.torch_twin import Twin
+
+    inception = _load(ROWS["inception_v3_b8"])
+    twin = Twin(inception)
+    assert twin.param_count() == sum(inception.params()) == 23_851_784
+    assert not any("aux" in n for n, _ in twin.named_parameters())
+    lm = _load(ROWS["lstm_lm"])
+    assert Twin(lm).param_count() == sum(lm.params()) == 19_775_200
+
+
+@pytest.mark.slow
+def test_peak_memory_comes_from_a_fresh_process_per_framework():
+    pytest.importorskip("torch")
+    from flowctl.bench.peers import peak_memory
+
+    mem = peak_memory(Row("tiny_lm", TINY, 4), threads=1)
+    for framework in ("flowctl", "pytorch"):
+        m = mem[framework]
+        assert 0 < m["built_mib"] <= m["peak_mib"] and m["step_mib"] >= 0
+
+
+def test_unknown_row_is_one_clear_error():
+    pytest.importorskip("torch")
+    from flowctl.engine.errors import FlowctlError
+
+    with pytest.raises(FlowctlError, match="no row named 'nope'"):
+        run_peers(["nope"])
