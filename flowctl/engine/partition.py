@@ -107,8 +107,35 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
     members = _with_ref_producers(graph, members)
     where = _devices(graph, members, placement)
     graph, members, where, frames, anchors = add_control_loops(graph, members, where)
+    transfers, feeds_by_device = _find_transfers(graph, members, where, fed)
+    parts = _build_partitions(graph, members, where, fed, transfers, feeds_by_device, compress)
+    scheduled = transfers
+    if frames is not None:  # §4.4: a Recv inside a loop runs once per iteration of its frame
+        scheduled = {}
+        for key, t in transfers.items():
+            frame = frames.out_frame[_producer(t)]
+            if frame:
+                parts[t.dst].nodes[t.recv].control_inputs.append(anchors[(frame, t.dst)])
+            else:
+                scheduled[key] = t  # (ALAP places only Recvs of the root frame)
+    if recv_schedule == "alap":
+        _schedule_receives(graph, members, where, parts, scheduled, durations or {})
+    for d, g in parts.items():
+        try:
+            g.check()
+        except GraphError as e:
+            raise GraphError(f"partition for {d}: {e}") from e
+    return parts
 
-    # Pass 1: find every transfer and every fed tensor each device consumes.
+
+def _producer(t: _Transfer) -> str:
+    return t.ref[1:] if t.ref.startswith("^") else parse_ref(t.ref)[0]
+
+
+def _find_transfers(graph: Graph, members: list[str], where: dict[str, str], fed: set[str]
+                    ) -> tuple[dict[tuple[str, str], _Transfer], dict[str, list[str]]]:
+    """Pass 1: every transfer, keyed by (ref, destination device), with its consumers there in
+    graph order; and the fed refs each device consumes, in order of first use."""
     transfers: dict[tuple[str, str], _Transfer] = {}
     feeds_by_device: dict[str, list[str]] = {}
     for name in members:
@@ -151,9 +178,14 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
                     _, send, recv = _control_names(c, src, dst)
                     t = transfers[key] = _Transfer("^" + c, src, dst, send, recv)
                 t.consumers.append(name)
+    return transfers, feeds_by_device
 
-    # Pass 2: build each partition in graph order: feeds first, a Recv just before its first
-    # consumer, a Send just after its producer (insertion order is the executors' tie-break order).
+
+def _build_partitions(graph: Graph, members: list[str], where: dict[str, str], fed: set[str],
+                      transfers: dict[tuple[str, str], _Transfer], feeds_by_device: dict[str, list[str]],
+                      compress: bool) -> dict[str, Graph]:
+    """Pass 2: each partition in graph order: feeds first, a Recv just before its first consumer,
+    a Send just after its producer (insertion order is the executors' tie-break order)."""
     parts: dict[str, Graph] = {}
     for d in dict.fromkeys(where[n] for n in members):
         parts[d] = Graph(seed=graph.seed)
@@ -166,51 +198,39 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
     sends_after: dict[str, list[_Transfer]] = {}
     recvs_before: dict[str, list[_Transfer]] = {}
     for t in transfers.values():
-        producer = t.ref[1:] if t.ref.startswith("^") else parse_ref(t.ref)[0]
-        sends_after.setdefault(producer, []).append(t)
+        sends_after.setdefault(_producer(t), []).append(t)
         recvs_before.setdefault(t.consumers[0], []).append(t)
-
     for name in members:
-        node, d = graph.nodes[name], where[name]
+        d = where[name]
         g = parts[d]
         for t in recvs_before.get(name, []):
             _add(g, _recv_node(graph, t, compress), new=True)
-        inputs = []
-        control_from = list(node.control_inputs)
-        for i, ref in enumerate(node.inputs):
-            if i not in node.opdef.ref_inputs and ref in fed:
-                inputs.append(make_ref(feed_node_name(ref), 0))
-            elif i not in node.opdef.ref_inputs and where[parse_ref(ref)[0]] != d:
-                if _is_barrier(node):
-                    control_from.append(parse_ref(ref)[0])
-                else:
-                    inputs.append(make_ref(recv_of[(ref, d)], 0))
-            else:
-                inputs.append(ref)
-        control = [c if where[c] == d else recv_of[("^" + c, d)] for c in control_from]
-        _add(g, Node(name, node.op, inputs, list(dict.fromkeys(control)), dict(node.attrs), node.device,
-                     list(node.colocate_with), d, node.source, node.follows, list(node.outputs)))
+        _add(g, _local_node(graph.nodes[name], d, where, fed, recv_of))
         for t in sends_after.get(name, []):
             for extra in _send_nodes(graph, t, compress):
                 _add(g, extra, new=True)
-
-    scheduled = transfers
-    if frames is not None:  # §4.4: a Recv inside a loop runs once per iteration of its frame
-        scheduled = {}
-        for key, t in transfers.items():
-            frame = frames.out_frame[t.ref[1:] if t.ref.startswith("^") else parse_ref(t.ref)[0]]
-            if frame:
-                parts[t.dst].nodes[t.recv].control_inputs.append(anchors[(frame, t.dst)])
-            else:
-                scheduled[key] = t  # (ALAP places only Recvs of the root frame)
-    if recv_schedule == "alap":
-        _schedule_receives(graph, members, where, parts, scheduled, durations or {})
-    for d, g in parts.items():
-        try:
-            g.check()
-        except GraphError as e:
-            raise GraphError(f"partition for {d}: {e}") from e
     return parts
+
+
+def _local_node(node: Node, d: str, where: dict[str, str], fed: set[str],
+                recv_of: dict[tuple[str, str], str]) -> Node:
+    """`node`'s copy in the partition of its device `d`: fed inputs read the partition's feed
+    Placeholder, inputs from other devices their Recv (a barrier's become control inputs)."""
+    inputs = []
+    control_from = list(node.control_inputs)
+    for i, ref in enumerate(node.inputs):
+        if i not in node.opdef.ref_inputs and ref in fed:
+            inputs.append(make_ref(feed_node_name(ref), 0))
+        elif i not in node.opdef.ref_inputs and where[parse_ref(ref)[0]] != d:
+            if _is_barrier(node):
+                control_from.append(parse_ref(ref)[0])
+            else:
+                inputs.append(make_ref(recv_of[(ref, d)], 0))
+        else:
+            inputs.append(ref)
+    control = [c if where[c] == d else recv_of[("^" + c, d)] for c in control_from]
+    return Node(node.name, node.op, inputs, list(dict.fromkeys(control)), dict(node.attrs), node.device,
+                list(node.colocate_with), d, node.source, node.follows, list(node.outputs))
 
 
 def _is_barrier(node: Node) -> bool:

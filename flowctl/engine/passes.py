@@ -269,7 +269,6 @@ def fold_constants(graph: Graph, keep: Iterable[str] = ()) -> Graph:
     outputs become Consts `<node>/folded_<port>` and the node goes. Control inputs of the folded
     subgraph move onto the new Consts, so the order the graph asked for is kept."""
     kept = set(keep)
-    index = {n: i for i, n in enumerate(graph.nodes)}
     data_users: dict[str, list[str]] = {n: [] for n in graph.nodes}
     ctrl_users: dict[str, list[str]] = {n: [] for n in graph.nodes}
     for node in graph.nodes.values():
@@ -277,10 +276,27 @@ def fold_constants(graph: Graph, keep: Iterable[str] = ()) -> Graph:
             data_users[src].append(node.name)
         for c in node.control_inputs:
             ctrl_users[c].append(node.name)
+    folds = _foldable(graph, kept, ctrl_users)
+    frontier = _fold_frontier(graph, kept, folds, data_users, ctrl_users)
+    if not frontier:
+        return graph.check()
+    sources: set[str] = set()
+    stack = list(frontier)
+    while stack:
+        n = stack.pop()
+        if n not in sources:
+            sources.add(n)
+            stack.extend(parse_ref(r)[0] for r in graph.nodes[n].inputs)
+    values = _evaluate(graph, sources, frontier)
+    _replace_folded(graph, kept, folds, frontier, values, data_users)
+    return graph.check()
 
-    # Pass 1: which nodes are constant-valued, and the control inputs each carries transitively.
+
+def _foldable(graph: Graph, kept: set[str], ctrl_users: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Pass 1: the nodes that will be computed here (constant-valued), each with the control
+    inputs it carries transitively."""
     const_ctrl: dict[str, set[str]] = {}  # usable as a constant input (kept nodes never are)
-    folds: dict[str, set[str]] = {}  # nodes that will be computed here
+    folds: dict[str, set[str]] = {}
     for name in graph.topo_order():
         node = graph.nodes[name]
         srcs = [parse_ref(r)[0] for r in node.inputs]
@@ -296,8 +312,13 @@ def fold_constants(graph: Graph, keep: Iterable[str] = ()) -> Graph:
         folds[name] = ctrl
         if name not in kept:
             const_ctrl[name] = ctrl
+    return folds
 
-    # Pass 2: only the frontier (read by something that stays, or kept) needs a value.
+
+def _fold_frontier(graph: Graph, kept: set[str], folds: dict[str, set[str]], data_users: dict[str, list[str]],
+                   ctrl_users: dict[str, list[str]]) -> dict[str, list[int]]:
+    """Pass 2: only the frontier (read by something that stays, or kept) needs a value: folded
+    node -> the output ports read from outside."""
     frontier: dict[str, list[int]] = {}
     for name in folds:
         node = graph.nodes[name]
@@ -309,18 +330,13 @@ def fold_constants(graph: Graph, keep: Iterable[str] = ()) -> Graph:
                 used = {parse_ref(r)[1] for u in data_users[name] if u not in folds
                         for r in graph.nodes[u].inputs if parse_ref(r)[0] == name}
                 frontier[name] = sorted(used)
-    if not frontier:
-        return graph.check()
-    sources: set[str] = set()
-    stack = list(frontier)
-    while stack:
-        n = stack.pop()
-        if n not in sources:
-            sources.add(n)
-            stack.extend(parse_ref(r)[0] for r in graph.nodes[n].inputs)
-    values = _evaluate(graph, sources, frontier)
+    return frontier
 
-    # Pass 3: replace, then drop what only the folded nodes read.
+
+def _replace_folded(graph: Graph, kept: set[str], folds: dict[str, set[str]], frontier: dict[str, list[int]],
+                    values: dict[str, list[np.ndarray]], data_users: dict[str, list[str]]) -> None:
+    """Pass 3: replace the frontier by Consts, then drop what only the folded nodes read."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
     orphan_roots: list[str] = []
     for name, arrays in values.items():
         node = graph.nodes[name]
@@ -344,7 +360,6 @@ def fold_constants(graph: Graph, keep: Iterable[str] = ()) -> Graph:
         del graph.nodes[name]
     _drop_orphans(graph, orphan_roots, kept, set(folds))
     _fix_references(graph, {})
-    return graph.check()
 
 
 def _const_like(node: Node, name: str, port: int, value: Any, control_inputs: list[str]) -> Node:

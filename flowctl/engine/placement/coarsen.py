@@ -58,30 +58,48 @@ class Coarsening:
 def coarsen(graph: Graph, feas: Feasibility, table: CostTable | None = None) -> Coarsening:
     """Groups for the placers (module docstring). `table` supplies op times and tensor sizes for
     rule (c); without it rule (c) is off."""
-    order = feas.order
-    N = len(order)
-    uf = UnionFind(N)
-    gfeas: dict[int, frozenset[int]] = {}
-    members: dict[int, list[int]] = {}
-    reasons: dict[int, list[str]] = {}
-    for g, ms in feas.members.items():
-        for m in ms[1:]:
-            uf.union(g, m)
-        gfeas[g] = feas.feasible[g]
-        members[g] = list(ms)
-        if len(ms) > 1:
-            reasons[g] = ["colocation: " + r for r in feas.links.get(g, [])[:MAX_REASONS]]
+    m = _Merging(feas, table)  # phase 1: the colocation groups
+    view = _ForwardView(graph, feas, table)
+    cheapest_link = _cheapest_transfer(table) if table is not None and len(feas.devices) > 1 else None
+    _merge_forward(m, view, graph.topo_order(), cheapest_link)
+    # Phase 3: §4.1 gradients were made for a forward node; keep them together.
+    for i, nd in enumerate(view.nodes):
+        if nd.follows and nd.follows in feas.index:
+            m.union(i, feas.index[nd.follows], f"gradients follow their forward node '{nd.follows}'")
+    return m.result()
 
-    D = len(feas.devices)
-    work = [[0.0] * D for _ in range(N)]  # per node, filled below; merged groups sum theirs
-    if table is not None:
-        for k, name in enumerate(table.names):
-            work[feas.index[name]] = list(table.times[k])
-    gwork: dict[int, list[float]] = {}
-    for g, ms in members.items():
-        gwork[g] = [sum(work[m][d] for m in ms) for d in range(D)]
 
-    def union(a: int, b: int, why: str) -> bool:
+class _Merging:
+    """Groups as they merge: a union-find over graph indices, and per root its feasible devices,
+    members, work per device and the reasons for its merges."""
+
+    def __init__(self, feas: Feasibility, table: CostTable | None) -> None:
+        N = len(feas.order)
+        self.feas = feas
+        self.uf = UnionFind(N)
+        self.gfeas: dict[int, frozenset[int]] = {}
+        self.members: dict[int, list[int]] = {}
+        self.reasons: dict[int, list[str]] = {}
+        for g, ms in feas.members.items():
+            for m in ms[1:]:
+                self.uf.union(g, m)
+            self.gfeas[g] = feas.feasible[g]
+            self.members[g] = list(ms)
+            if len(ms) > 1:
+                self.reasons[g] = ["colocation: " + r for r in feas.links.get(g, [])[:MAX_REASONS]]
+        D = len(feas.devices)
+        work = [[0.0] * D for _ in range(N)]  # per node; merged groups sum theirs
+        if table is not None:
+            for k, name in enumerate(table.names):
+                work[feas.index[name]] = list(table.times[k])
+        self.gwork: dict[int, list[float]] = {}
+        for g, ms in self.members.items():
+            self.gwork[g] = [sum(work[m][d] for m in ms) for d in range(D)]
+
+    def union(self, a: int, b: int, why: str) -> bool:
+        """Merge the groups of a and b when the rules allow it (module docstring); true when they
+        are one group afterwards."""
+        uf, gfeas, members, gwork, reasons = self.uf, self.gfeas, self.members, self.gwork, self.reasons
         ra, rb = uf.find(a), uf.find(b)
         if ra == rb:
             return True
@@ -106,88 +124,95 @@ def coarsen(graph: Graph, feas: Feasibility, table: CostTable | None = None) -> 
             table_.pop(o, None)  # type: ignore[attr-defined]
         return True
 
-    # Forward view: producers/consumers among nodes that are not gradients, without ref edges
-    # and without edges into CONTROL sinks.
-    nodes = [graph.nodes[n] for n in order]
-    in_step = [True] * N
-    if table is not None:  # only what the step runs: initialisers must not link groups together
-        in_step = [False] * N
-        for name in table.names:
-            in_step[feas.index[name]] = True
-    forward = [not nd.follows and in_step[i] for i, nd in enumerate(nodes)]
-    computed = [bool(nd.inputs) for nd in nodes]  # sources (Const, Variable, Placeholder) are not
-    fwd_prod: list[list[int]] = [[] for _ in range(N)]
-    fwd_cons: list[list[int]] = [[] for _ in range(N)]
-    # Data edges of the step with their sizes, for rule (c): (consumer, producer port, bytes).
-    out_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(N)]
-    if table is not None:
-        for k, name in enumerate(table.names):
-            for j, p in table.inputs[k]:
-                out_edges[feas.index[table.names[j]]].append((feas.index[name], p, table.out_bytes[j][p]))
-    for i, nd in enumerate(nodes):
-        if not forward[i] or nd.opdef.group == CONTROL:
-            continue
-        skip = nd.opdef.ref_inputs
-        srcs = [parse_ref(r)[0] for k, r in enumerate(nd.inputs) if k not in skip] + list(nd.control_inputs)
-        for s in dict.fromkeys(srcs):
-            j = feas.index[s]
-            if forward[j]:
-                fwd_prod[i].append(j)
-                fwd_cons[j].append(i)
+    def result(self) -> Coarsening:
+        feas, order = self.feas, self.feas.order
+        group_of = [self.uf.find(i) for i in range(len(order))]
+        groups: dict[int, Group] = {}
+        for g in sorted(self.members):
+            groups[g] = Group(g, [order[m] for m in self.members[g]],
+                              [feas.devices[d] for d in sorted(self.gfeas[g])], list(self.reasons.get(g, [])))
+        return Coarsening(feas, group_of, groups, dict(self.gfeas))
 
-    cheapest_link = _cheapest_transfer(table) if table is not None and D > 1 else None
 
-    def scan(root: int) -> tuple[set[int], set[int]]:
+class _ForwardView:
+    """Producers/consumers among the step's nodes that are not gradients, without ref edges and
+    without edges into CONTROL sinks; and the step's data edges with their sizes, for rule (c)."""
+
+    def __init__(self, graph: Graph, feas: Feasibility, table: CostTable | None) -> None:
+        order = feas.order
+        N = len(order)
+        self.nodes = nodes = [graph.nodes[n] for n in order]
+        in_step = [True] * N
+        if table is not None:  # only what the step runs: initialisers must not link groups together
+            in_step = [False] * N
+            for name in table.names:
+                in_step[feas.index[name]] = True
+        self.forward = forward = [not nd.follows and in_step[i] for i, nd in enumerate(nodes)]
+        self.computed = [bool(nd.inputs) for nd in nodes]  # sources (Const, Variable, Placeholder) are not
+        self.prod: list[list[int]] = [[] for _ in range(N)]
+        self.cons: list[list[int]] = [[] for _ in range(N)]
+        # (consumer, producer port, bytes) per producer
+        self.out_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(N)]
+        if table is not None:
+            for k, name in enumerate(table.names):
+                for j, p in table.inputs[k]:
+                    self.out_edges[feas.index[table.names[j]]].append((feas.index[name], p, table.out_bytes[j][p]))
+        for i, nd in enumerate(nodes):
+            if not forward[i] or nd.opdef.group == CONTROL:
+                continue
+            skip = nd.opdef.ref_inputs
+            srcs = [parse_ref(r)[0] for k, r in enumerate(nd.inputs) if k not in skip] + list(nd.control_inputs)
+            for s in dict.fromkeys(srcs):
+                j = feas.index[s]
+                if forward[j]:
+                    self.prod[i].append(j)
+                    self.cons[j].append(i)
+
+    def scan(self, m: _Merging, root: int) -> tuple[set[int], set[int]]:
         """(consumer groups, computed-producer groups) of a group in the forward view."""
         cons: set[int] = set()
         prods: set[int] = set()
-        for m in members[root]:
-            for c in fwd_cons[m]:
-                cons.add(uf.find(c))
-            for p in fwd_prod[m]:
-                if computed[p]:
-                    prods.add(uf.find(p))
+        find = m.uf.find
+        for x in m.members[root]:
+            for c in self.cons[x]:
+                cons.add(find(c))
+            for p in self.prod[x]:
+                if self.computed[p]:
+                    prods.add(find(p))
         cons.discard(root)
         prods.discard(root)
         return cons, prods
 
-    topo = graph.topo_order()
+
+def _merge_forward(m: _Merging, view: _ForwardView, topo: list[str],
+                   cheapest_link: Callable[[int], float] | None) -> None:
+    """Phase 2: in reverse topological order, a group whose outputs feed exactly one other group
+    joins it under rule (a), (b) or (c) of the module docstring."""
+    index, members, gwork, find = m.feas.index, m.members, m.gwork, m.uf.find
     for name in reversed(topo):
-        u = feas.index[name]
-        if not forward[u]:
+        u = index[name]
+        if not view.forward[u]:
             continue
-        a = uf.find(u)
+        a = find(u)
         if len(members[a]) > MAX_GROUP:
             continue
-        cons, prods_a = scan(a)
+        cons, prods_a = view.scan(m, a)
         if len(cons) != 1:
             continue
         b = next(iter(cons))
         if prods_a <= {b} and min(gwork[a]) <= min(gwork[b]):
-            union(a, b, f"'{name}' hangs off its only consumer group, which does more work")
+            m.union(a, b, f"'{name}' hangs off its only consumer group, which does more work")
             continue
-        _, prods_b = scan(b)
+        _, prods_b = view.scan(m, b)
         if prods_b <= {a}:
-            union(a, b, f"'{name}' feeds its only consumer, which reads nothing else computed")
+            m.union(a, b, f"'{name}' feeds its only consumer, which reads nothing else computed")
             continue
         if cheapest_link is not None:
             mine = min(gwork[a])
-            crossing = {(m, p): nb for m in members[a] for c, p, nb in out_edges[m] if uf.find(c) == b}
+            crossing = {(x, p): nb for x in members[a] for c, p, nb in view.out_edges[x] if find(c) == b}
             sent = cheapest_link(sum(crossing.values()))
             if mine <= sent:
-                union(a, b, f"'{name}' is cheaper to run than to send to another device")
-
-    # Phase 3: §4.1 gradients were made for a forward node; keep them together.
-    for i, nd in enumerate(nodes):
-        if nd.follows and nd.follows in feas.index:
-            union(i, feas.index[nd.follows], f"gradients follow their forward node '{nd.follows}'")
-
-    group_of = [uf.find(i) for i in range(N)]
-    groups: dict[int, Group] = {}
-    for g in sorted(members):
-        groups[g] = Group(g, [order[m] for m in members[g]], [feas.devices[d] for d in sorted(gfeas[g])],
-                          list(reasons.get(g, [])))
-    return Coarsening(feas, group_of, groups, dict(gfeas))
+                m.union(a, b, f"'{name}' is cheaper to run than to send to another device")
 
 
 def _cheapest_transfer(table: CostTable) -> Callable[[int], float]:

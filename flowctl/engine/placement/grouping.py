@@ -90,13 +90,44 @@ def build_units(pb: Problem, layers: Mapping[str, str] | None = None, max_units:
     """`seed`: a device per step node (a heuristic's placement) that the units must be able to
     express exactly: atoms on different seed devices never share a unit (merges in step 3 join
     same-device neighbours; only past twice `max_units` do they join across devices)."""
-    t, co, feas = pb.table, pb.coarse, pb.feas
-    D = len(pb.devices)
+    t, D = pb.table, len(pb.devices)
+    atoms, step_atom = _atoms(pb, max_units, seed)
+    afeas = [pb.coarse.feasible_idx[g] if h < 0 else pb.feas.feasible[h] for g, h in atoms]
+    awork = np.zeros((len(atoms), D))
+    first: list[int] = [-1] * len(atoms)
+    for i, a in enumerate(step_atom):
+        awork[a] += np.asarray(t.times[i][:D])
+        if first[a] < 0:
+            first[a] = i
+
+    def cheapest(xs: list[int]) -> float:
+        return float(min(sum(awork[a][d] for a in xs) for d in afeas[xs[0]]))
+
+    sd = [seed[first[a]] for a in range(len(atoms))] if seed is not None else [-1] * len(atoms)
+    if layers:
+        keyed: dict[tuple[str, frozenset[int], int], list[int]] = {}
+        for a in range(len(atoms)):
+            keyed.setdefault((_label(pb, layers, t.names[first[a]]), afeas[a], sd[a]), []).append(a)
+        units = sorted(keyed.values(), key=lambda xs: first[xs[0]])
+    else:
+        units = [[a] for a in range(len(atoms))]
+    names = [_label(pb, layers, t.names[first[xs[0]]]) or t.names[first[xs[0]]] for xs in units]
+    _split_heaviest(units, names, max_units, awork, afeas, cheapest)
+    if len(units) > max_units:
+        units, names = _merge(units, names, max_units, step_atom, t, afeas, sd, cheapest)
+    unit_of = {a: u for u, xs in enumerate(units) for a in xs}
+    step_unit = np.asarray([unit_of[a] for a in step_atom], dtype=np.int64)
+    return Units(units, atoms, [afeas[xs[0]] for xs in units], step_unit, [cheapest(xs) for xs in units], names)
+
+
+def _atoms(pb: Problem, max_units: int, seed: Sequence[int] | None) -> tuple[list[tuple[int, int]], list[int]]:
+    """Step 1 of the module docstring: the atoms (coarse group, hard group or -1), in order of
+    their first step node, and each step node's atom."""
+    t, feas = pb.table, pb.feas
     total = sum(min(x) for x in t.times) or 1.0
     cwork: dict[int, float] = {}
     for i, g in enumerate(pb.step_group):
         cwork[g] = cwork.get(g, 0.0) + min(t.times[i])
-    # Atoms, in order of their first step node.
     atom_of: dict[tuple[int, int], int] = {}
     atoms: list[tuple[int, int]] = []
     step_atom = []
@@ -122,38 +153,25 @@ def build_units(pb: Problem, layers: Mapping[str, str] | None = None, max_units:
     hard_count: dict[int, set[int]] = {}
     for g, h in atoms:
         hard_count.setdefault(g, set()).add(h)
-    atoms = [(g, h if len(hard_count[g]) > 1 else -1) for g, h in atoms]
-    afeas = [co.feasible_idx[g] if h < 0 else feas.feasible[h] for g, h in atoms]
-    awork = np.zeros((len(atoms), D))
-    first: list[int] = [-1] * len(atoms)
-    for i, a in enumerate(step_atom):
-        awork[a] += np.asarray(t.times[i][:D])
-        if first[a] < 0:
-            first[a] = i
+    return [(g, h if len(hard_count[g]) > 1 else -1) for g, h in atoms], step_atom
 
-    def label(a: int) -> str:
-        name = t.names[first[a]]
-        if layers:
-            for _ in range(64):  # gradients take their forward node's layer
-                if name in layers:
-                    return layers[name]
-                name = pb.graph.nodes[name].follows if name in pb.graph.nodes else ""
-                if not name:
-                    break
-        return ""
 
-    def cheapest(xs: list[int]) -> float:
-        return float(min(sum(awork[a][d] for a in xs) for d in afeas[xs[0]]))
-
-    sd = [seed[first[a]] for a in range(len(atoms))] if seed is not None else [-1] * len(atoms)
+def _label(pb: Problem, layers: Mapping[str, str] | None, name: str) -> str:
+    """The spec layer of step node `name` ("" if none): gradients take their forward node's."""
     if layers:
-        keyed: dict[tuple[str, frozenset[int], int], list[int]] = {}
-        for a in range(len(atoms)):
-            keyed.setdefault((label(a), afeas[a], sd[a]), []).append(a)
-        units = sorted(keyed.values(), key=lambda xs: first[xs[0]])
-    else:
-        units = [[a] for a in range(len(atoms))]
-    names = [label(xs[0]) or t.names[first[xs[0]]] for xs in units]
+        for _ in range(64):
+            if name in layers:
+                return layers[name]
+            name = pb.graph.nodes[name].follows if name in pb.graph.nodes else ""
+            if not name:
+                break
+    return ""
+
+
+def _split_heaviest(units: list[list[int]], names: list[str], max_units: int, awork: np.ndarray,
+                    afeas: list[frozenset[int]], cheapest: Callable[[list[int]], float]) -> None:
+    """In place: while there are fewer than `max_units` units, the heaviest that has more than
+    one atom splits in two halves of equal work, in step order."""
     while len(units) < max_units:
         splittable = [(cheapest(xs), k) for k, xs in enumerate(units) if len(xs) > 1]
         if not splittable:
@@ -168,11 +186,6 @@ def build_units(pb: Problem, layers: Mapping[str, str] | None = None, max_units:
                 break
         units[k:k + 1] = [xs[:cut], xs[cut:]]
         names[k:k + 1] = [names[k] + "/a", names[k] + "/b"]
-    if len(units) > max_units:
-        units, names = _merge(units, names, max_units, step_atom, t, afeas, sd, cheapest)
-    unit_of = {a: u for u, xs in enumerate(units) for a in xs}
-    step_unit = np.asarray([unit_of[a] for a in step_atom], dtype=np.int64)
-    return Units(units, atoms, [afeas[xs[0]] for xs in units], step_unit, [cheapest(xs) for xs in units], names)
 
 
 def _merge(units: list[list[int]], names: list[str], max_units: int, step_atom: list[int], t: CostTable,

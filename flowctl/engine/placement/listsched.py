@@ -100,213 +100,269 @@ def upward_rank(pb: Problem) -> list[float]:
 
 
 def list_schedule(pb: Problem, priority: str, caps: list[float]) -> tuple[dict[int, int], list[Decision]]:
+    """A device per group and the decisions that chose them: the walk of the module docstring,
+    by estimated ready time (`priority="ready"`, greedy) or upward rank (`"rank"`, HEFT), within
+    each device's memory budget `caps`."""
+    walk = _Walk(pb, priority, caps)
+    walk.run()
+    walk.decide_unpulled()
+    return walk.group_dev, walk.decisions
+
+
+def _group_work(pb: Problem) -> tuple[dict[int, list[float]], dict[int, int]]:
+    """Each group's work on each device (its remaining work, as the walk goes), and its resident
+    bytes (for memory checks)."""
     t = pb.table
-    n, D = len(t.names), len(pb.devices)
-    times, inputs, controls, succ, out_bytes, resident = (t.times, t.inputs, t.controls, t.succ,
-                                                         t.out_bytes, t.resident)
-    grp = pb.step_group
-    feas = {g: sorted(s) for g, s in pb.coarse.feasible_idx.items()}
-    # Remaining work of each group on each device, and its resident bytes (for memory checks).
+    D = len(pb.devices)
     left: dict[int, list[float]] = {}
     gres: dict[int, int] = {}
-    for i in range(n):
-        g = grp[i]
+    for i, g in enumerate(pb.step_group):
         row = left.setdefault(g, [0.0] * D)
         for d in range(D):
-            row[d] += times[i][d]
-        if resident[i]:
-            gres[g] = gres.get(g, 0) + sum(out_bytes[i])
-    rank = upward_rank(pb) if priority == "rank" else None
-    # Cross-group edges per group, one per (tensor, consuming group): the transfers a decision
-    # commits the group to once its neighbours are placed (the whitepaper's greedy sees only the
-    # node's own inputs; without this an LSTM cell's tiny gate ops ping-pong between devices to
-    # win microseconds and pay with every weight gradient crossing a link).
+            row[d] += t.times[i][d]
+        if t.resident[i]:
+            gres[g] = gres.get(g, 0) + sum(t.out_bytes[i])
+    return left, gres
+
+
+def _group_edges(pb: Problem) -> dict[int, list[tuple[int, int, int]]]:
+    """Cross-group edges per group, one per (tensor, consuming group): the transfers a decision
+    commits the group to once its neighbours are placed (the whitepaper's greedy sees only the
+    node's own inputs; without this an LSTM cell's tiny gate ops ping-pong between devices to
+    win microseconds and pay with every weight gradient crossing a link)."""
+    grp = pb.step_group
     gedges: dict[int, list[tuple[int, int, int]]] = {}
     seen_edge: set[tuple[int, int, int]] = set()
-    for i in range(n):
+    for i, ins in enumerate(pb.table.inputs):
         gi = grp[i]
-        for j, p in inputs[i]:
+        for j, p in ins:
             gj = grp[j]
             if gj != gi and (j, p, gi) not in seen_edge:
                 seen_edge.add((j, p, gi))
                 gedges.setdefault(gi, []).append((j, p, i))
                 gedges.setdefault(gj, []).append((j, p, i))
+    return gedges
 
-    group_dev: dict[int, int] = {}
-    decisions: list[Decision] = []
-    devn = [-2] * n  # device index; -1: deferred (see the module docstring); -2: not yet reached
-    finish = [0.0] * n
-    dev_free = [0.0] * D
-    link_free: dict[tuple[int, int], float] = {}
-    arrival: dict[tuple[int, int, int], float] = {}
-    deferred: dict[int, list[int]] = {}  # group -> its deferred nodes, in walk order
-    mem = [0.0] * D
-    users_left = [len(succ[i]) for i in range(n)]
-    received: dict[int, list[int]] = {}  # node -> devices holding a copy of its outputs
-    param = [False] * n  # deferred and computed from parameters alone (not from fed inputs)
-    placeholders = {name for name in t.names if pb.graph.nodes[name].op == "Placeholder"}
 
-    def settle(g: int, d: int) -> None:
+class _Walk:
+    """The state of one list-scheduling walk: every device simulated as nodes are committed to
+    it, and the groups decided so far."""
+
+    def __init__(self, pb: Problem, priority: str, caps: list[float]) -> None:
+        t = pb.table
+        n, D = len(t.names), len(pb.devices)
+        self.pb, self.t, self.n, self.caps = pb, t, n, caps
+        self.grp = pb.step_group
+        self.feas = {g: sorted(s) for g, s in pb.coarse.feasible_idx.items()}
+        self.left, self.gres = _group_work(pb)
+        self.rank = upward_rank(pb) if priority == "rank" else None
+        self.gedges = _group_edges(pb)
+        self.group_dev: dict[int, int] = {}
+        self.decisions: list[Decision] = []
+        self.devn = [-2] * n  # device index; -1: deferred (see the module docstring); -2: not yet reached
+        self.finish = [0.0] * n
+        self.dev_free = [0.0] * D
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.arrival: dict[tuple[int, int, int], float] = {}
+        self.deferred: dict[int, list[int]] = {}  # group -> its deferred nodes, in walk order
+        self.mem = [0.0] * D
+        self.users_left = [len(t.succ[i]) for i in range(n)]
+        self.received: dict[int, list[int]] = {}  # node -> devices holding a copy of its outputs
+        self.param = [False] * n  # deferred and computed from parameters alone (not from fed inputs)
+        self.placeholders = {name for name in t.names if pb.graph.nodes[name].op == "Placeholder"}
+
+    def settle(self, g: int, d: int) -> None:
         """Group g is decided: its deferred nodes now live on d (their own deferred inputs are
         pulled along first), ready as soon as their inputs are."""
-        group_dev[g] = d
-        mem[d] += gres.get(g, 0)
-        for j in deferred.pop(g, []):
+        inputs, controls, devn, finish = self.t.inputs, self.t.controls, self.devn, self.finish
+        self.group_dev[g] = d
+        self.mem[d] += self.gres.get(g, 0)
+        for j in self.deferred.pop(g, []):
             ready = 0.0
             for k in [k for k, _ in inputs[j]] + controls[j]:
                 if devn[k] == -1:
-                    pull(k, d, j)
+                    self.pull(k, d, j)
                 ready = max(ready, finish[k])
             devn[j] = d
-            finish[j] = ready + times[j][d]
+            finish[j] = ready + self.t.times[j][d]
 
-    def pull(j: int, d: int, reader: int) -> None:
+    def pull(self, j: int, d: int, reader: int) -> None:
         """A deferred node j is read by `reader` on d: settle j's group there (or on its first
         feasible device when it cannot run on d)."""
-        g = grp[j]
-        if g in group_dev:
+        g = self.grp[j]
+        if g in self.group_dev:
             return
-        settle(g, d if d in pb.coarse.feasible_idx[g] else feas[g][0])
-        decisions.append(pb.decision(g, group_dev[g], f"read first by '{t.names[reader]}'", t.names[j]))
+        self.settle(g, d if d in self.pb.coarse.feasible_idx[g] else self.feas[g][0])
+        self.decisions.append(self.pb.decision(g, self.group_dev[g], f"read first by '{self.t.names[reader]}'",
+                                               self.t.names[j]))
 
-    def arrive(j: int, p: int, d: int, commit: bool) -> float:
-        dj = devn[j]
+    def arrive(self, j: int, p: int, d: int, commit: bool) -> float:
+        """When output `p` of node j (-1: its control token) is available on d; `commit` books the
+        transfer (link time, arrival, memory on d)."""
+        t = self.t
+        dj = self.devn[j]
         if dj == -1:  # a deferred source: local wherever its group may go, else from its first device
-            g = grp[j]
-            if d in pb.coarse.feasible_idx[g]:
-                return times[j][d]
-            dj = feas[g][0]
-            ready = times[j][dj]
+            g = self.grp[j]
+            if d in self.pb.coarse.feasible_idx[g]:
+                return t.times[j][d]
+            dj = self.feas[g][0]
+            ready = t.times[j][dj]
         else:
-            ready = finish[j]
+            ready = self.finish[j]
             if dj == d:
                 return ready
         key = (j, p, d)
-        got = arrival.get(key)
+        got = self.arrival.get(key)
         if got is not None:
             return got
         lk = (dj, d)
-        nbytes = out_bytes[j][p] if p >= 0 else 0
-        end = max(ready, link_free.get(lk, 0.0)) + t.transfer(nbytes, dj, d)
+        nbytes = t.out_bytes[j][p] if p >= 0 else 0
+        end = max(ready, self.link_free.get(lk, 0.0)) + t.transfer(nbytes, dj, d)
         if commit:
-            link_free[lk] = end
-            arrival[key] = end
+            self.link_free[lk] = end
+            self.arrival[key] = end
             if p >= 0:
-                mem[d] += nbytes
-                received.setdefault(j, []).append(d)
+                self.mem[d] += nbytes
+                self.received.setdefault(j, []).append(d)
         return end
 
-    def est(i: int, d: int) -> float:
-        s = dev_free[d]
-        for j, p in inputs[i]:
-            a = arrive(j, p, d, False)
+    def est(self, i: int, d: int) -> float:
+        """Node i's estimated finish on d."""
+        s = self.dev_free[d]
+        for j, p in self.t.inputs[i]:
+            a = self.arrive(j, p, d, False)
             if a > s:
                 s = a
-        for j in controls[i]:
-            a = arrive(j, -1, d, False)
+        for j in self.t.controls[i]:
+            a = self.arrive(j, -1, d, False)
             if a > s:
                 s = a
-        return s + times[i][d]
+        return s + self.t.times[i][d]
 
-    def comm(i: int, d: int) -> float:
+    def comm(self, i: int, d: int) -> float:
         """Transfers group(i) on d would need to and from neighbours already placed elsewhere,
         beyond node i's own inputs (which `est` counts as arrival times)."""
+        grp, t = self.grp, self.t
         g = grp[i]
         total = 0.0
-        for j, p, c in gedges.get(g, ()):
+        for j, p, c in self.gedges.get(g, ()):
             if c == i:
                 continue
             other = grp[c] if grp[j] == g else grp[j]  # edges cross groups: one end is g
-            od = group_dev.get(other)
+            od = self.group_dev.get(other)
             if od is not None and od != d:
-                total += t.transfer(out_bytes[j][p], od, d)
+                total += t.transfer(t.out_bytes[j][p], od, d)
         return total
 
-    def extra_bytes(i: int, d: int) -> float:
-        b = 0.0 if resident[i] else float(sum(out_bytes[i]))
-        if grp[i] not in group_dev:
+    def extra_bytes(self, i: int, d: int) -> float:
+        """The memory node i would add on d: its outputs, its group's resident state if not yet
+        placed, and inputs received there."""
+        t, grp, devn, gres = self.t, self.grp, self.devn, self.gres
+        b = 0.0 if t.resident[i] else float(sum(t.out_bytes[i]))
+        if grp[i] not in self.group_dev:
             b += gres.get(grp[i], 0)
-        for j, p in inputs[i]:
-            if devn[j] >= 0 and devn[j] != d and (j, p, d) not in arrival:
-                b += out_bytes[j][p]
-            elif devn[j] == -1 and grp[j] not in group_dev:
+        for j, p in t.inputs[i]:
+            if devn[j] >= 0 and devn[j] != d and (j, p, d) not in self.arrival:
+                b += t.out_bytes[j][p]
+            elif devn[j] == -1 and grp[j] not in self.group_dev:
                 b += gres.get(grp[j], 0)
         return b
 
-    def commit(i: int, d: int) -> None:
+    def commit(self, i: int, d: int) -> None:
+        """Run node i on d: book its inputs' transfers, the device's time and the memory, and free
+        inputs whose last user this was."""
+        t, devn, mem = self.t, self.devn, self.mem
+        inputs, controls, out_bytes = t.inputs, t.controls, t.out_bytes
         # Inputs first: deferred nodes read here settle here (or on their only devices).
         for j in [j for j, _ in inputs[i]] + controls[i]:
             if devn[j] == -1:
-                pull(j, d, i)
-        s = dev_free[d]
+                self.pull(j, d, i)
+        s = self.dev_free[d]
         for j, p in inputs[i]:
-            s = max(s, arrive(j, p, d, True))
+            s = max(s, self.arrive(j, p, d, True))
         for j in controls[i]:
-            s = max(s, arrive(j, -1, d, True))
-        f = s + times[i][d]
-        finish[i] = f
-        dev_free[d] = f
+            s = max(s, self.arrive(j, -1, d, True))
+        f = s + t.times[i][d]
+        self.finish[i] = f
+        self.dev_free[d] = f
         devn[i] = d
-        left[grp[i]][d] -= times[i][d]
-        if not resident[i]:
+        self.left[self.grp[i]][d] -= t.times[i][d]
+        if not t.resident[i]:
             mem[d] += sum(out_bytes[i])
         for j in dict.fromkeys([j for j, _ in inputs[i]] + controls[i]):
-            users_left[j] -= 1
-            if users_left[j] == 0 and not resident[j] and devn[j] >= 0:
+            self.users_left[j] -= 1
+            if self.users_left[j] == 0 and not t.resident[j] and devn[j] >= 0:
                 b = sum(out_bytes[j])
                 mem[devn[j]] -= b
-                for r in received.pop(j, []):
+                for r in self.received.pop(j, []):
                     mem[r] -= b
 
-    # The walk. Pending counts over unique predecessors; the heap holds ready nodes.
-    pending = [len(set([j for j, _ in inputs[i]] + controls[i])) for i in range(n)]
-    heap: list[tuple[float, int]] = []
-    for i in range(n):
-        if pending[i] == 0:
-            heap.append((-rank[i] if rank is not None else 0.0, i))
-    heapq.heapify(heap)
-    while heap:
-        _, i = heapq.heappop(heap)
-        g = grp[i]
-        if g not in group_dev:
-            fs = feas[g]
-            preds = [j for j, _ in inputs[i]] + controls[i]
-            if len(fs) > 1 and ((resident[i] and not preds) or
-                                (preds and all(param[j] and devn[j] == -1 for j in preds))):
-                # A Variable, Const or Placeholder, or an op on parameters alone (a slice of a
-                # kernel): decided by the first consumer that brings activations.
-                devn[i] = -1
-                param[i] = bool(preds) or t.names[i] not in placeholders  # fed data is not a parameter
-                deferred.setdefault(g, []).append(i)
-            else:
-                settle(g, choose(pb, i, fs, est, comm, extra_bytes, left, times, mem, caps, decisions))
-        if devn[i] != -1:
-            commit(i, group_dev[g])
-        for c in succ[i]:
-            pending[c] -= 1
-            if pending[c] == 0:
-                if rank is not None:
-                    key = -rank[c]
-                else:
-                    key = 0.0
-                    for j, _ in inputs[c]:
-                        key = max(key, finish[j])
-                    for j in controls[c]:
-                        key = max(key, finish[j])
-                heapq.heappush(heap, (key, c))
-    # Deferred nodes no consumer pulled (work on parameters alone, all the way to a sink) are
-    # decided now, the ordinary way, in topological order.
-    for i in range(n):
-        if devn[i] != -1:
-            continue
-        g = grp[i]
-        if g not in group_dev:
-            d = choose(pb, i, feas[g], est, comm, extra_bytes, left, times, mem, caps, decisions)
-            group_dev[g] = d
-            mem[d] += gres.get(g, 0)
-            deferred.pop(g, None)
-        commit(i, group_dev[g])
-    return group_dev, decisions
+    def choose(self, i: int, fs: list[int]) -> int:
+        return choose(self.pb, i, fs, self.est, self.comm, self.extra_bytes, self.left, self.t.times, self.mem,
+                      self.caps, self.decisions)
+
+    def run(self) -> None:
+        """The walk. Pending counts over unique predecessors; the heap holds ready nodes."""
+        t, n, rank = self.t, self.n, self.rank
+        inputs, controls, succ = t.inputs, t.controls, t.succ
+        pending = [len(set([j for j, _ in inputs[i]] + controls[i])) for i in range(n)]
+        heap: list[tuple[float, int]] = []
+        for i in range(n):
+            if pending[i] == 0:
+                heap.append((-rank[i] if rank is not None else 0.0, i))
+        heapq.heapify(heap)
+        while heap:
+            _, i = heapq.heappop(heap)
+            g = self.grp[i]
+            if g not in self.group_dev:
+                self.decide(i, g)
+            if self.devn[i] != -1:
+                self.commit(i, self.group_dev[g])
+            for c in succ[i]:
+                pending[c] -= 1
+                if pending[c] == 0:
+                    heapq.heappush(heap, (self.priority(c), c))
+
+    def decide(self, i: int, g: int) -> None:
+        """Node i is the first reached of its undecided group g: defer it, or choose g's device."""
+        t = self.t
+        fs = self.feas[g]
+        preds = [j for j, _ in t.inputs[i]] + t.controls[i]
+        if len(fs) > 1 and ((t.resident[i] and not preds) or
+                            (preds and all(self.param[j] and self.devn[j] == -1 for j in preds))):
+            # A Variable, Const or Placeholder, or an op on parameters alone (a slice of a
+            # kernel): decided by the first consumer that brings activations.
+            self.devn[i] = -1
+            self.param[i] = bool(preds) or t.names[i] not in self.placeholders  # fed data is not a parameter
+            self.deferred.setdefault(g, []).append(i)
+        else:
+            self.settle(g, self.choose(i, fs))
+
+    def priority(self, c: int) -> float:
+        """The heap key of a node that just became ready: minus its upward rank (HEFT), or its
+        estimated ready time (greedy)."""
+        if self.rank is not None:
+            return -self.rank[c]
+        key = 0.0
+        for j, _ in self.t.inputs[c]:
+            key = max(key, self.finish[j])
+        for j in self.t.controls[c]:
+            key = max(key, self.finish[j])
+        return key
+
+    def decide_unpulled(self) -> None:
+        """Deferred nodes no consumer pulled (work on parameters alone, all the way to a sink) are
+        decided now, the ordinary way, in topological order."""
+        for i in range(self.n):
+            if self.devn[i] != -1:
+                continue
+            g = self.grp[i]
+            if g not in self.group_dev:
+                d = self.choose(i, self.feas[g])
+                self.group_dev[g] = d
+                self.mem[d] += self.gres.get(g, 0)
+                self.deferred.pop(g, None)
+            self.commit(i, self.group_dev[g])
 
 
 def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float], comm: Callable[[int, int], float],
