@@ -193,6 +193,19 @@ class DeviceThreads:
             pool.shutdown(wait=wait)
 
 
+def run_arguments(session: Session, fetches: Any,
+                  feeds: Mapping[Any, Any] | None) -> tuple[Any, list[str], list[str], list[str], list[Any]]:
+    """A multi-device run's fetches and feeds as refs: (the fetches' nesting, fetched refs, target
+    nodes, fed refs in order, their values as host arrays)."""
+    refs: list[str] = []
+    targets: list[str] = []
+    template = session._flatten(fetches, refs, targets)
+    items = sorted((feeds or {}).items(), key=lambda kv: session._ref(kv[0]))
+    feed_refs = [session._ref(k) for k, _ in items]
+    feed_vals = [host_feed(session.graph, r, v) for r, (_, v) in zip(feed_refs, items)]
+    return template, refs, targets, feed_refs, feed_vals
+
+
 def checked_placement(cluster: Cluster, placement: Any, recv_schedule: str) -> dict[str, str]:
     """node -> canonical device, every device one of `cluster`'s. A placer's Placement object
     carries the mapping as `.assignment` and is accepted as it is."""
@@ -253,12 +266,7 @@ class DistributedSession(Session):
     def run(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, stats: RunStats | None = None) -> Any:
         if self._closed:
             raise ExecutionError("this DistributedSession is closed")
-        refs: list[str] = []
-        targets: list[str] = []
-        template = self._flatten(fetches, refs, targets)
-        items = sorted((feeds or {}).items(), key=lambda kv: self._ref(kv[0]))
-        feed_refs = [self._ref(k) for k, _ in items]
-        feed_vals = [host_feed(self.graph, r, v) for r, (_, v) in zip(feed_refs, items)]
+        template, refs, targets, feed_refs, feed_vals = run_arguments(self, fetches, feeds)
         key = (tuple(refs), tuple(feed_refs), tuple(targets))
         sp = self._step_plans.get(key)
         if sp is None:

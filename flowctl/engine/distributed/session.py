@@ -48,7 +48,7 @@ from flowctl.engine.errors import ExecutionError, FlowctlError, GraphError, Plac
 from flowctl.engine.executor import RunStats
 from flowctl.engine.graph import GRAPHDEF_VERSION, Graph
 from flowctl.engine.rendezvous import next_step_id
-from flowctl.engine.runtime import PartitionSpec, checked_placement, host_feed, split_signature
+from flowctl.engine.runtime import PartitionSpec, checked_placement, run_arguments, split_signature
 from flowctl.engine.session import Session
 
 _MAX_CONCURRENCY = 32  # actor threads: Runs waiting their turn, transfers, aborts, pings
@@ -283,12 +283,7 @@ class RaySession(Session):
     def run(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, stats: RunStats | None = None) -> Any:
         if self._closed:
             raise ExecutionError("this RaySession is closed")
-        refs: list[str] = []
-        targets: list[str] = []
-        template = self._flatten(fetches, refs, targets)
-        items = sorted((feeds or {}).items(), key=lambda kv: self._ref(kv[0]))
-        feed_refs = [self._ref(k) for k, _ in items]
-        feed_vals = [host_feed(self.graph, r, v) for r, (_, v) in zip(feed_refs, items)]
+        template, refs, targets, feed_refs, feed_vals = run_arguments(self, fetches, feeds)
         sig = self._signature(refs, feed_refs, targets)
         values: list[Any] = [None] * len(refs)
         per_device = self._run_step(sig, feed_vals, values, stats is not None)
