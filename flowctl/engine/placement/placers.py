@@ -294,6 +294,26 @@ def _metis(n: int, edges: dict[tuple[int, int], int], vweights: list[int], pb: P
 AUTO_MARGIN = 1.5
 
 
+def _heuristics(pb: Problem, rules: Rules | None,
+                layers: Mapping[str, str] | None) -> list[tuple[str, Callable[[], Placement]]]:
+    """The fast placers, in the order auto and the learned placer's seed try them."""
+    tried: list[tuple[str, Callable[[], Placement]]] = [("single", lambda: place_single(pb))]
+    if rules:
+        tried.append(("expert", lambda: place_expert(pb, rules, layers)))
+    return tried + [("greedy", lambda: place_greedy(pb)), ("heft", lambda: place_heft(pb))]
+
+
+def _attempt(name: str, fn: Callable[[], Placement], record: dict[str, Any]) -> Placement | None:
+    """Run one placer; record its step, why it is invalid, or why it failed."""
+    try:
+        pl = fn()
+    except PlacementError as e:
+        record[name] = f"failed: {e}"
+        return None
+    record[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
+    return pl
+
+
 def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str] | None = None,
                time_budget: float = 10.0) -> Placement:
     """Each placer in a fixed order while the budget lasts (at least `single` always runs); the
@@ -302,24 +322,15 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
     (its exact one where it was out of reach), or why it did not run. Deterministic as long as
     the same placers finish within the budget."""
     started = time.perf_counter()
-    tried: list[tuple[str, Callable[[], Placement]]] = [("single", lambda: place_single(pb))]
-    if rules:
-        tried.append(("expert", lambda: place_expert(pb, rules, layers)))
-    tried += [("greedy", lambda: place_greedy(pb)), ("heft", lambda: place_heft(pb)),
-              ("mincut", lambda: place_mincut(pb))]
+    tried = _heuristics(pb, rules, layers) + [("mincut", lambda: place_mincut(pb))]
     results: list[tuple[float, int, Placement]] = []
     alternatives: dict[str, Any] = {}
     for k, (name, fn) in enumerate(tried):
         if k > 0 and time.perf_counter() - started > time_budget:
             alternatives[name] = "skipped: time budget spent"
             continue
-        try:
-            pl = fn()
-        except PlacementError as e:
-            alternatives[name] = f"failed: {e}"
-            continue
-        alternatives[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
-        if pl.valid:
+        pl = _attempt(name, fn, alternatives)
+        if pl is not None and pl.valid:
             results.append((pl.step_time, k, pl))
     if not results:
         raise PlacementError("auto: no placer found a valid placement: " +
@@ -347,20 +358,13 @@ def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
     """The best valid placement of the fast placers (exact simulated step), and each one's step
     or why it failed. When none is valid (memory), the one overflowing least: the penalty on
     overflow then pushes the policy toward placements that fit."""
-    tried: list[tuple[str, Callable[[], Placement]]] = [("single", lambda: place_single(pb))]
-    if rules:
-        tried.append(("expert", lambda: place_expert(pb, rules, layers)))
-    tried += [("greedy", lambda: place_greedy(pb)), ("heft", lambda: place_heft(pb))]
     best: Placement | None = None
     least: tuple[float, Placement] | None = None
     out: dict[str, Any] = {}
-    for name, fn in tried:
-        try:
-            pl = fn()
-        except PlacementError as e:
-            out[name] = f"failed: {e}"
+    for name, fn in _heuristics(pb, rules, layers):
+        pl = _attempt(name, fn, out)
+        if pl is None:
             continue
-        out[name] = pl.step_time if pl.valid else "invalid: " + "; ".join(pl.simulation.problems)
         if pl.valid and (best is None or pl.step_time < best.step_time):
             best = pl
         over = sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices)
