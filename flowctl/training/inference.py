@@ -22,10 +22,12 @@ from flowctl.data import InputSpec, make_source
 from flowctl.data.text import UNK, Vocabulary, read_words
 from flowctl.engine import checkpoint as ckpt
 from flowctl.engine.errors import CheckpointError, SpecError
+from flowctl.engine.executor import needed_nodes
 from flowctl.engine.saved_model import EXPORT_FORMAT, EXPORT_VERSION
 from flowctl.spec.check import LoadedSpec
 from flowctl.training.evaluate import Evaluator
 from flowctl.training.inputs import model_inputs
+from flowctl.training.onnx_export import to_onnx, write_onnx
 from flowctl.training.rundir import RunDir, write_atomic
 from flowctl.training.runs import load_run_spec, override_data
 from flowctl.training.trainer import BEST
@@ -146,8 +148,6 @@ def _predict_arrays(m: RunModel, path: Path, top: int) -> dict[str, Any]:
 
 def _forward_inputs(m: RunModel, target: fc.Tensor) -> list[str]:
     """The model inputs `target` depends on (a classifier's logits do not need its labels)."""
-    from flowctl.engine.executor import needed_nodes
-
     need = needed_nodes(m.graph, [target.node], set())
     return [name for name, t in m.evaluator.model.inputs.items() if t.node in need]
 
@@ -214,8 +214,6 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, fmt: str
 
 
 def _export_onnx(m: RunModel, out: Path) -> dict[str, Any]:
-    from flowctl.training.onnx_export import to_onnx, write_onnx
-
     logits = _logits_of(m)
     model = m.evaluator.model
     weights = m.session.variable_values()

@@ -467,11 +467,11 @@ class Program:
             self.session.close()
 
 
-def place_for_training(loaded: LoadedSpec) -> PlacedStep:
+def place_for_training(loaded: LoadedSpec, config: StepConfig | None = None) -> PlacedStep:
     """Everything `flowctl train` does before it opens a session: build the step and place it with
     the spec's placer over a static cost model on this process's devices. `flowctl validate` runs
-    it too, so a spec it passes is one `train` starts."""
-    config = step_config(loaded)
+    it too, so a spec it passes is one `train` starts. `config`: the spec's, when already read."""
+    config = config or step_config(loaded)
     step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config)
     placed = place_step(step, config, cluster, StaticCostModel(cluster, batch=config.per_replica_batch))
@@ -490,9 +490,9 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
     """Build, place and open a session: one device's `Session`, a `DistributedSession` with a
     thread per device and Send/Recv between them, or for `cluster.type: ray` a `RaySession` with a
     worker actor per task (`on_worker(task, state, detail)` hears each worker start)."""
-    placed = place_for_training(loaded)
-    step, cluster = placed.step, placed.cluster
     config = step_config(loaded)
+    placed = place_for_training(loaded, config)
+    step, cluster = placed.step, placed.cluster
     durations = {n: placed.chosen.simulation.finish[n] - placed.chosen.simulation.start[n]
                  for n in placed.chosen.simulation.start} if config.receive == "alap" else None
     transfers: dict[str, Any] = {"compress": config.compress, "recv_schedule": config.receive, "durations": durations}

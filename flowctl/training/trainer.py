@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 import flowctl as fc
+from flowctl.data.prefetch import Prefetcher
 from flowctl.engine import checkpoint as ckpt
 from flowctl.engine import strategies as st
 from flowctl.engine.devices import CPU0
@@ -34,18 +35,19 @@ from flowctl.engine.errors import (
     SpecError,
     WorkerLostError,
 )
-from flowctl.engine.executor import RunStats
 from flowctl.engine.distributed import Recovery
+from flowctl.engine.executor import RunStats
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
+from flowctl.training.evaluate import Evaluator, improved
+from flowctl.training.events import EventWriter
 from flowctl.training.faults import Stop, check_finite, checked_learning_rate
+from flowctl.training.inputs import make_sources
+from flowctl.training.program import Program, open_program
 from flowctl.training.rundir import MetricsLog, RunDir, RunLock, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
 from flowctl.training.trace import step_trace, write_trace
-from flowctl.training.evaluate import Evaluator, improved
-from flowctl.training.inputs import make_sources
-from flowctl.training.program import Program, open_program
 
 __all__ = ["BEST", "EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer"]
 
@@ -136,8 +138,6 @@ class Trainer:
             self.train_op = step.train.train_op
         self.sources = make_sources(self.loaded, step.replicas, step.batch)
         if self.prefetch:
-            from flowctl.data.prefetch import Prefetcher
-
             self.sources = [Prefetcher(src, depth=self.prefetch) for src in self.sources]
         self.data = self.sources[0]
         ck = self.spec.checkpoint
@@ -277,8 +277,6 @@ class Trainer:
     def train(self) -> Summary:
         """Train to `total_steps`. One client thread runs whole steps (single, sync_data_parallel,
         model_parallel, pipeline); async_data_parallel runs one client thread per replica."""
-        from flowctl.training.events import EventWriter
-
         first = self.step
         t0 = time.perf_counter()
         writer = EventWriter(self.run.inside(self.run.events), purge_step=first + 1,
