@@ -139,7 +139,7 @@ def measure(repeat: int = 7, steps: int = 20) -> dict[str, Any]:
 
     out: dict[str, Any] = {"links": {
         "in_process": chain_link(lambda g, pl: local(g, pl), c0, c1, repeat=repeat),
-        "ray_workers": chain_link(lambda g, pl: on_ray(g, pl), w0, w1, repeat=repeat),
+        "ray_workers": chain_link(lambda g, pl: on_ray(g, pl), w0, w1, repeat=repeat, together=False),
     }}
     out["step_overhead"] = {
         "in_process": run_overhead(lambda g, pl: local(g, pl, [c0]), c0),

@@ -115,9 +115,16 @@ OpenSession = Callable[[fc.Graph, dict[str, str]], Any]  # (graph, placement) ->
 MiB4 = 1 << 20  # float32 elements in 4 MiB
 
 
-def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, repeat: int = 7) -> dict[str, float]:
+def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, repeat: int = 7,
+               together: bool = True) -> dict[str, float]:
     """Latency (s per crossing, 4-byte tensor) and bandwidth (bytes/s, from the 4 MiB tensor's extra
-    time per crossing) of the link a <-> b as the sessions `open_session` makes move tensors."""
+    time per crossing) of the link a <-> b as the sessions `open_session` makes move tensors.
+
+    The chain on one device and the chain that crosses at every hop each keep their least disturbed
+    run: a loaded machine only adds. With `together` both sessions stay open and are timed in turns,
+    so that both see the same machine (Ray workers on a small machine cannot hold two sessions at
+    once: they are timed one session after the other). Where the difference is still lost in the
+    noise (not positive), the runs are doubled, up to three times."""
     per: dict[int, float] = {}
     for n, hops in ((1, crossings), (MiB4, 4)):
         g = fc.Graph()
@@ -126,19 +133,33 @@ def chain_link(open_session: OpenSession, a: str, b: str, crossings: int = 40, r
             h = x
             for k in range(hops):
                 h = fc.identity(h, name=f"hop{k}")
-        value = np.ones(n, np.float32)
-        took = {}
-        for label, far in (("one", a), ("two", b)):
-            placement = {nm: (far if nm.startswith("hop") and int(nm[3:]) % 2 == 0 else a) for nm in g.nodes}
-            with open_session(g, placement) as s:
-                s.run(h, {x: value})  # warm-up: plans, actors' first calls
-                ts = []
-                for _ in range(repeat):
+        feeds = {x: np.ones(n, np.float32)}
+        placements = {"one": {nm: a for nm in g.nodes},
+                      "two": {nm: (b if nm.startswith("hop") and int(nm[3:]) % 2 == 0 else a) for nm in g.nodes}}
+        best = {"one": math.inf, "two": math.inf}
+
+        def time_runs(sessions: dict[str, Any], runs: int) -> None:
+            for s in sessions.values():
+                s.run(h, feeds)  # warm-up: plans, actors' first calls
+            for _ in range(runs):
+                for label, s in sessions.items():
                     t0 = time.perf_counter()
-                    s.run(h, {x: value})
-                    ts.append(time.perf_counter() - t0)
-            took[label] = min(ts)  # the least disturbed run: a loaded machine only adds
-        per[n] = max(0.0, took["two"] - took["one"]) / hops  # `two` crosses at every hop
+                    s.run(h, feeds)
+                    best[label] = min(best[label], time.perf_counter() - t0)
+
+        runs = repeat
+        for _attempt in range(4):
+            if together:
+                with open_session(g, placements["one"]) as s1, open_session(g, placements["two"]) as s2:
+                    time_runs({"one": s1, "two": s2}, runs)
+            else:
+                for label, pl in placements.items():
+                    with open_session(g, pl) as s:
+                        time_runs({label: s}, runs)
+            if best["two"] > best["one"]:
+                break
+            runs *= 2
+        per[n] = max(0.0, best["two"] - best["one"]) / hops  # `two` crosses at every hop
     extra = per[MiB4] - per[1]
     return {"latency_s": per[1], "bandwidth_Bps": (4 * MiB4) / extra if extra > 0 else float("inf")}
 
