@@ -8,6 +8,7 @@ import pytest
 import flowctl as fc
 from flowctl.engine.control_flow import cond, while_loop
 from flowctl.engine.errors import ExecutionError, GraphError
+from flowctl.engine.gradcheck import check_gradients
 
 
 def f64(v: float) -> fc.Tensor:
@@ -174,14 +175,12 @@ def _rnn(parallel: int):
 
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_while_gradient_against_finite_differences(parallel: int) -> None:
-    from flowctl.engine.gradcheck import check_gradients
 
     rng = np.random.default_rng(3)
     check_gradients(_rnn(parallel), {"x": rng.standard_normal((2, 3)), "w": rng.standard_normal((3, 3))})
 
 
 def test_gradient_of_a_data_dependent_loop_and_a_cond_inside_it() -> None:
-    from flowctl.engine.gradcheck import check_gradients
 
     def growth(x, w):
         def body(h, acc):
@@ -196,7 +195,6 @@ def test_gradient_of_a_data_dependent_loop_and_a_cond_inside_it() -> None:
 
 
 def test_cond_gradient_differentiates_the_taken_branch() -> None:
-    from flowctl.engine.gradcheck import check_gradients
 
     def build(x):
         return cond(fc.greater(fc.reduce_sum(x), f64(0.0)), lambda: fc.tanh(x) * 2.0, lambda: x * x)
@@ -207,18 +205,80 @@ def test_cond_gradient_differentiates_the_taken_branch() -> None:
     check_gradients(build, {"x": -x if x.sum() > 0 else x})
 
 
-def test_gradient_of_nested_loops_is_refused_clearly() -> None:
-    g = fc.Graph()
-    with g.as_default():
-        x = fc.placeholder("float64", (2,), name="x")
+def test_a_tensor_entering_a_loop_twice_gets_both_gradients() -> None:
+    """x is the loop variable's initial value and, inside the body, an invariant: its gradient is
+    the sum of both paths (one of them was dropped once)."""
+    rng = np.random.default_rng(3)
 
+    def build(x, w):
+        return while_loop(lambda i, a: fc.less(i, i32(3)), lambda i, a: (i + 1, fc.tanh(a * w + x)),
+                          [i32(0), x])[1]
+
+    check_gradients(build, {"x": rng.standard_normal(3), "w": rng.standard_normal(3)})
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_gradient_of_nested_loops_with_data_dependent_trip_counts(n: int) -> None:
+    """The inner loop's trip count depends on the outer counter and a fed value; it reads outer
+    body values as invariants (h, s) and the outermost input w: every path differentiated."""
+    rng = np.random.default_rng(n)
+
+    def build(x, w, n):
         def outer(i, h):
-            _, h2 = while_loop(lambda j, a: fc.less(j, i32(2)), lambda j, a: (j + 1, a * 2.0), [i32(0), h])
+            s = fc.sin(h) * w
+            _, h2 = while_loop(lambda j, a: fc.less(j, n - i),
+                               lambda j, a: (j + 1, fc.tanh(a * s + h)), [i32(0), h])
             return i + 1, h2
 
-        _, y = while_loop(lambda i, h: fc.less(i, i32(2)), outer, [i32(0), x])
-        with pytest.raises(GraphError, match="nested loops are not supported"):
-            fc.gradients(y, [x])
+        return while_loop(lambda i, h: fc.less(i, n), outer, [i32(0), x])[1]
+
+    check_gradients(build, {"x": rng.standard_normal(3), "w": rng.standard_normal(3), "n": np.int32(n)},
+                    wrt=["x", "w"])
+
+
+def test_gradient_of_three_nested_loops() -> None:
+    rng = np.random.default_rng(4)
+
+    def build(x, w):
+        def l1(i, h):
+            def l2(j, a):
+                _, a2 = while_loop(lambda k, c: fc.less(k, i32(2)),
+                                   lambda k, c: (k + 1, fc.tanh(c * w + a)), [i32(0), a])
+                return j + 1, a2
+
+            _, h2 = while_loop(lambda j, a: fc.less(j, i + 1), l2, [i32(0), h])
+            return i + 1, h2 * 0.9
+
+        return while_loop(lambda i, h: fc.less(i, i32(2)), l1, [i32(0), x])[1]
+
+    check_gradients(build, {"x": rng.standard_normal(2), "w": rng.standard_normal(2)})
+
+
+def test_gradient_of_nested_loops_with_a_cond_is_the_same_for_any_parallel_iterations() -> None:
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(3), rng.standard_normal(3)
+    grads = []
+    for parallel in (1, 8):
+        def build(x, w):
+            def outer(i, h):
+                def inner(j, a):
+                    return j + 1, cond(fc.greater(fc.reduce_sum(a), f64(0.0)),
+                                       lambda: fc.tanh(a * w), lambda: a * a * 0.5)
+
+                _, h2 = while_loop(lambda j, a: fc.less(j, i32(3)), inner, [i32(0), h],
+                                   parallel_iterations=parallel)
+                return i + 1, h2 + x
+
+            return while_loop(lambda i, h: fc.less(i, i32(3)), outer, [i32(0), x],
+                              parallel_iterations=parallel)[1]
+
+        check_gradients(build, {"x": x, "w": w})
+        g = fc.Graph()
+        with g.as_default():
+            xp, wp = fc.placeholder("float64", (3,), name="x"), fc.placeholder("float64", (3,), name="w")
+            grads.append(fc.Session(g).run(fc.gradients(build(xp, wp), [xp, wp]), {xp: x, wp: w}))
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_cse_and_constant_folding_keep_frames_apart() -> None:
@@ -317,7 +377,6 @@ def test_parallel_iterations_bounds_the_iterations_in_flight() -> None:
 def test_two_loops_over_one_invariant_keep_their_gradient_sums_apart() -> None:
     """Each loop's gradient sums its invariant's gradient in a buffer of its own, also after
     CSE and constant folding (Session(optimize=True))."""
-    from flowctl.engine.gradcheck import check_gradients
 
     def build(x, w):
         a = _rnn(1)(x, w)

@@ -10,6 +10,11 @@ Backward loop variables: the counter j; for each float loop variable, the gradie
 its value at the current forward iteration (it starts as the gradient of its Exit); for each float
 loop invariant, the sum of its gradient over the iterations so far. The results are the gradients
 of the loop's initial values and of its invariants.
+
+Nested loops: the inner loop is differentiated while the outer body's gradient is being built, so
+its backward loop lands inside the outer backward body. The inner loop's counter and accumulators
+are made afresh in every outer iteration (their sources hang off the outer body), and the outer
+backward reads them, like any other forward value of its body, through accumulators of its own.
 """
 from __future__ import annotations
 
@@ -20,6 +25,14 @@ from flowctl.engine.control_flow import colocate_loop_control
 from flowctl.engine.errors import GraphError
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.graph import Graph, Node, Tensor, parse_ref
+
+
+# The nodes a backward loop adds to the *forward* graph (counters, accumulators), by name, with the
+# frame their outputs live in. A loop nested in another loop's body is differentiated while the
+# outer body's gradient is being built; the outer backward must then tell these forward additions
+# from its own new nodes (it rewrites only its own) and read them per outer iteration like any other
+# forward value. Each `_Backward.build` in progress holds one dict; an addition is recorded in all.
+_FORWARD_ADDED: list[dict[str, str]] = []
 
 
 @dataclass
@@ -78,14 +91,21 @@ def _only(graph: Graph, names: list[str], op: str, after: Node) -> Node:
     return found[0]
 
 
-def add_loop_var(graph: Graph, loop: Loop, init: Tensor, step: Any) -> Tensor:
-    """A new variable of an existing loop: `init` enters, `step(value)` is the next value; returns
-    its Exit. Built after the loop, for what a gradient must save."""
+def add_loop_var(graph: Graph, loop: Loop, init: Callable[[], Tensor], step: Any, parent: str) -> Tensor:
+    """A new variable of an existing loop: `init()` (made in the loop's parent frame `parent`)
+    enters, `step(value)` is the next value; returns its Exit. Built after the loop, for what a
+    gradient must save."""
     from flowctl.engine.ops.api import make1
     from flowctl.engine.ops.control import identity, merge, switch
 
-    enter = make1("Enter", [init], {"frame_name": loop.frame, "parallel_iterations": loop.parallel,
-                                    "expected_iterations": loop.expected}, name="Enter")
+    before = set(graph.nodes)
+    # In a nested loop the parent frame is itself a loop body: a source made for it must run there,
+    # once per parent iteration, so it hangs off a node of that frame (the loop's first Enter's input).
+    anchor = [parse_ref(loop.vars[0].enter.inputs[0])[0]] if parent else []
+    with graph.control_dependencies(anchor):
+        first = init()
+    enter = make1("Enter", [first], {"frame_name": loop.frame, "parallel_iterations": loop.parallel,
+                                     "expected_iterations": loop.expected}, name="Enter")
     m = merge([enter, enter], name="Merge")[0]
     off, on = switch(m, graph.tensor(loop.pred), name="Switch")
     exit_ = make1("Exit", [off], {"frame_name": loop.frame}, name="Exit")
@@ -95,32 +115,35 @@ def add_loop_var(graph: Graph, loop: Loop, init: Tensor, step: Any) -> Tensor:
     nxt = make1("NextIteration", [value], {"frame_name": loop.frame}, name="NextIteration")
     graph.nodes[m.node].inputs[1] = nxt.name
     colocate_loop_control(graph, loop.vars[0].merge.name, [t.node for t in (enter, m, off, exit_, body, nxt)])
+    outside = {first.node, exit_.node}
+    for record in _FORWARD_ADDED:
+        record.update({n: (parent if n in outside else loop.frame) for n in graph.nodes if n not in before})
     return exit_
 
 
 def while_gradient(graph: Graph, frame: str, exit_grads: dict[str, Tensor], name: str,
-                   gradients: Callable[..., list[Tensor | None]]) -> dict[str, Tensor]:
+                   gradients: Callable[..., list[Tensor | None]]) -> list[tuple[str, Tensor]]:
     """Build the backward loop of `frame`, given the gradients of (some of) its Exits. Returns the
-    gradient of each float Enter's input (initial values and invariants), keyed by that input's ref.
+    gradient of each float Enter's input (initial values and invariants) as (input ref, gradient)
+    pairs: one tensor that enters twice (an initial value also read as an invariant) has two, the
+    caller sums them.
     `gradients` is autodiff's own (§4.1), for the loop body: passed in, as autodiff calls this."""
     from flowctl.engine.control_flow import _no_outer_control
-    from flowctl.engine.frames import assign_frames
+    from flowctl.engine.frames import ancestors, assign_frames
 
     loop = find_loop(graph, frame)
-    forward = assign_frames(graph)
-    for node in graph.nodes.values():
-        if node.op == "Enter" and forward.parent.get(node.attrs["frame_name"]) == frame:
-            raise GraphError(f"gradient of while loop '{frame}': its body holds the loop "
-                             f"'{node.attrs['frame_name']}'; gradients of nested loops are not supported")
+    # The forward graph only: when this loop is nested, the graph also holds the outer backward loop.
+    forward = assign_frames(graph, ancestors(graph, [v.exit.name for v in loop.vars]))
     with graph.name_scope(graph.unique_name(name)) as bframe, _no_outer_control(graph):
-        back = _Backward(graph, loop, bframe, forward.out_frame, gradients)
+        back = _Backward(graph, loop, bframe, forward.out_frame, forward.parent.get(frame, ""), gradients)
         return back.build(exit_grads)
 
 
 class _Backward:
-    def __init__(self, graph: Graph, loop: Loop, bframe: str, out_frame: dict[str, str],
+    def __init__(self, graph: Graph, loop: Loop, bframe: str, out_frame: dict[str, str], parent: str,
                  gradients: Callable[..., list[Tensor | None]]) -> None:
         self.g = graph
+        self.parent = parent  # the frame the forward loop runs in ("" at the top level)
         self.gradients = gradients
         self.loop = loop
         self.bframe = bframe
@@ -130,13 +153,21 @@ class _Backward:
         self.entered: dict[str, Tensor] = {}  # outside ref -> its invariant Enter into the backward loop
         self.reads: dict[str, Tensor] = {}  # forward ref -> its AccRead in the backward body
 
-    def build(self, exit_grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    def build(self, exit_grads: dict[str, Tensor]) -> list[tuple[str, Tensor]]:
+        self.added: dict[str, str] = {}
+        _FORWARD_ADDED.append(self.added)
+        try:
+            return self._build(exit_grads)
+        finally:
+            _FORWARD_ADDED.remove(self.added)
+
+    def _build(self, exit_grads: dict[str, Tensor]) -> list[tuple[str, Tensor]]:
         from flowctl.engine.ops import elementwise as ew
         from flowctl.engine.ops.api import constant, make1
         from flowctl.engine.ops.control import identity, merge, switch
 
         g = self.g
-        trips = add_loop_var(g, self.loop, constant(0, "int32", graph=g), lambda i: i + 1)
+        trips = add_loop_var(g, self.loop, lambda: constant(0, "int32", graph=g), lambda i: i + 1, self.parent)
         inits = [constant(0, "int32", graph=g)]
         inits += [exit_grads.get(v.exit.name) or ew.zeros_like(Tensor(g, v.exit.name, 0)) for v in self.fvars]
         with g.control_dependencies([trips]):
@@ -170,9 +201,12 @@ class _Backward:
                                    + [Tensor(g, e.name, 0) for e in self.finv],
                                    grad_ys=gys, name="body_grad",
                                    stop_at={v.body.name for v in self.loop.vars})
-        made = [node for name, node in g.nodes.items() if name not in before]
+        made = [node for name, node in g.nodes.items() if name not in before and name not in self.added]
         for node in made:
             node.inputs = [self.backward_ref(r) for r in node.inputs]
+            # A control edge from a forward value cannot cross into the backward frame: the value is
+            # there (read per iteration) or the node runs once per backward iteration anyway.
+            node.control_inputs = [c for c in node.control_inputs if self.forward_frame(c) is None]
             if not node.inputs and not node.control_inputs:
                 node.control_inputs.append(j.node)
         nexts = [j + one]
@@ -190,9 +224,8 @@ class _Backward:
             g.nodes[m_.node].inputs[1] = nxt.name
             control.append(nxt.node)
         colocate_loop_control(g, merges[0].node, control)
-        out = {v.enter.inputs[0]: exits[1 + k] for k, v in enumerate(self.fvars)}
-        out.update({e.inputs[0]: exits[1 + nv + m] for m, e in enumerate(self.finv)})
-        return out
+        return ([(v.enter.inputs[0], exits[1 + k]) for k, v in enumerate(self.fvars)]
+                + [(e.inputs[0], exits[1 + nv + m]) for m, e in enumerate(self.finv)])
 
     def stacked(self, exit_grads: dict[str, Tensor]) -> list[tuple[str, Tensor]]:
         """(pushed ref, gradient of the stack) for each accumulator variable with a gradient."""
@@ -218,7 +251,7 @@ class _Backward:
         """A ref the backward body may read: forward values through accumulators, invariants
         and outside values through Enters of the backward frame."""
         src = self.g.nodes[parse_ref(ref)[0]]
-        frame = self.out_frame.get(src.name)
+        frame = self.forward_frame(src.name)
         if frame is None:
             return ref  # made for the backward loop
         if frame != self.loop.frame:
@@ -227,14 +260,19 @@ class _Backward:
             return self.enter(src.inputs[0]).name
         return self.read(ref).name
 
+    def forward_frame(self, name: str) -> str | None:
+        """The frame a forward node's outputs live in; None for a node made for a backward loop."""
+        frame = self.out_frame.get(name)
+        return frame if frame is not None else self.added.get(name)
+
     def read(self, ref: str) -> Tensor:
         from flowctl.engine.ops.api import make1
 
         if ref not in self.reads:
             g = self.g
             spec = g.tensor(ref).spec
-            acc0 = make1("AccCreate", [], name="acc", graph=g)
-            saved = add_loop_var(g, self.loop, acc0, lambda a: make1("AccPush", [a, g.tensor(ref)], name="push"))
+            saved = add_loop_var(g, self.loop, lambda: make1("AccCreate", [], name="acc", graph=g),
+                                 lambda a: make1("AccPush", [a, g.tensor(ref)], name="push"), self.parent)
             self.reads[ref] = make1("AccRead", [self.enter(saved.name), self.index],
                                     {"dtype": spec.dtype, "shape": spec.shape}, name="read")
         return self.reads[ref]
