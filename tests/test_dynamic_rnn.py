@@ -172,7 +172,7 @@ model:
     - {name: embedding, type: embedding, vocab: 12, dim: 6, init_scale: 0.1, inputs: [tokens]}
     - {name: lstm_1, type: lstm, units: 8, init_scale: 0.1, unroll: dynamic, inputs: [embedding, lengths]}
     - {name: softmax, type: dense, units: 12}
-    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets, lengths]}
 data: {source: text, path: corpus.txt, vocab_size: 12, lengths: lengths, bucket: true, seed: 3}
 training: {optimizer: {type: adam}, learning_rate: 0.05, batch_size: 4, steps: 10, seed: 1}
 checkpoint: {every_steps: 100, keep: 3}

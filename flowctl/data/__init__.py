@@ -48,8 +48,8 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
         name = cfg.get("input") or next(iter(ints), None)
         if name is None or name not in ints or len(ints[name].shape) != 1:
             raise SpecError("a text source needs an integer model input of shape [unroll]")
-        if cfg.get("lengths"):  # sentences of their own lengths (no held-out split for them yet)
-            return _sentences(cfg, inputs, batch_size, Path(base_dir), ints, name)
+        if cfg.get("lengths"):  # sentences of their own lengths
+            return _sentences(cfg, inputs, batch_size, Path(base_dir), ints, name, held)
         vocab = None
         if held and cfg.get("validation"):  # encoded with the training corpus's words
             vocab = Vocabulary.build(read_words(Path(base_dir) / cfg["path"]), cfg.get("vocab_size"))
@@ -77,7 +77,7 @@ def _split_of(cfg: Mapping[str, Any], base_dir: str | Path, held: bool) -> tuple
 
 
 def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, base_dir: Path,
-               ints: dict[str, InputSpec], name: str) -> SentenceSource:
+               ints: dict[str, InputSpec], name: str, held: bool) -> SentenceSource:
     lengths = cfg["lengths"]
     if lengths not in ints or ints[lengths].shape != ():
         raise SpecError(f"data.lengths names '{lengths}', which must be a scalar integer model input "
@@ -86,10 +86,12 @@ def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, ba
     target = cfg.get("target") or (rest[0] if rest else None)
     if target is None or target not in ints:
         raise SpecError("a text source with lengths feeds three integer inputs: tokens, next tokens, lengths")
-    return SentenceSource(inputs, batch_size, base_dir / cfg["path"], unroll=ints[name].shape[0],
+    path, part = _split_of(cfg, base_dir, held)
+    return SentenceSource(inputs, batch_size, path, unroll=ints[name].shape[0],
                           input_name=name, target_name=target, lengths_name=lengths,
                           vocab_size=cfg.get("vocab_size"), bucket=cfg.get("bucket", False),
-                          seed=cfg.get("seed", 0))
+                          seed=cfg.get("seed", 0), part=part, vocab_path=base_dir / cfg["path"],
+                          shuffle=not held)
 
 
 __all__ = ["ArraySource", "DataSource", "InputSpec", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",

@@ -119,18 +119,26 @@ class SentenceSource(DataSource):
 
     def __init__(self, inputs: list[InputSpec], batch_size: int, path: str | Path, unroll: int,
                  input_name: str, target_name: str, lengths_name: str, vocab_size: int | None = None,
-                 bucket: bool = False, seed: int = 0) -> None:
+                 bucket: bool = False, seed: int = 0, part: tuple[float, float] = (0.0, 1.0),
+                 vocab_path: str | Path | None = None, shuffle: bool = True) -> None:
+        """`part`: the fraction of the file's non-empty lines this source reads (start, stop);
+        `vocab_path`: the corpus the vocabulary is built from (default `path`: held-out data is
+        encoded with the training corpus's words); `shuffle=False` reads the lines in file order
+        (held-out data), bucketing or not."""
         super().__init__(inputs, batch_size, seed)
         self.path = Path(path)
         self.unroll = int(unroll)
         self.names = (input_name, target_name, lengths_name)
         self.bucket = bool(bucket)
-        self.vocab = Vocabulary.build(read_words(self.path), vocab_size)
+        self.shuffle = bool(shuffle)
+        self.vocab = Vocabulary.build(read_words(Path(vocab_path or self.path)), vocab_size)
         lines = [line.split() for line in self.path.read_text(encoding="utf-8").splitlines()]
         lines = [words for words in lines if words]
+        lines = lines[round(part[0] * len(lines)):round(part[1] * len(lines))]
         self.batches_per_epoch = len(lines) // batch_size
         if self.batches_per_epoch < 1:
-            raise SpecError(f"{self.path}: {len(lines)} non-empty lines are too few for one batch of {batch_size}")
+            raise SpecError(f"{self.path}: {len(lines)} non-empty lines (of the part read) are too few for "
+                            f"one batch of {batch_size}")
         n = self.unroll
         self.tokens = np.zeros((len(lines), n), np.int64)
         self.targets = np.zeros((len(lines), n), np.int64)
@@ -148,6 +156,8 @@ class SentenceSource(DataSource):
         mid-epoch sees the same order."""
         rng = np.random.default_rng([self.seed, epoch])
         b = self.batch_size
+        if not self.shuffle:
+            return np.arange(self.batches_per_epoch * b)
         if not self.bucket:
             return rng.permutation(len(self.lengths))[:self.batches_per_epoch * b]
         by_length = np.argsort(self.lengths, kind="stable")[:self.batches_per_epoch * b]

@@ -102,7 +102,8 @@ def _check_layers(spec: Spec, root: LocDict, expansion: Expansion, problems: Pro
         refs = [expansion.aliases.get(r, r) for r in (layer.inputs or [])]
         lo, hi = layer.arity
         if not lo <= len(refs) <= (hi if hi is not None else len(refs)):
-            want = f"{lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo} to {hi}"
+            want = (f"{lo}" if lo == hi else f"at least {lo}" if hi is None
+                    else f"{lo} or {hi}" if hi == lo + 1 else f"{lo} to {hi}")
             problems.at(root, loc + ("inputs",) if layer.inputs else loc,
                         f"{layer.type} layer '{name}' takes {want} input(s), got {len(refs)}"
                         + (f": {', '.join(refs)}" if refs else ""))
@@ -162,7 +163,7 @@ def _check_loss(spec: Spec, root: LocDict, layers: dict[str, LayerInfo], problem
 
 
 def _check_classes(root: LocDict, info: LayerInfo, layers: dict[str, LayerInfo], problems: Problems) -> None:
-    logits, labels = (layers[r] for r in info.inputs)
+    logits, labels = (layers[r] for r in info.inputs[:2])
     n = logits.output.shape[-1]
     classes = getattr(labels.layer, "classes", None)
     if labels.layer.type == "input" and classes is not None and n is not None and classes != n:

@@ -5,7 +5,9 @@ the training graph's names, so a Session on the training store reads the current
 
 Metrics (`training.metrics`), reported as `val/<name>`: `loss` (the mean over every example),
 `accuracy` and `top5` (the label among the logits' best 1 or 5; per token for sequences), and
-`perplexity` (exp of the mean loss: a language model's cross-entropy per token).
+`perplexity` (exp of the mean loss: a language model's cross-entropy per token). A loss masked by
+sequence lengths makes all three count real tokens only: the loss is weighted by each batch's
+tokens, and padded positions are neither hits nor misses.
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ class Evaluator:
         loss_layer = loaded.layers[loaded.loss]
         self.logits: fc.Tensor | None = None
         self.labels: str | None = None
+        self.lengths: str | None = None  # a masked sequence loss: metrics count real tokens only
         if loss_layer.layer.type == "softmax_cross_entropy":
             self.logits = self.model.outputs[loss_layer.inputs[0]]
             self.labels = loss_layer.inputs[1]
+            self.lengths = loss_layer.inputs[2] if len(loss_layer.inputs) > 2 else None
         elif set(self.metrics) - {"loss"}:
             raise SpecError(f"metrics {self.metrics} need a softmax_cross_entropy loss")
         self.session = fc.Session(self.model.graph, device=device, store=store)
@@ -69,25 +73,35 @@ class Evaluator:
         if batches is None:
             batches = int(getattr(source, "batches_per_epoch", 0) or self.loaded.spec.data.model_dump().get(
                 "validation_batches", 16))
-        loss_sum, examples, hits, hits5, tokens = 0.0, 0, 0, 0, 0
+        loss_sum, weight, examples, hits, hits5, tokens = 0.0, 0, 0, 0, 0, 0
         fetches: list[Any] = [self.model.loss] + ([self.logits] if self.logits is not None else [])
         for _ in range(batches):
             batch = source.next_batch()
             feeds = {self.model.inputs[k]: v for k, v in batch.items() if k in self.model.inputs}
             out = self.session.run(fetches, feeds)
             n = len(next(iter(batch.values())))
-            loss_sum += float(out[0]) * n
             examples += n
+            keep = None
+            if self.lengths is not None:  # the loss is a mean over this batch's real tokens
+                steps = out[1].shape[1]
+                keep = (np.arange(steps)[None, :] < np.asarray(batch[self.lengths]).reshape(-1, 1)).reshape(-1)
+                loss_sum += float(out[0]) * int(keep.sum())
+                weight += int(keep.sum())
+            else:
+                loss_sum += float(out[0]) * n
+                weight += n
             if self.logits is not None and self.labels is not None and np.issubdtype(batch[self.labels].dtype,
                                                                                       np.integer):
                 logits = np.asarray(out[1]).reshape(-1, out[1].shape[-1])
                 labels = batch[self.labels].reshape(-1)
+                if keep is not None:
+                    logits, labels = logits[keep], labels[keep]
                 hits += int((logits.argmax(axis=1) == labels).sum())
                 k = min(5, logits.shape[1])
                 top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
                 hits5 += int((top == labels[:, None]).any(axis=1).sum())
                 tokens += len(labels)
-        mean = loss_sum / max(examples, 1)
+        mean = loss_sum / max(weight, 1)
         values: dict[str, float] = {}
         for m in self.metrics:
             if m == "loss":

@@ -35,6 +35,19 @@ def linear(b: Builder, x: Tensor, kernel: Tensor, bias: Tensor | None) -> Tensor
     return y
 
 
+def sequence_mask(lengths: Tensor, steps: int, dtype: str, name: str = "mask") -> Tensor:
+    """[batch, steps]: 1 where the step is below the example's length, 0 past it (padding)."""
+    t = fc.reshape(fc.range_(steps, dtype="int32", name=f"{name}_steps"), (1, steps), name=f"{name}_row")
+    lens = fc.reshape(fc.cast(lengths, "int32", name=f"{name}_lengths"), (-1, 1), name=f"{name}_column")
+    return fc.cast(fc.less(t, lens, name=f"{name}_alive"), dtype, name=name)
+
+
+def check_lengths(spec: TensorSpec, layer: str, names: list[str]) -> None:
+    if len(spec.shape) != 1 or not spec.dtype.startswith("int"):
+        raise LayerError(f"{layer}: lengths '{names[-1]}' must be one integer per example ([batch]), got "
+                         f"{fmt(spec.shape)} {spec.dtype}", "inputs")
+
+
 @register
 class Input(Layer):
     """A model input, fed from the data source: `shape` is per example (the batch is added)."""
@@ -194,15 +207,19 @@ class Embedding(Layer):
 @register
 class SoftmaxCrossEntropy(Layer):
     """Mean softmax cross-entropy of `inputs: [logits, labels]`. Integer labels are class ids
-    (sparse); float labels are distributions with the logits' shape."""
+    (sparse); float labels are distributions with the logits' shape.
+
+    For sequences (logits [batch, T, classes]) a third input, each example's length, masks the
+    padding: the loss is the mean over real tokens only (PyTorch's `ignore_index`, TensorFlow NMT's
+    target weights, normalised per token), so a padded position neither counts nor dilutes."""
 
     type: Literal["softmax_cross_entropy"]
 
-    arity: ClassVar[tuple[int, int | None]] = (2, 2)
+    arity: ClassVar[tuple[int, int | None]] = (2, 3)
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
-        logits, labels = ins
-        names = self.inputs or ["logits", "labels"]
+        logits, labels = ins[:2]
+        names = self.inputs or ["logits", "labels", "lengths"]
         if len(logits.shape) < 2:
             raise LayerError(f"logits must have rank >= 2, got {fmt(logits.shape)}", "inputs")
         if labels.dtype.startswith("int"):
@@ -215,10 +232,16 @@ class SoftmaxCrossEntropy(Layer):
             raise LayerError(f"labels '{names[1]}' {fmt(labels.shape)} ({kind}) do not fit logits "
                              f"'{names[0]}' {fmt(logits.shape)}: expected labels of shape {fmt(want)}",
                              "inputs")
+        if len(ins) == 3:
+            if len(logits.shape) != 3:
+                raise LayerError(f"a lengths input masks sequences: logits must be [batch, time, classes], "
+                                 f"got {fmt(logits.shape)}", "inputs")
+            check_lengths(ins[2], "softmax_cross_entropy", names)
         return TensorSpec((), logits.dtype)
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
-        logits, labels = ins
+        logits, labels = ins[:2]
+        steps = logits.shape[1] if len(logits.shape) == 3 else None
         if len(logits.shape) > 2:
             logits = fc.reshape(logits, (-1, logits.shape[-1]), name="fold_logits")
             labels = fc.reshape(labels, (-1,) if labels.dtype.startswith("int") else (-1, logits.shape[-1]),
@@ -227,7 +250,12 @@ class SoftmaxCrossEntropy(Layer):
             per_example = fc.sparse_softmax_cross_entropy(logits, labels, name="xent")
         else:
             per_example = fc.softmax_cross_entropy(logits, labels, name="xent")
-        return fc.reduce_mean(per_example, name="mean")
+        if len(ins) < 3:
+            return fc.reduce_mean(per_example, name="mean")
+        assert steps is not None
+        mask = fc.reshape(sequence_mask(ins[2], steps, logits.dtype), (-1,), name="fold_mask")
+        tokens = fc.maximum(fc.reduce_sum(mask, name="tokens"), fc.constant(1.0, logits.dtype), name="at_least_one")
+        return fc.div(fc.reduce_sum(per_example * mask, name="masked_sum"), tokens, name="mean")
 
     @property
     def is_loss(self) -> bool:

@@ -20,7 +20,7 @@ import flowctl as fc
 from flowctl.engine.graph import Tensor
 from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.layers.base import Builder, Layer, LayerError, Weight, fmt, known, rank, register
-from flowctl.spec.layers.core import linear
+from flowctl.spec.layers.core import check_lengths, linear, sequence_mask
 
 
 @register
@@ -192,15 +192,19 @@ class Attention(Layer):
     """Content-based attention (Luong et al. 2015, "general" score) for an encoder-decoder:
     `inputs: [queries, memory]`, queries [batch, Tq, d] (decoder states) attend over memory
     [batch, Tm, m] (encoder states): a = softmax(q W_a mᵀ), context = a m, and the output is
-    tanh([context, q] W_c) of `units` features (default d)."""
+    tanh([context, q] W_c) of `units` features (default d). An optional third input, the memory's
+    lengths per example, keeps the attention off the padding (those scores get -1e9 before the
+    softmax, so their weights are exactly 0 in float32)."""
 
     type: Literal["attention"]
     units: int | None = Field(None, ge=1)
 
-    arity: ClassVar[tuple[int, int | None]] = (2, 2)
+    arity: ClassVar[tuple[int, int | None]] = (2, 3)
 
     def _dims(self, ins: list[TensorSpec]) -> tuple[int, int, int]:
-        q, m = ins
+        q, m = ins[:2]
+        if len(ins) == 3:
+            check_lengths(ins[2], "attention", self.inputs or ["queries", "memory", "lengths"])
         rank(q, 3, "attention", "[batch, time, features] query")
         rank(m, 3, "attention", "[batch, time, features] memory")
         if q.shape[0] is not None and m.shape[0] is not None and q.shape[0] != m.shape[0]:
@@ -219,11 +223,16 @@ class Attention(Layer):
         return [Weight("score_kernel", (d, md)), Weight("output_kernel", (md + d, units))]
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
-        q, m = ins
+        q, m = ins[:2]
         w_a, w_c = (b.variable(w) for w in self.weights([q.spec, m.spec]))
         with b.graph.name_scope("score"):
             qw = linear(b, q, w_a, None)  # [batch, Tq, m]
         scores = fc.batch_matmul(qw, m, adj_y=True, name="scores")  # [batch, Tq, Tm]
+        if len(ins) == 3:
+            steps = known(m.shape[1], "attention memory steps")
+            mask = fc.expand_dims(sequence_mask(ins[2], steps, scores.dtype, name="memory_mask"), 1,
+                                  name="memory_mask_row")  # [batch, 1, Tm]
+            scores = scores + (mask - 1.0) * 1e9
         align = fc.softmax(scores, name="align")
         context = fc.batch_matmul(align, m, name="context")  # [batch, Tq, m]
         joined = fc.concat([context, q], axis=2, name="concat")
