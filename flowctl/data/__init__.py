@@ -12,6 +12,7 @@ import numpy as np
 
 from flowctl.data.arrays import ArraySource
 from flowctl.data.base import DataSource, InputSpec
+from flowctl.data.parallel import ParallelTextSource
 from flowctl.data.synthetic import SyntheticSource
 from flowctl.data.text import SentenceSource, TextSource, Vocabulary, read_words
 from flowctl.engine.errors import SpecError
@@ -55,7 +56,14 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
             vocab = Vocabulary.build(read_words(Path(base_dir) / cfg["path"]), cfg.get("vocab_size"))
         return TextSource(inputs, batch_size, path, unroll=ints[name].shape[0], vocab_size=cfg.get("vocab_size"),
                           input_name=cfg.get("input"), target_name=cfg.get("target"), part=part, vocab=vocab)
-    raise SpecError(f"unknown data source {kind!r}: synthetic, arrays or text")
+    if kind == "parallel_text":
+        base = Path(base_dir)
+        target = base / (cfg["validation_target"] if held and cfg.get("validation") else cfg["target_path"])
+        return ParallelTextSource(inputs, batch_size, path, target, cfg.get("feeds") or {},
+                                  vocab_paths=(base / cfg["path"], base / cfg["target_path"]),
+                                  vocab_sizes=(cfg.get("vocab_size"), cfg.get("target_vocab_size")), part=part,
+                                  bucket=cfg.get("bucket", False), shuffle=not held, seed=cfg.get("seed", 0))
+    raise SpecError(f"unknown data source {kind!r}: synthetic, arrays, text or parallel_text")
 
 
 def has_validation(config: Mapping[str, Any]) -> bool:
@@ -94,5 +102,5 @@ def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, ba
                           shuffle=not held)
 
 
-__all__ = ["ArraySource", "DataSource", "InputSpec", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",
+__all__ = ["ArraySource", "DataSource", "InputSpec", "ParallelTextSource", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",
            "Vocabulary", "has_validation", "make_source"]

@@ -14,7 +14,7 @@ from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.blocks import Expansion, Instance
 from flowctl.spec.layers import Layer, LayerError, Weight, count
 from flowctl.spec.layers.base import fmt
-from flowctl.spec.schema import ArrayData, Spec, TextData
+from flowctl.spec.schema import ArrayData, ParallelTextData, Spec, TextData
 from flowctl.spec.source import LocDict, Mark, Problems, did_you_mean, locate
 
 DEFAULT_BATCH = 32
@@ -259,13 +259,15 @@ def _check_devices(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Prob
 def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problems, base_dir: Path) -> None:
     data = spec.data
     inputs = {i.name: i for i in loaded.inputs()}
-    if isinstance(data, (ArrayData, TextData)) and not (base_dir / data.path).exists():
-        problems.at(root, ("data", "path"), f"no such file: {base_dir / data.path}")
-    if isinstance(data, (ArrayData, TextData)) and data.validation and not (base_dir / data.validation).exists():
-        problems.at(root, ("data", "validation"), f"no such file: {base_dir / data.validation}")
+    files = (ArrayData, TextData, ParallelTextData)
+    if isinstance(data, files):
+        for key in ("path", "validation", "target_path", "validation_target"):
+            name = getattr(data, key, None)
+            if name and not (base_dir / name).exists():
+                problems.at(root, ("data", key), f"no such file: {base_dir / name}")
     t = spec.training
     wants_eval = t.eval_every_steps or t.early_stopping or (spec.checkpoint and spec.checkpoint.keep_best)
-    if wants_eval and isinstance(data, (ArrayData, TextData)) and not (data.validation or data.validation_fraction):
+    if wants_eval and isinstance(data, files) and not (data.validation or data.validation_fraction):
         problems.at(root, ("data",), "evaluation (training.eval_every_steps, early_stopping or checkpoint.keep_best) "
                     "needs validation data: set data.validation (a file) or data.validation_fraction")
     if (t.early_stopping or (spec.checkpoint and spec.checkpoint.keep_best)) and not t.eval_every_steps:
@@ -286,6 +288,16 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
             if key not in inputs:
                 problems.at(root, ("data", "features", key), f"'{key}' is not a model input"
                             + did_you_mean(key, inputs) + f" (inputs: {', '.join(inputs)})", key=True)
+    if isinstance(data, ParallelTextData):
+        for key, name in data.feeds.model_dump().items():
+            per_example = () if key.endswith("lengths") else None
+            if name not in inputs:
+                problems.at(root, ("data", "feeds", key), f"'{name}' is not a model input" + did_you_mean(name, inputs))
+                continue
+            out = inputs[name].output
+            if not out.dtype.startswith("int") or (out.shape[1:] != () if per_example == () else len(out.shape) != 2):
+                problems.at(root, ("data", "feeds", key), f"'{name}' must be an integer model input of shape "
+                            + ("[]" if per_example == () else "[steps]") + f", got {list(out.shape[1:])} {out.dtype}")
     if isinstance(data, TextData):
         ints = [n for n, i in inputs.items() if i.output.dtype.startswith("int") and n != data.lengths]
         if data.lengths is not None and (data.lengths not in inputs or inputs[data.lengths].output.shape[1:] != ()

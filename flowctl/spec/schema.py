@@ -139,7 +139,37 @@ class TextData(HeldOut):
     seed: int = 0
 
 
-DataSpec = Annotated[Union[SyntheticData, ArrayData, TextData], Field(discriminator="source")]
+class ParallelFeeds(Strict):
+    """Which model input each part of a sentence pair feeds."""
+
+    source: str = Field(description="source ids, shape [steps]")
+    source_lengths: str = Field(description="source length, shape []")
+    target_in: str = Field(description="decoder input ids (<eos> first), shape [steps]")
+    target_out: str = Field(description="decoder target ids (<eos> last), shape [steps]")
+    target_lengths: str = Field(description="target length (words + 1), shape []")
+
+
+class ParallelTextData(HeldOut):
+    """Sentence pairs for translation: two files aligned line by line."""
+
+    source: Literal["parallel_text"]
+    path: str = Field(description="source-language sentences, one per line")
+    target_path: str = Field(description="target-language sentences, line i translating line i of path")
+    validation_target: str | None = Field(None, description="with validation: its target-language file")
+    feeds: ParallelFeeds
+    vocab_size: int | None = Field(None, ge=2, description="source vocabulary: the most frequent words")
+    target_vocab_size: int | None = Field(None, ge=2, description="target vocabulary: the most frequent words")
+    bucket: bool = Field(False, description="batch pairs of similar source length together")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _pair(self) -> "ParallelTextData":
+        if (self.validation is None) != (self.validation_target is None):
+            raise ValueError("held-out pairs need both validation (source) and validation_target")
+        return self
+
+
+DataSpec = Annotated[Union[SyntheticData, ArrayData, TextData, ParallelTextData], Field(discriminator="source")]
 
 
 # ---------------------------------------------------------------------------- devices
