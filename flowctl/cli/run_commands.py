@@ -42,8 +42,8 @@ def evaluate(run_dir: Path, data: str | None, checkpoint: str | None, as_json: b
 def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, out: Path | None,
             as_json: bool) -> None:
     """Run RUN_DIR's model on INPUT: an .npz of the model's inputs (top classes per example, and the
-    accuracy when the labels are there too), or a text file for a language model (the likely next
-    words)."""
+    accuracy when the labels are there too), or a text file: for a language model the likely next
+    words, for a model trained on sentence pairs each line's translation (greedy)."""
     from flowctl.training.inference import predict_run
 
     r = predict_run(run_dir, input_path, checkpoint, top)
@@ -51,6 +51,9 @@ def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, ou
     if "next" in r:
         words = ", ".join(f"{w['word']} {w['probability']:.3f}" for w in r["next"])
         con.print(f"after '{' '.join(r['context'][-8:])}': {words}")
+    elif "translations" in r:
+        for t in r["translations"]:
+            con.print(f"{t['source']}  ->  {t['translation']}", markup=False, highlight=False)
     else:
         acc = f"; accuracy {r['accuracy']:.4f}" if "accuracy" in r else ""
         con.print(f"{r['examples']:,} examples predicted{acc}; first: classes {r['classes'][0]}")

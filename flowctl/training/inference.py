@@ -113,6 +113,8 @@ def predict_run(run_dir: Path, input_path: str, checkpoint: str | None = None, t
         raise SpecError(f"{input_path}: no such input file")
     if path.suffix == ".npz":
         return {"checkpoint": str(m.checkpoint.path), **_predict_arrays(m, path, top)}
+    if m.loaded.spec.data.model_dump().get("source") == "parallel_text":
+        return {"checkpoint": str(m.checkpoint.path), **_translate(m, path)}
     return {"checkpoint": str(m.checkpoint.path), **_predict_text(m, path, top)}
 
 
@@ -167,6 +169,53 @@ def _predict_text(m: RunModel, path: Path, top: int) -> dict[str, Any]:
     order = np.argsort(-last, kind="stable")[:top]
     return {"context": vocab.decode(window), "next": [{"word": vocab.words[i], "probability": float(last[i])}
                                                      for i in order]}
+
+
+def _translate(m: RunModel, path: Path) -> dict[str, Any]:
+    """Greedy decoding for a model trained on sentence pairs: each line of `path` is a source
+    sentence; the decoder starts from `<eos>` and is run once per target position, each time fed
+    the words chosen so far (the argmax at the previous position), until every sentence has
+    produced `<eos>` or the target input is full."""
+    from flowctl.data.parallel import read_lines
+
+    data = m.loaded.spec.data.model_dump()
+    lines = [words for words in read_lines(path) if words]
+    if not lines:
+        raise SpecError(f"{path}: no sentence to translate")
+    base, feeds = m.loaded.base_dir, data["feeds"]
+    src_vocab = Vocabulary.build(read_words(base / data["path"]), data.get("vocab_size"))
+    tgt_vocab = Vocabulary.build(read_words(base / data["target_path"]), data.get("target_vocab_size"))
+    inputs = m.evaluator.model.inputs
+    ts, tt = int(inputs[feeds["source"]].shape[1]), int(inputs[feeds["target_in"]].shape[1])
+    n, eos = len(lines), tgt_vocab.ids["<eos>"]
+    source, source_len = np.zeros((n, ts), np.int64), np.zeros(n, np.int64)
+    for i, words in enumerate(lines):
+        ids = src_vocab.encode(words)[:ts]
+        source[i, :len(ids)], source_len[i] = ids, len(ids)
+    target_in = np.zeros((n, tt), np.int64)
+    target_in[:, 0] = eos
+    chosen = np.zeros((n, tt), np.int64)
+    done = np.zeros(n, bool)
+    logits_t = _logits_of(m)
+    dtype = {k: inputs[v].dtype for k, v in feeds.items()}
+    need = needed_nodes(m.graph, [logits_t.node], set())
+    for t in range(tt):
+        fed = {"source": source, "source_lengths": source_len, "target_in": target_in,
+               "target_lengths": np.full(n, t + 1)}
+        logits = np.asarray(m.session.run(logits_t, {inputs[feeds[k]]: v.astype(dtype[k]) for k, v in fed.items()
+                                                      if inputs[feeds[k]].node in need}))
+        chosen[:, t] = logits[:, t].argmax(axis=-1)
+        done |= chosen[:, t] == eos
+        if done.all():
+            break
+        if t + 1 < tt:
+            target_in[:, t + 1] = chosen[:, t]
+    out = []
+    for i, words in enumerate(lines):
+        row = list(chosen[i])
+        cut = row.index(eos) if eos in row else len(row)
+        out.append({"source": " ".join(words), "translation": " ".join(tgt_vocab.decode(np.array(row[:cut])))})
+    return {"examples": n, "translations": out}
 
 
 def _vocabulary(loaded: LoadedSpec) -> Vocabulary:
