@@ -145,3 +145,37 @@ def test_evaluation_of_sentences_reads_held_out_lines_and_counts_real_tokens(tmp
     assert scores.values["val/accuracy"] == pytest.approx(hits / tokens, abs=1e-12)
     assert scores.values["val/loss"] == pytest.approx(nll_sum / tokens, rel=1e-5)
     assert scores.values["val/perplexity"] == pytest.approx(np.exp(nll_sum / tokens), rel=1e-5)
+
+
+def test_predict_continues_a_sentence_after_its_last_word(tmp_path: Path) -> None:
+    """A sentence model reads the text as one sentence: the next-word distribution is the one at
+    its last word, the same as at that position of any longer sentence that starts with it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from flowctl.cli.main import cli
+    from flowctl.training.inference import open_run
+
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat dog ran far".split()
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=rng.integers(1, 11)))
+                                                   for _ in range(32)) + "\n")
+    (tmp_path / "lm.yaml").write_text(SENTENCES)
+    r = CliRunner().invoke(cli, ["train", str(tmp_path / "lm.yaml"), "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "q.txt").write_text("the cat\n")
+    r = CliRunner().invoke(cli, ["predict", str(tmp_path / "run"), str(tmp_path / "q.txt"), "--json", "--top", "12"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["context"] == ["the", "cat"]
+    m = open_run(tmp_path / "run")
+    vocab = {w: i for i, w in enumerate(m.evaluator.source(4).vocab.words)}
+    inputs = m.evaluator.model.inputs
+    tokens = np.zeros((4, 8), np.int32)
+    tokens[:, :5] = [vocab[w] for w in "the cat sat on a".split()]
+    logits = m.session.run(m.evaluator.logits, {inputs["tokens"]: tokens, inputs["lengths"]: np.full(4, 5, np.int32)})
+    z = logits[0, 1].astype(np.float64)
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    for entry in got["next"]:
+        assert entry["probability"] == pytest.approx(p[vocab[entry["word"]]], rel=1e-5)

@@ -155,20 +155,37 @@ def _forward_inputs(m: RunModel, target: fc.Tensor) -> list[str]:
 
 
 def _predict_text(m: RunModel, path: Path, top: int) -> dict[str, Any]:
+    """A language model's next word after the text in `path`. Trained on a token stream, the model
+    reads the last `unroll` words (left-padded with <unk>); trained on sentences with their lengths,
+    it reads the text as one sentence (its last `unroll` words) and predicts after its last word."""
     logits_t = _logits_of(m)
     vocab = _vocabulary(m.loaded)
     ids = vocab.encode(read_words(path)[:-1])  # the words as written, without the line's end marker
-    (name,) = _forward_inputs(m, logits_t)
-    unroll = int(m.evaluator.model.inputs[name].shape[1])
-    window = np.full(unroll, vocab.ids[UNK], np.int64)
-    tail = ids[-unroll:]
-    window[unroll - len(tail):] = tail
-    x = np.tile(window, (m.loaded.global_batch, 1)).astype(m.evaluator.model.inputs[name].dtype)
-    logits = np.asarray(m.session.run(logits_t, {m.evaluator.model.inputs[name]: x}))
-    last = _softmax(logits.reshape(m.loaded.global_batch, unroll, -1)[0, -1][None, :])[0]
-    order = np.argsort(-last, kind="stable")[:top]
-    return {"context": vocab.decode(window), "next": [{"word": vocab.words[i], "probability": float(last[i])}
-                                                     for i in order]}
+    inputs = m.evaluator.model.inputs
+    lengths = m.loaded.spec.data.model_dump().get("lengths")
+    (name,) = [k for k in _forward_inputs(m, logits_t) if k != lengths]
+    unroll = int(inputs[name].shape[1])
+    batch = m.loaded.global_batch
+    if lengths:
+        if not len(ids):
+            raise SpecError(f"{path}: no words to continue")
+        tail = ids[-unroll:]
+        window = np.zeros(unroll, np.int64)
+        window[:len(tail)] = tail
+        feeds = {inputs[name]: np.tile(window, (batch, 1)).astype(inputs[name].dtype),
+                 inputs[lengths]: np.full(batch, len(tail), inputs[lengths].dtype)}
+        position, context = len(tail) - 1, vocab.decode(tail)
+    else:
+        window = np.full(unroll, vocab.ids[UNK], np.int64)
+        tail = ids[-unroll:]
+        window[unroll - len(tail):] = tail
+        feeds = {inputs[name]: np.tile(window, (batch, 1)).astype(inputs[name].dtype)}
+        position, context = unroll - 1, vocab.decode(window)
+    logits = np.asarray(m.session.run(logits_t, feeds))
+    last = _softmax(logits.reshape(batch, unroll, -1)[0, position][None, :])[0]
+    # Classes past the vocabulary (a corpus with fewer words than the input's classes) are no word.
+    order = [i for i in np.argsort(-last, kind="stable") if i < len(vocab.words)][:top]
+    return {"context": context, "next": [{"word": vocab.words[i], "probability": float(last[i])} for i in order]}
 
 
 def _translate(m: RunModel, path: Path) -> dict[str, Any]:
