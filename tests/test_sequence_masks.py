@@ -179,3 +179,14 @@ def test_predict_continues_a_sentence_after_its_last_word(tmp_path: Path) -> Non
     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     for entry in got["next"]:
         assert entry["probability"] == pytest.approx(p[vocab[entry["word"]]], rel=1e-5)
+
+    # `evaluate --data FILE` reads FILE as the run reads text (sentences with their lengths) and
+    # encodes it with the training corpus's vocabulary, exactly as a validation file would be.
+    lines = (tmp_path / "corpus.txt").read_text().splitlines()
+    # (its own word counts differ: "far" leads, so a vocabulary built from it would renumber words)
+    (tmp_path / "other.txt").write_text("\n".join("far far " + line for line in lines[:16]) + "\n")
+    r = CliRunner().invoke(cli, ["evaluate", str(tmp_path / "run"), "--data", str(tmp_path / "other.txt"), "--json"])
+    assert r.exit_code == 0, r.output
+    cfg = {**m.loaded.spec.data.model_dump(exclude={"validation_fraction"}), "validation": str(tmp_path / "other.txt")}
+    want = m.evaluator.run(m.evaluator.source(4, config=cfg))
+    assert json.loads(r.stdout)["val/loss"] == pytest.approx(want.values["val/loss"], rel=1e-12)

@@ -41,6 +41,7 @@ class RunModel:
     loaded: LoadedSpec
     evaluator: Evaluator
     checkpoint: ckpt.Checkpoint
+    split: str = "validation"  # what evaluation reads: the held-out data, or the file given instead
 
     @property
     def graph(self) -> fc.Graph:
@@ -57,8 +58,7 @@ def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = No
     spec's (arrays or a text corpus)."""
     run = RunDir(run_dir)
     loaded, _ = load_run_spec(run)
-    if data:
-        override_data(loaded, data)
+    split = override_data(loaded, data, held=True) if data else "validation"
     evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0")
     found = _checkpoint(run, checkpoint)
     wanted = {n.name for n in evaluator.graph.nodes.values() if n.op == "Variable"}
@@ -67,7 +67,7 @@ def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = No
         raise CheckpointError(f"{found.path}: no tensor for variable {missing[0]!r} of the model")
     ckpt.apply(evaluator.session, {k: v for k, v in found.tensors.items() if k in wanted}, {"rng": {}},
                strict=False, origin=found.path)
-    return RunModel(loaded, evaluator, found)
+    return RunModel(loaded, evaluator, found, split)
 
 
 def _checkpoint(run: RunDir, which: str | None) -> ckpt.Checkpoint:
@@ -96,7 +96,7 @@ def evaluate_run(run_dir: Path, data: str | None = None, checkpoint: str | None 
     """The spec's metrics on the run's held-out data (or all of `data`, another file)."""
     m = open_run(run_dir, checkpoint, data)
     batch = m.loaded.global_batch
-    source = m.evaluator.source(batch, split="train" if data else "validation")
+    source = m.evaluator.source(batch, split=m.split)
     scores = m.evaluator.run(source)
     return {"run_dir": str(run_dir), "checkpoint": str(m.checkpoint.path), "step": m.checkpoint.step,
             "data": data or "validation", **scores.to_dict()}

@@ -13,7 +13,7 @@ from flowctl.engine.errors import CheckpointError, FlowctlError, SpecError
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.loader import load_spec, load_text
 from flowctl.spec.overrides import device_names
-from flowctl.spec.schema import ArrayData, TextData
+from flowctl.spec.schema import ArrayData, ParallelTextData, TextData
 from flowctl.training.rundir import RunDir, RunLock, resolved, spec_changes, spec_hash
 from flowctl.training.trainer import Trainer
 
@@ -42,18 +42,34 @@ def load_training_spec(spec: str | None, data: str | None = None,
     return loaded, text, path
 
 
-def override_data(loaded: LoadedSpec, data: str) -> None:
+def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
     """Point the spec's `data:` at a file: arrays (.npy/.npz) or a text corpus, whose vocabulary
-    is the first integer input's class count."""
+    is the first integer input's class count. Returns the split that reads the file.
+
+    `held`: the file is data to evaluate or predict on. A model trained on a text corpus then keeps
+    reading it the same way (sentences with lengths, its named inputs) and keeps its training corpus
+    as `path`, so the new file is encoded with the vocabulary the model learned, not its own."""
     p = Path(data).resolve()
     if not p.exists():
         raise SpecError(f"--data {data}: no such file")
+    current = loaded.spec.data
+    if isinstance(current, ParallelTextData):
+        raise SpecError(f"--data {data}: a model trained on sentence pairs reads two files; give held-out pairs "
+                        f"as data.validation and data.validation_target (--set) instead")
     if p.suffix in (".npy", ".npz"):
         loaded.spec.data = ArrayData.model_validate({"source": "arrays", "path": str(p)})
-    else:
-        ints = [i for i in loaded.inputs() if i.output.dtype.startswith("int")]
-        vocab = getattr(ints[0].layer, "classes", None) if ints else None
-        loaded.spec.data = TextData.model_validate({"source": "text", "path": str(p), "vocab_size": vocab})
+        return "train"
+    if isinstance(current, TextData):  # the same reading, another file
+        keep = current.model_dump(exclude={"validation", "validation_fraction"})
+        if held:
+            loaded.spec.data = TextData.model_validate({**keep, "validation": str(p)})
+            return "validation"
+        loaded.spec.data = TextData.model_validate({**keep, "path": str(p)})
+        return "train"
+    ints = [i for i in loaded.inputs() if i.output.dtype.startswith("int")]
+    vocab = getattr(ints[0].layer, "classes", None) if ints else None
+    loaded.spec.data = TextData.model_validate({"source": "text", "path": str(p), "vocab_size": vocab})
+    return "train"
 
 
 def choose_run_dir(name: str, run_dir: Path | None) -> Path:
