@@ -67,12 +67,15 @@ def _widths(columns: Sequence[Col], rows: Sequence[Sequence[str]], key: int, roo
     if sum(natural) <= room:
         return natural
     widths = list(least)
-    # First, as many columns as the room allows get their longest word, so that it is not folded
-    # (the cheapest first); then what is left goes to every column in proportion to its shortfall.
-    words = [min(n, max(m, _longest_word([r[i] for r in rows]))) for i, (n, m) in enumerate(zip(natural, least))]
-    for i in sorted(range(len(widths)), key=lambda i: words[i] - widths[i]):
-        if sum(widths) + words[i] - widths[i] <= room:
-            widths[i] = words[i]
+    # Cheapest first, while the room allows: a column gets all its cells on one line each (its
+    # header may still wrap), or at least its longest word, so that no word is folded. What is
+    # left goes to every column in proportion to its shortfall.
+    cells = [max(m, _natural([r[i] for r in rows])) for i, m in enumerate(least)]
+    words = [max(m, _longest_word([r[i] for r in rows])) for i, m in enumerate(least)]
+    goals = sorted(((g[i] - least[i], i, g[i]) for g in (cells, words) for i in range(len(least))))
+    for _, i, goal in goals:
+        if widths[i] < goal and sum(widths) + goal - widths[i] <= room:
+            widths[i] = goal
     spare = room - sum(widths)
     want = [n - w for n, w in zip(natural, widths)]
     total = sum(want)
