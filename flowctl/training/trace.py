@@ -90,10 +90,10 @@ def _predicted(sim: SimResult, graphs: Mapping[str, Graph], layers: Mapping[str,
     for i, d in enumerate(devices):
         events.append(_meta("thread_name", PREDICTED, i + 1, f"{_short(d)} predicted"))
     for name, start in sim.start.items():
-        d = sim.device_of.get(name)
-        if d is None:
+        on = sim.device_of.get(name)
+        if on is None:
             continue
-        events.append({"ph": "X", "pid": PREDICTED, "tid": devices.index(d) + 1, "ts": start * 1e6,
+        events.append({"ph": "X", "pid": PREDICTED, "tid": devices.index(on) + 1, "ts": start * 1e6,
                        "dur": (sim.finish[name] - start) * 1e6, "name": name, "cat": "predicted",
                        "args": {"layer": layers.get(name, "")}})
     return events
