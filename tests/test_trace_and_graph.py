@@ -116,6 +116,51 @@ def test_a_tiny_models_trace_is_well_formed_too(tmp_path):
         assert 0 < ops[f"{device} compute"] <= executor[device]["busy_ms"] <= executor[device]["wall_ms"]
 
 
+TOWERS = """\
+version: 1
+name: towers
+model:
+  layers:
+    - {name: x, type: input, shape: [64]}
+    - {name: left, type: dense, units: 256, activation: relu, inputs: [x]}
+    - {name: right, type: dense, units: 256, activation: relu, inputs: [x]}
+    - {name: join, type: concat, inputs: [left, right]}
+    - {name: logits, type: dense, units: 4}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+devices: [cpu:0, cpu:1]
+placement:
+  constraints:
+    - {match: "left*", device: cpu:0}
+    - {match: "right*", device: cpu:1}
+training: {batch_size: 16, steps: 5}
+"""
+
+
+def test_bench_trace_writes_a_step_of_each_placement(tmp_path):
+    spec = tmp_path / "towers.yaml"
+    spec.write_text(TOWERS)
+    r = CliRunner().invoke(cli, ["bench", str(spec), "--algorithms", "single,expert", "--steps", "1", "--rounds", "1",
+                                 "--out", str(tmp_path / "b.json"), "--trace", str(tmp_path / "traces")])
+    assert r.exit_code == 0, r.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert set(data["traces"]) == {"single", "expert"}
+    for alg, path in data["traces"].items():
+        assert f"trace of one {alg} step" in " ".join(r.output.split())
+        trace = json.loads(Path(path).read_text())
+        measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+        assert {e["args"]["layer"] for e in measured} >= {"left", "right", "logits", "loss"}
+        for e in measured:  # the constraints hold in the timeline too
+            if e["args"]["layer"] in ("left", "right"):
+                assert e["args"]["device"].endswith("cpu:0" if e["args"]["layer"] == "left" else "cpu:1")
+        ops = busy_ms(trace)
+        for device, ex in trace["otherData"]["executor"].items():
+            assert 0 < ops[f"{device} compute"] <= ex["busy_ms"] <= ex["wall_ms"]
+        assert trace["otherData"]["predicted_step_ms"] > 0
+    r = CliRunner().invoke(cli, ["bench", "prefetch", "--quick", "--trace", str(tmp_path / "t")])
+    assert r.exit_code == 1 and "built-in suite" in r.output and "Traceback" not in r.output
+
+
 def test_graph_page_has_a_box_per_layer_coloured_by_device(tmp_path):
     spec = tmp_path / "lstm2.yaml"
     spec.write_text(SPEC)

@@ -33,14 +33,19 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32).")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A spec target: trace one more step of each placement into this directory "
+                   "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, rows: str | None,
-          threads: int | None) -> None:
+          threads: int | None, trace_dir: Path | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
     err = Console(stderr=True, soft_wrap=True)
+    if trace_dir is not None and target in SUITES:
+        raise FlowctlError(f"--trace traces a spec's placements; '{target}' is a built-in suite")
     if target == "engine":
         from flowctl.bench.engine import run_engine_suite
 
@@ -76,7 +81,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
         with err.status("benchmarking") as status:
             results = bench_spec(loaded, algs, steps=2 if quick else steps, rounds=1 if quick else rounds,
-                                 progress=lambda m: status.update(m))
+                                 progress=lambda m: status.update(m), trace=trace_dir)
         out = out or Path("runs") / f"bench-{results['spec']}.json"
         render = _render_spec
     else:
@@ -171,6 +176,8 @@ def _render_spec(console: Console, r: dict[str, Any]) -> None:
                      *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else [])])
     console.print(fit(f"{r['spec']}: measured vs predicted step time (batch {r['batch']}; median of "
                       f"{r['rounds']} rounds x {r['steps']} steps, 95% interval)", cols, rows, console.width))
+    for alg, path in r.get("traces", {}).items():
+        console.print(f"  trace of one {alg} step: {path}")
     if "jitter" in r:
         exact = ", ".join(f"{alg} {p['predicted_exact_s'] * 1e3:,.1f}" for alg, p in r["placements"].items()
                           if p.get("error") is None)
