@@ -90,6 +90,12 @@ def test_train_writes_the_placed_graph_into_the_runs_event_file(tmp_path):
     assert len(events) == 1
     got = _graph_from_events(events[0])
     _assert_is_the_placed_graph(got, spec, assignment)
+    # A resume writes a second event file without the graph; TensorBoard reads the run's files
+    # together and still has it.
+    r = CliRunner().invoke(cli, ["resume", str(run), "--steps", "4"])
+    assert r.exit_code == 0, r.output
+    assert len(list(run.rglob("events.out.tfevents.*"))) == 2
+    assert [n.name for n in _graph_from_events(events[0]).node] == [n.name for n in got.node]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # bleach, inside tensorboard
@@ -130,3 +136,18 @@ def test_graph_needs_an_output(tmp_path):
     spec.write_text(SPEC)
     r = CliRunner().invoke(cli, ["graph", str(spec)])
     assert r.exit_code == 2 and "--out" in r.output and "Traceback" not in r.output
+
+
+def test_every_flowctl_dtype_reads_back_as_tensorflows():
+    from tensorboard.compat.proto.attr_value_pb2 import AttrValue
+    from tensorboard.compat.proto.types_pb2 import DataType
+
+    from flowctl.engine.dtypes import DTYPES, VARIANT
+    from flowctl.engine.shapes import TensorSpec
+    from flowctl.training.events import _outputs
+
+    names = [*DTYPES, VARIANT]
+    sent = _outputs([TensorSpec((None, 2), d) for d in names])["_output_types"]
+    got = [DataType.Name(t) for t in AttrValue.FromString(sent.SerializeToString()).list.type]
+    assert got == ["DT_" + {"float16": "HALF", "float32": "FLOAT", "float64": "DOUBLE"}.get(d, d.upper())
+                   for d in names]

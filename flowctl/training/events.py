@@ -29,10 +29,10 @@ from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.shapes import TensorSpec
 from flowctl.training.rundir import write_failed
 
-# flowctl dtype -> TensorFlow's DataType name (types.proto).
-_DT = {"float16": "DT_HALF", "float32": "DT_FLOAT", "float64": "DT_DOUBLE", "int8": "DT_INT8", "int16": "DT_INT16",
-       "int32": "DT_INT32", "int64": "DT_INT64", "uint8": "DT_UINT8", "uint16": "DT_UINT16", "bool": "DT_BOOL",
-       "variant": "DT_VARIANT"}
+# flowctl dtype -> TensorFlow's DataType number (tensorflow/core/framework/types.proto; tensorboardX's
+# copy of the enum stops before DT_VARIANT = 21, which TensorBoard's own knows).
+_DT = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "int64": 9, "bool": 10,
+       "uint16": 17, "float16": 19, "variant": 21}
 _CONTENT_LIMIT = 1024  # constants up to this many bytes carry their values; larger ones their shape only
 
 
@@ -47,9 +47,7 @@ def _tensorflow_bins() -> list[float]:
 
 
 def _dtype(name: str) -> int:
-    from tensorboardX.proto.types_pb2 import DataType
-
-    return int(DataType.Value(_DT.get(name, "DT_INVALID")))
+    return _DT.get(name, 0)  # 0: DT_INVALID
 
 
 def _shape(shape: tuple[int | None, ...] | None) -> Any:

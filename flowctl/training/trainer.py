@@ -281,8 +281,9 @@ class Trainer:
         t0 = time.perf_counter()
         writer = EventWriter(self.run.inside(self.run.events), purge_step=first + 1,
                              histograms_every=self.histograms_every)
-        placed = self.program.placed
-        writer.graph(graph_def(placed.step.graph, placed.assignment, placed.step.layers))
+        if first == 0:  # a resumed run's graph is in its first event file, which TensorBoard reads too
+            placed = self.program.placed
+            writer.graph(graph_def(placed.step.graph, placed.assignment, placed.step.layers))
         cluster = self.program.cluster
         # N device threads each calling BLAS: give each its share of the cores (runtime.blas_limits).
         limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
