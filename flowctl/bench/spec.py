@@ -11,6 +11,7 @@ import math
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -29,6 +30,7 @@ from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import build_model
 from flowctl.training.inputs import make_sources
 from flowctl.training.program import Step, StepConfig, build_step, cluster_for, place_step, step_config
+from flowctl.training.trace import step_trace, write_trace
 
 
 BENCH_SAMPLES = 32  # jittered simulations behind each prediction (seconds, beside minutes of measuring)
@@ -184,10 +186,12 @@ def measure_links(cluster: Cluster, crossings: int = 40, repeat: int = 7) -> dic
 
 def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "expert", "greedy"),
                steps: int = 5, devices: str | None = None, rounds: int = 3,
-               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+               progress: Callable[[str], None] | None = None, trace: Path | None = None) -> dict[str, Any]:
     """Profile, place with each of `algorithms`, then measure every placement and the one-device
     baseline in `rounds` rounds of `steps` timed steps each, taking turns (the order rotates each
-    round), so that drift in the machine's speed falls on all of them alike."""
+    round), so that drift in the machine's speed falls on all of them alike. With `trace`, one
+    more step of each placement is traced into that directory (trace-<placer>.json, beside the
+    simulator's prediction of it with the final calibration)."""
     say = progress or (lambda _m: None)
     config = step_config(loaded)
     cluster = cluster_for(config, devices)
@@ -201,8 +205,11 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     bench = _Bench(step, cluster, loaded, say)
     cost = bench.profile_and_calibrate(steps)
     placements, results = _place_all(step, config, cluster, cost, algorithms, say)
-    times, peaks = bench.measure(placements, rounds, steps)
-    return bench.report(results, placements, times, peaks, rounds, steps)
+    times, peaks = bench.measure(placements, rounds, steps, traced=trace is not None)
+    results = bench.report(results, placements, times, peaks, rounds, steps)
+    if trace is not None:
+        results["traces"] = bench.write_traces(trace, placements)
+    return results
 
 
 def _place_all(step: Step, config: StepConfig, cluster: Cluster, cost: MeasuredCostModel,
@@ -243,6 +250,7 @@ class _Bench:
         self.nodes = step_nodes(self.free, step.targets)
         self.cost = MeasuredCostModel(cluster, batch=step.batch)
         self.calibrations: dict[str, tuple[DistributedSession, Any]] = {}
+        self.traced: dict[str, tuple[fc.RunStats, dict[str, fc.Graph]]] = {}  # placer -> a step's stats, partitions
         self.concurrency: dict[str, Any] | None = None
         self.cpus = [d for d in cluster.devices if d.type == "cpu"]
         # Virtual CPU devices share one machine's cores: the baseline model parallelism has to beat
@@ -285,9 +293,10 @@ class _Bench:
             _set_contention(cost, self.free, self.nodes, cluster, self.cpus, self.concurrency["ratio"])
         return cost
 
-    def measure(self, placements: dict[str, Placement], rounds: int,
-                steps: int) -> tuple[dict[str, list[list[float]]], dict[str, fc.RunStats]]:
-        """Every placement, the calibration runs and the one-device baseline, in rounds."""
+    def measure(self, placements: dict[str, Placement], rounds: int, steps: int,
+                traced: bool = False) -> tuple[dict[str, list[list[float]]], dict[str, fc.RunStats]]:
+        """Every placement, the calibration runs and the one-device baseline, in rounds; with
+        `traced`, then one step of each placement with its timeline kept (self.traced)."""
         runs: dict[str, tuple[fc.Session, Cluster]] = {}  # name -> (session, its BLAS limit)
         peaks: dict[str, fc.RunStats] = {}
         sessions: list[DistributedSession] = [ds for ds, _ in self.calibrations.values()]
@@ -297,10 +306,12 @@ class _Bench:
             if self.whole is not None:
                 runs[self.BASE] = (fc.Session(self.free, device=self.whole.devices[0].name, store=self.store),
                                    self.whole)
+            placed: dict[str, DistributedSession] = {}
             for alg, pl in placements.items():
                 assignment = dict(pl.assignment)
-                sessions.append(DistributedSession(self.step.graph, self.cluster, assignment, store=self.store))
-                runs[alg] = (sessions[-1], self.cluster)
+                placed[alg] = DistributedSession(self.step.graph, self.cluster, assignment, store=self.store)
+                sessions.append(placed[alg])
+                runs[alg] = (placed[alg], self.cluster)
             times: dict[str, list[list[float]]] = {name: [] for name in runs}
             for name, (s, cl) in runs.items():  # plans, allocator, threads; and each one's memory
                 with blas_limits(cl):
@@ -314,10 +325,26 @@ class _Bench:
                     s, cl = runs[name]
                     with blas_limits(cl):
                         times[name].append(_timed_block(s, self.step, self.feeds, steps))
+            for alg, ds in placed.items() if traced else ():
+                self.say(f"{alg}: tracing a step")
+                stats = fc.RunStats()
+                with blas_limits(self.cluster):
+                    ds.run(_fetches(self.step), self.feeds, stats=stats)
+                self.traced[alg] = (stats, ds.step_plan(_fetches(self.step), self.feeds).partitions)
         finally:
             for s in sessions:
                 s.close()
         return times, peaks
+
+    def write_traces(self, directory: Path, placements: dict[str, Placement]) -> dict[str, str]:
+        """The traced steps as Chrome traces, each beside the simulator's schedule of its placement."""
+        out = {}
+        for alg, (stats, graphs) in self.traced.items():
+            sim = simulate(self.step.graph, placements[alg].assignment, self.cluster, self.cost,
+                           targets=self.step.targets)
+            trace = step_trace(stats, graphs, self.step.layers, sim, title=f"{self.name} {alg}")
+            out[alg] = str(write_trace(directory / f"trace-{alg}.json", trace))
+        return out
 
     def report(self, results: dict[str, Any], placements: dict[str, Placement], times: dict[str, list[list[float]]],
                peaks: dict[str, fc.RunStats], rounds: int, steps: int) -> dict[str, Any]:

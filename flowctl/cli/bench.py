@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
+from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
@@ -33,14 +33,19 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32).")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A spec target: trace one more step of each placement into this directory "
+                   "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, rows: str | None,
-          threads: int | None) -> None:
+          threads: int | None, trace_dir: Path | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
     err = Console(stderr=True, soft_wrap=True)
+    if trace_dir is not None and target in SUITES:
+        raise FlowctlError(f"--trace traces a spec's placements; '{target}' is a built-in suite")
     if target == "engine":
         from flowctl.bench.engine import run_engine_suite
 
@@ -76,7 +81,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
         with err.status("benchmarking") as status:
             results = bench_spec(loaded, algs, steps=2 if quick else steps, rounds=1 if quick else rounds,
-                                 progress=lambda m: status.update(m))
+                                 progress=lambda m: status.update(m), trace=trace_dir)
         out = out or Path("runs") / f"bench-{results['spec']}.json"
         render = _render_spec
     else:
@@ -85,15 +90,13 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         write_atomic(out, json.dumps(results, indent=2) + "\n")
     if as_json:
         click.echo(json.dumps(results, indent=2))
-    render(err, results)
+    render(Console(stderr=True), results)  # tables wrapped to the terminal (err soft-wraps its status lines)
 
 
 def _render_placement(console: Console, r: dict[str, Any]) -> None:
     from flowctl.bench.placement import PLACERS
 
-    t = Table(title="predicted step ms (simulated; x: failed, see --json; cap: 60% of the one-device need)")
-    for col in ("model", "devices", *PLACERS, "learned/best"):
-        t.add_column(col, justify="right", no_wrap=True)
+    rows = []
     for row in r["rows"]:
         cells = []
         for alg in PLACERS:
@@ -101,8 +104,10 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
             cells.append("-" if x is None else "x" if "error" in x else f"{x['step_ms']:,.1f}")
         ratio = row.get("learned_vs_best_other")
         dev = row["devices"].replace("gpu:", "").split(":")[0] + (" cap" if row["capped"] else "")
-        t.add_row(row["model"], dev, *cells, "-" if ratio is None else f"{ratio:.3f}")
-    Console(stderr=True, width=max(console.width, 132)).print(t)  # one row per line, whatever the terminal
+        rows.append([row["model"], dev, *cells, "-" if ratio is None else f"{ratio:.3f}"])
+    cols = [Col("model"), Col("devices", "right")] + [Col(c, "right", True) for c in (*PLACERS, "learned/best")]
+    console.print(fit("predicted step ms (simulated; x: failed, see --json; cap: 60% of the one-device need)",
+                      cols, rows, console.width))
 
 
 def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None) -> tuple[dict[str, Any], Any]:
@@ -116,19 +121,21 @@ def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int
 
 
 def _render_peers(console: Console, r: dict[str, Any]) -> None:
-    t = Table(title=f"seconds per step, flowctl vs PyTorch (median of {r['rounds']} rounds x {r['steps']} "
-                    f"steps, 95% interval)")
-    for col in ("row", "flowctl s", "PyTorch s", "ratio", "peak MiB (flowctl / PyTorch)", "params (spec / twin)"):
-        t.add_column(col, justify="right")
+    rows = []
     for name, row in r["rows"].items():
         f, p = row["flowctl"], row["pytorch"]
-        t.add_row(name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
-                  f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
-                  f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
-                  " / ".join(f"{row['memory'][k]['peak_mib']:,.0f}" for k in ("flowctl", "pytorch"))
-                  if "memory" in row else "-",
-                  f"{row['params']['spec']:,} / {row['params']['pytorch']:,}")
-    console.print(t)
+        rows.append([name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
+                     f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
+                     f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
+                     " / ".join(f"{row['memory'][k]['peak_mib']:,.0f}" for k in ("flowctl", "pytorch"))
+                     if "memory" in row else "-",
+                     f"{row['params']['spec']:,} / {row['params']['pytorch']:,}"])
+    console.print(fit(f"seconds per step, flowctl vs PyTorch (median of {r['rounds']} rounds x {r['steps']} "
+                      f"steps, 95% interval)",
+                      [Col("row")] + [Col(c, "right") for c in ("flowctl s", "PyTorch s", "ratio",
+                                                                "peak MiB (flowctl / PyTorch)",
+                                                                "params (spec / twin)")],
+                      rows, console.width))
     blas = r["machine"]["blas_gflops"]
     console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
                   f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['threads']} threads on "
@@ -137,41 +144,40 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:
     """A flat table of a suite's figures (nested results one level down)."""
-    t = Table(title="results")
-    t.add_column("figure")
-    t.add_column("value", justify="right")
+    rows = []
     for k, v in r.items():
         items = v.items() if isinstance(v, dict) else [("", v)]
         for sub, val in items:
             if isinstance(val, (int, float, str)):
-                shown = f"{val:,.3f}" if isinstance(val, float) else str(val)
-                t.add_row(f"{k}.{sub}" if sub else k, shown)
-    console.print(t)
+                rows.append([f"{k}.{sub}" if sub else k, f"{val:,.3f}" if isinstance(val, float) else str(val)])
+    console.print(fit("results", [Col("figure"), Col("value", "right")], rows, console.width))
 
 
 def _render_spec(console: Console, r: dict[str, Any]) -> None:
     base = r.get("one_device_all_threads")  # virtual CPU devices only; with a GPU, `single` is the baseline
-    t = Table(title=f"{r['spec']}: measured vs predicted step time (batch {r['batch']}; median of "
-                    f"{r['rounds']} rounds x {r['steps']} steps, 95% interval)")
-    cols = ["placement", "devices", "predicted ms", "measured ms", "error", "examples/s"]
-    for col in cols + (["vs 1 device"] if base else []):
-        t.add_column(col, justify="right")
+    cols = [Col("placement")] + [Col(c, "right") for c in ("devices", "predicted ms", "measured ms", "error",
+                                                           "examples/s")]
+    cols += [Col("vs 1 device", "right")] if base else []
 
     def measured(p: dict[str, Any]) -> str:
         lo, med, hi = (p[k] * 1e3 for k in ("measured_low_s", "measured_step_s", "measured_high_s"))
         return f"{med:,.1f} [{lo:,.1f}-{hi:,.1f}]"
 
+    rows = []
     if base:
-        t.add_row(f"1 device, {base['threads']} threads", "1", "-", measured(base), "-",
-                  f"{base['examples_per_s']:,.1f}", "1.00x")
+        rows.append([f"1 device, {base['threads']} threads", "1", "-", measured(base), "-",
+                     f"{base['examples_per_s']:,.1f}", "1.00x"])
     for alg, p in r["placements"].items():
         if p.get("error") is not None:
-            t.add_row(alg, "-", "-", "-", "-", str(p["error"])[:40], *(["-"] if base else []))
+            rows.append([alg, "-", "-", "-", "-", str(p["error"])[:40], *(["-"] if base else [])])
             continue
-        t.add_row(alg, str(len(p["devices_used"])), f"{p['predicted_step_s'] * 1e3:,.1f}", measured(p),
-                  f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}",
-                  *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else []))
-    console.print(t)
+        rows.append([alg, str(len(p["devices_used"])), f"{p['predicted_step_s'] * 1e3:,.1f}", measured(p),
+                     f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}",
+                     *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else [])])
+    console.print(fit(f"{r['spec']}: measured vs predicted step time (batch {r['batch']}; median of "
+                      f"{r['rounds']} rounds x {r['steps']} steps, 95% interval)", cols, rows, console.width))
+    for alg, path in r.get("traces", {}).items():
+        console.print(f"  trace of one {alg} step: {path}")
     if "jitter" in r:
         exact = ", ".join(f"{alg} {p['predicted_exact_s'] * 1e3:,.1f}" for alg, p in r["placements"].items()
                           if p.get("error") is None)
@@ -196,20 +202,17 @@ def _render_spec(console: Console, r: dict[str, Any]) -> None:
 
 
 def _render(console: Console, r: dict[str, Any]) -> None:
-    t = Table(title="engine: dispatch overhead (µs per node above the numpy call)")
-    for col in ("graph", "nodes", "step µs/node", "overhead µs/node"):
-        t.add_column(col, justify="right")
-    for key in ("dispatch_chain", "dispatch_wide"):
-        d = r[key]
-        t.add_row(key.split("_")[1], str(d["nodes"]), f"{d['step_us_per_node']:.2f}", f"{d['overhead_us_per_node']:.2f}")
-    console.print(t)
-    t = Table(title="Conv2D forward+backward vs one matmul of the same FLOPs")
-    for col in ("shape", "batch", "ms", "matmul ms", "ratio", "GFLOP/s"):
-        t.add_column(col, justify="right")
-    for d in r["conv2d"]:
-        t.add_row(d["shape"], str(d["batch"]), f"{d['fwd_bwd_s'] * 1e3:.1f}", f"{d['matmul_same_flops_s'] * 1e3:.1f}",
-                  f"{d['ratio_to_matmul']:.2f}", f"{d['gflops_per_s']:.1f}")
-    console.print(t)
+    rows = [[key.split("_")[1], str(r[key]["nodes"]), f"{r[key]['step_us_per_node']:.2f}",
+             f"{r[key]['overhead_us_per_node']:.2f}"] for key in ("dispatch_chain", "dispatch_wide")]
+    console.print(fit("engine: dispatch overhead (µs per node above the numpy call)",
+                      [Col("graph")] + [Col(c, "right", True) for c in ("nodes", "step µs/node", "overhead µs/node")],
+                      rows, console.width))
+    rows = [[d["shape"], str(d["batch"]), f"{d['fwd_bwd_s'] * 1e3:.1f}", f"{d['matmul_same_flops_s'] * 1e3:.1f}",
+             f"{d['ratio_to_matmul']:.2f}", f"{d['gflops_per_s']:.1f}"] for d in r["conv2d"]]
+    console.print(fit("Conv2D forward+backward vs one matmul of the same FLOPs",
+                      [Col("shape")] + [Col(c, "right", True)
+                                        for c in ("batch", "ms", "matmul ms", "ratio", "GFLOP/s")],
+                      rows, console.width))
     d = r["lstm_cell"]
     console.print(f"LSTM cell (batch {d['batch']}, hidden {d['hidden']}, {d['nodes']} nodes) forward+backward: "
                   f"{d['fwd_bwd_s'] * 1e3:.2f} ms, {d['ratio_to_matmuls']:.2f}x its raw matmuls "

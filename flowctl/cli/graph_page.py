@@ -1,4 +1,4 @@
-"""`flowctl graph SPEC --out graph.html`: one self-contained page of the training step's graph,
+"""`flowctl graph SPEC --out graph.html [--tensorboard DIR]`: one self-contained page of the training step's graph,
 collapsed by layer (optimizer and other unlayered nodes under their own name scope), each layer
 coloured by the device it was placed on; a click lists the layer's nodes with op and device."""
 from __future__ import annotations
@@ -140,22 +140,38 @@ for (const el of document.querySelectorAll('.layer')) {{
 
 @click.command()
 @click.argument("spec")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The HTML file.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="The HTML file.")
+@click.option("--tensorboard", "tensorboard", type=click.Path(file_okay=False, path_type=Path),
+              help="Also write the graph as a TensorBoard event file in this directory (its Graphs tab).")
 @click.option("--algorithm", "-a", help="Placer (default: the spec's).")
 @click.option("--devices", help="The spec's device names (cpu:0,cpu:1) or a what-if cluster (4xgpu:k40).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Change one spec key. Repeatable.")
-def graph(spec: str, out: Path, algorithm: str | None, devices: str | None, overrides: tuple[str, ...]) -> None:
-    """Write SPEC's training step as one self-contained HTML page, by layer, coloured by device."""
+def graph(spec: str, out: Path | None, tensorboard: Path | None, algorithm: str | None, devices: str | None,
+          overrides: tuple[str, ...]) -> None:
+    """Write SPEC's placed training step as one self-contained HTML page (--out), by layer,
+    coloured by device, and/or as a TensorBoard graph (--tensorboard DIR)."""
     from flowctl.spec.loader import load_spec
     from flowctl.spec.overrides import device_names
+    from flowctl.training.events import EventWriter, graph_def
     from flowctl.training.program import plan
 
+    if out is None and tensorboard is None:
+        raise click.UsageError("give --out FILE.html, --tensorboard DIR, or both")
     names = device_names(devices) if devices else None
     if names:
         overrides += (f"devices=[{', '.join(names)}]",)
     loaded = load_spec(spec, overrides)
     placed = plan(loaded, algorithm, None if names else devices, compare=())
-    data = collapsed(placed)
-    write_atomic(out, page(data, loaded.spec.name or loaded.spec.model.name))
-    Console(stderr=True).print(f"wrote {out}: {len(data['groups'])} groups of {len(placed.step.graph):,} nodes on "
-                               f"{len(placed.devices_used())} device(s)")
+    con = Console(stderr=True)
+    used = f"{len(placed.step.graph):,} nodes on {len(placed.devices_used())} device(s)"
+    if out is not None:
+        data = collapsed(placed)
+        write_atomic(out, page(data, loaded.spec.name or loaded.spec.model.name))
+        con.print(f"wrote {out}: {len(data['groups'])} groups of {used}")
+    if tensorboard is not None:
+        writer = EventWriter(tensorboard)
+        try:
+            writer.graph(graph_def(placed.step.graph, placed.assignment, placed.step.layers))
+        finally:
+            writer.close()
+        con.print(f"wrote {writer.path}: the graph of {used} (tensorboard --logdir {tensorboard})")

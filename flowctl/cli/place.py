@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
+from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import ALGORITHMS
 
@@ -136,65 +136,60 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
     console.print(f"[bold]{chosen.algorithm}[/] placement of {len(chosen.simulation.start):,} step nodes on "
                   f"{len(p.cluster.devices)} device(s), {p.cost.__class__.__name__}, placed in {chosen.seconds:.2f} s")
     jitter = chosen.expected().jitter
-    t = Table(title="predicted step time (simulated)")
-    t.add_column("placement")
-    t.add_column("step ms", justify="right")
-    t.add_column("expected ms", justify="right")
-    t.add_column("10-90%", justify="right")
-    t.add_column("vs chosen", justify="right")
+    width = console.width
+    rows = []
     base = chosen.expected().mean
     for alg, pl in [(chosen.algorithm + " (chosen)", chosen), *p.compared.items()]:
         if isinstance(pl, str):
-            t.add_row(alg, "-", "-", "-", pl[:70])
+            rows.append([alg, "-", "-", "-", pl[:70]])
             continue
         e = pl.expected()
-        t.add_row(alg, _ms(pl.step_time), _ms(e.mean), f"{_ms(e.low)}-{_ms(e.high)}",
-                  f"{e.mean / base:.2f}x" if base else "-")
-    console.print(t)
+        rows.append([alg, _ms(pl.step_time), _ms(e.mean), f"{_ms(e.low)}-{_ms(e.high)}",
+                     f"{e.mean / base:.2f}x" if base else "-"])
+    console.print(fit("predicted step time (simulated)",
+                      [Col("placement"), Col("step ms", "right", True), Col("expected ms", "right", True),
+                       Col("10-90%", "right", True), Col("vs chosen", "right")], rows, width))
     console.print("  step ms: the schedule at exactly the modelled op times; expected: its mean over "
                   "runs with every op's time off by the cost model's jitter "
                   f"(sd of log {jitter:.2f}), what a measurement should show")
-    t = Table(title="per device")
-    for col in ("device", "profile", "ops", "GFLOPs", "bytes in", "bytes out", "peak memory", "busy ms", "busy %"):
-        t.add_column(col, justify="right")
     profiles = {d.name: d.profile.name for d in p.cluster.devices}
-    for d in chosen.devices:
-        t.add_row(_short(d.device), profiles.get(d.device, "?"), f"{d.ops:,}", f"{d.flops / 1e9:,.2f}",
-                  _bytes(d.bytes_in), _bytes(d.bytes_out), _bytes(d.peak_memory), _ms(d.busy),
-                  f"{100 * d.busy / chosen.step_time:.0f}" if chosen.step_time else "-")
-    console.print(t)
+    rows = [[_short(d.device), profiles.get(d.device, "?"), f"{d.ops:,}", f"{d.flops / 1e9:,.2f}",
+             _bytes(d.bytes_in), _bytes(d.bytes_out), _bytes(d.peak_memory), _ms(d.busy),
+             f"{100 * d.busy / chosen.step_time:.0f}" if chosen.step_time else "-"] for d in chosen.devices]
+    console.print(fit("per device", [Col("device", "right"), Col("profile", "right")]
+                      + [Col(c, "right", True) for c in ("ops", "GFLOPs")]
+                      + [Col(c, "right") for c in ("bytes in", "bytes out", "peak memory")]
+                      + [Col(c, "right", True) for c in ("busy ms", "busy %")], rows, width))
     if chosen.notes:
         for n in chosen.notes:
             console.print(f"note: {n}")
     if not explain:
         return
     if by == "layer":
-        rows = _by_layer(p)
-        t = Table(title="per layer")
-        for col in ("layer", "nodes", "devices", "GFLOPs", "time ms", "narrowed by"):
-            t.add_column(col)
-        for r in rows[: limit or None]:
-            t.add_row(r["layer"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
-                      f"{r['flops'] / 1e9:,.3f}", _ms(r["time"]), "; ".join(r["narrowed_by"])[:60] or "-")
-        console.print(t)
+        rows = [[r["layer"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
+                 f"{r['flops'] / 1e9:,.3f}", _ms(r["time"]), "; ".join(r["narrowed_by"])[:60] or "-"]
+                for r in _by_layer(p)[: limit or None]]
+        console.print(fit("per layer", [Col("layer"), Col("nodes", "right", True), Col("devices"),
+                                        Col("GFLOPs", "right", True), Col("time ms", "right", True),
+                                        Col("narrowed by")], rows, width))
         return
     decisions = {d.first: d for d in chosen.decisions}
     searched = bool(chosen.decisions)  # a strategy that fixes every node leaves no decision to explain
-    t = Table(title="per node (groups are placed together; candidates: the estimated finish of the whole group "
-                    "on each device, ms -- the node's finish, the rest of its group, transfers to placed "
-                    "neighbours: the least wins; * chosen, ! over its memory budget)")
-    for col in ("node", "op", "device", "feasible", "narrowed by", "candidates", "why"):
-        t.add_column(col)
     reports = chosen.node_reports()
+    rows = []
     for r in reports[: limit or None]:
         d = decisions.get(r.name)
         cands = "" if d is None else ", ".join(
             f"{_short(c.device)}:{_ms(c.score)}{'*' if c.device == d.choice else ''}{'!' if c.note else ''}"
             for c in d.candidates if c.score is not None)
-        t.add_row(r.name[-48:], r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
-                  "; ".join(r.narrowed_by)[:40] or "-", cands or ("(with its group)" if searched else "-"),
-                  (d.reason if d else ("" if searched else f"set by {chosen.algorithm}"))[:40])
-    console.print(t)
+        rows.append([r.name, r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
+                     "; ".join(r.narrowed_by)[:40] or "-", cands or ("(with its group)" if searched else "-"),
+                     (d.reason if d else ("" if searched else f"set by {chosen.algorithm}"))[:40]])
+    console.print(fit("per node (groups are placed together; candidates: the estimated finish of the whole group "
+                      "on each device, ms -- the node's finish, the rest of its group, transfers to placed "
+                      "neighbours: the least wins; * chosen, ! over its memory budget)",
+                      [Col(c) for c in ("node", "op", "device", "feasible", "narrowed by", "candidates", "why")],
+                      rows, width))
     if limit and len(reports) > limit:
         console.print(f"... {len(reports) - limit:,} more nodes (--limit 0 shows all, --json gives everything)")
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
+from flowctl.cli.tables import Col, fit
 from flowctl.spec import json_schema, load_spec
 from flowctl.spec.summary import summarize
 from flowctl.training.program import place_for_training, step_memory
@@ -87,21 +87,16 @@ def inspect(spec: str, as_json: bool, overrides: tuple[str, ...]) -> None:
         click.echo(json.dumps(report, indent=2))
         return
     con = _err()
-    table = Table(title=f"{report['name']} ({spec})", title_justify="left")
-    for col, just in (("layer", "left"), ("type", "left"), ("output", "left"), ("params", "right"),
-                      ("nodes", "right"), ("fwd FLOPs", "right")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
-    for row in report["layers"]:
-        table.add_row(row["name"], row["type"], _shape(row["output_shape"]), f"{row['params']:,}",
-                      str(row["nodes"]), _si(row["forward_flops"]))
-    con.print(table)
+    rows = [[row["name"], row["type"], _shape(row["output_shape"]), f"{row['params']:,}", str(row["nodes"]),
+             _si(row["forward_flops"])] for row in report["layers"]]
+    con.print(fit(f"{report['name']} ({spec})", [Col("layer"), Col("type"), Col("output"), Col("params", "right", True),
+                                                 Col("nodes", "right", True), Col("fwd FLOPs", "right", True)],
+                  rows, con.width, title_justify="left"))
     if report["blocks"]:
-        blocks = Table(title="block instances", title_justify="left")
-        for col in ("instance", "block", "output", "params"):
-            blocks.add_column(col)
-        for row in report["blocks"]:
-            blocks.add_row(row["name"], row["block"], _shape(row["output_shape"] or []), f"{row['params']:,}")
-        con.print(blocks)
+        rows = [[row["name"], row["block"], _shape(row["output_shape"] or []), f"{row['params']:,}"]
+                for row in report["blocks"]]
+        con.print(fit("block instances", [Col("instance"), Col("block"), Col("output"), Col("params", "right", True)],
+                      rows, con.width, title_justify="left"))
     p, n, f, m = report["params"], report["nodes"], report["flops"], report["memory"]
     con.print(f"parameters: {p['total']:,} ({p['trainable']:,} trainable, {p['non_trainable']:,} not)")
     con.print(f"nodes: {n['model']:,} in the model graph, {n['forward']:,} in the forward pass, "

@@ -70,8 +70,20 @@ class RunStats:
     # Dataflow executor only: (node, time.perf_counter()) as each node *finished* (an async
     # kernel: when the executor took its completion), in order. With `starts`, a trace of the step.
     finishes: list[tuple[str, float]] = field(default_factory=list)
+    # Dataflow executor only, counted by the executor's thread around the whole step and not from
+    # the per-node times above: seconds from entering the step to leaving it (`wall_s`), the part of
+    # them spent waiting for an asynchronous kernel with nothing else ready (`idle_s`), and the
+    # thread's CPU seconds (`cpu_s`, time.thread_time: preemption and GIL waits excluded).
+    wall_s: float = 0.0
+    idle_s: float = 0.0
+    cpu_s: float = 0.0
     # A multi-device step: each device's own stats (the fields above then aggregate them).
     devices: dict[str, "RunStats"] = field(default_factory=dict)
+
+    @property
+    def busy_s(self) -> float:
+        """The seconds the executor's thread worked on the step: kernels and its own bookkeeping."""
+        return self.wall_s - self.idle_s
 
 
 def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
@@ -277,6 +289,15 @@ class Plan:
                      check_numerics: bool = False, step: "StepContext | None" = None) -> list[Any]:
         """Run the plan with a pending count per node and a ready queue (§3.1). `step` is the
         context handed to asynchronous kernels (§5.3); a plan without them ignores it."""
+        if stats is None:
+            return self._run_dataflow(feeds, None, check_numerics, step)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self._run_dataflow(feeds, stats, check_numerics, step)
+        stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+        return out
+
+    def _run_dataflow(self, feeds: Sequence[Any], stats: RunStats | None, check_numerics: bool,
+                      step: "StepContext | None") -> list[Any]:
         if self.frame_tables is not None:
             return run_frames(self, feeds, stats, check_numerics, step)
         run = _DataflowStep(self, feeds, check_numerics, step, timed=stats is not None)
@@ -289,6 +310,7 @@ class Plan:
             stats.peak_bytes = run.peak
             stats.starts = run.starts
             stats.finishes = run.finishes
+            stats.idle_s = run.idle
         return [run.values[s] for s in self.fetch_slots]
 
     def _start_async(self, i: int, step: "StepContext | None", inputs: tuple[Any, ...],
@@ -339,6 +361,7 @@ class _DataflowStep:
         self.cond = threading.Condition()
         self.outstanding = 0
         self.deferred: tuple[int, Any] | None = None  # a finished kernel whose successors wait their turn
+        self.idle = 0.0  # timed steps: seconds spent waiting with nothing ready
 
     def run(self) -> None:
         while True:
@@ -350,9 +373,12 @@ class _DataflowStep:
             elif self.ready:
                 done = self._start(self.ready.popleft())
             elif self.outstanding:
+                t = time.perf_counter() if self.timed else 0.0
                 with self.cond:  # nothing to run until some asynchronous kernel completes
                     while not self.completed:
                         self.cond.wait()
+                if self.timed:
+                    self.idle += time.perf_counter() - t
                 continue
             else:
                 return

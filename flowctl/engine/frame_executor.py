@@ -24,6 +24,7 @@ its last iteration is. Values are released by reference count within an iteratio
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -157,6 +158,7 @@ class FrameStep:
         self.ran: list[str] = []
         self.root_ran = 0
         self.live = self.peak = 0
+        self.idle = 0.0  # timed steps: seconds spent waiting with nothing ready
         self.starts: list[tuple[str, float]] = []
         self.finishes: list[tuple[str, float]] = []
         self.keep = set(plan.fetch_slots) | set(range(len(plan.feeds)))
@@ -180,9 +182,12 @@ class FrameStep:
             elif self.ready:
                 self._execute(*self.ready.popleft())
             elif self.outstanding_async:
+                t = time.perf_counter() if self.timed else 0.0
                 with self.cond:
                     while not self.completed:
                         self.cond.wait()
+                if self.timed:
+                    self.idle += time.perf_counter() - t
             else:
                 break
         return self._results()
@@ -198,8 +203,6 @@ class FrameStep:
         plan = self.plan
         it = f.iters[k]
         if self.timed:
-            import time
-
             self.starts.append((plan.order[i], time.perf_counter()))
         if self.t.kind[i] == MERGE:
             value, pos = it.merge_in.pop(i)
@@ -246,8 +249,6 @@ class FrameStep:
         else:
             outs = (out,) if n_out == 1 else tuple(out or ())
             if self.timed:
-                import time
-
                 self.finishes.append((plan.order[i], time.perf_counter()))
             if self.check:
                 self._check(i, outs)
@@ -413,6 +414,7 @@ class FrameStep:
         stats.peak_bytes = self.peak
         stats.starts = self.starts
         stats.finishes = self.finishes
+        stats.idle_s = self.idle
 
 
 class _Tagged:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import typing
-from typing import Any, Sequence, Union, get_args, get_origin
+from typing import Any, Sequence, Union, cast, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -105,11 +105,12 @@ def _fields(model: Any, node: dict) -> list[str] | None:
     if members[0] is _Layer:
         cls = BlockUse if "block" in node and "type" not in node else LAYERS.get(node.get("type", ""))
         return list(cls.model_fields) if cls is not None else None
-    if len(members) > 1 and "source" in node:  # `data:`: the member its `source` names
-        members = [c for c in members if "source" in c.model_fields
-                   and node["source"] in get_args(c.model_fields["source"].annotation)] or members
+    models = [cast(type[BaseModel], m) for m in members]  # members[0] is not _Layer, so none is
+    if len(models) > 1 and "source" in node:  # `data:`: the member its `source` names
+        models = [c for c in models if "source" in c.model_fields
+                  and node["source"] in get_args(c.model_fields["source"].annotation)] or models
     out: list[str] = []
-    for c in members:
+    for c in models:
         out += [f for f in c.model_fields if f not in out]
     return out
 

@@ -325,7 +325,7 @@ class TrainingSpec(Strict):
     seed: int = Field(0, description="graph seed: every random op's stream derives from it and its node name")
     log_every_steps: int = Field(10, ge=1)
     eval_every_steps: int | None = Field(None, ge=1, description="evaluate on the validation data every N steps")
-    metrics: list[Metric] = Field(default_factory=lambda: ["loss"],
+    metrics: list[Metric] = Field(default_factory=lambda: list[Metric](["loss"]),
                                   description="what evaluation reports (accuracy, top5: classifiers; perplexity: "
                                               "language models)")
     early_stopping: EarlyStopping | None = None

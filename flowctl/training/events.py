@@ -6,6 +6,12 @@ queue, and when a write fails (a full disk) that thread dies while the training 
 ever on the full queue, and again in `close()` and at interpreter exit (issue 21). Written here,
 a failed write is an ordinary error in the step that made it (`write_failed`: one line, the file,
 the free space), and the file is created new (O_EXCL) and never through a symlink.
+
+The placed training graph goes in as a GraphDef event, which TensorBoard's Graphs tab draws
+collapsed by name scope and coloured by device (§2's graph, §3.2.1's placement): every node with
+its op, its inputs as TensorFlow writes them ("node" for output 0, "node:k", "^node" for a
+control input), its assigned device, its attributes, and `_output_shapes` (which TensorBoard
+writes on the edges) beside `_output_types` and the spec `_layer` it came from.
 """
 from __future__ import annotations
 
@@ -19,7 +25,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from flowctl.engine.graph import Graph, Node, parse_ref
+from flowctl.engine.shapes import TensorSpec
 from flowctl.training.rundir import write_failed
+
+# flowctl dtype -> TensorFlow's DataType number (tensorflow/core/framework/types.proto; tensorboardX's
+# copy of the enum stops before DT_VARIANT = 21, which TensorBoard's own knows).
+_DT = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "int64": 9, "bool": 10,
+       "uint16": 17, "float16": 19, "variant": 21}
+_CONTENT_LIMIT = 1024  # constants up to this many bytes carry their values; larger ones their shape only
 
 
 def _tensorflow_bins() -> list[float]:
@@ -30,6 +44,76 @@ def _tensorflow_bins() -> list[float]:
         edges.append(v)
         v *= 1.1
     return [-e for e in reversed(edges)] + [0.0] + edges
+
+
+def _dtype(name: str) -> int:
+    return _DT.get(name, 0)  # 0: DT_INVALID
+
+
+def _shape(shape: tuple[int | None, ...] | None) -> Any:
+    from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
+
+    if shape is None:
+        return TensorShapeProto(unknown_rank=True)
+    return TensorShapeProto(dim=[TensorShapeProto.Dim(size=-1 if d is None else int(d)) for d in shape])
+
+
+def _attr(kind: str, v: Any) -> Any:
+    """One flowctl attribute (its registry kind) as an AttrValue."""
+    from tensorboardX.proto.attr_value_pb2 import AttrValue
+    from tensorboardX.proto.tensor_pb2 import TensorProto
+
+    if kind == "tensor":
+        a = np.asarray(v)
+        t = TensorProto(dtype=_dtype(a.dtype.name), tensor_shape=_shape(a.shape))
+        if a.nbytes <= _CONTENT_LIMIT:
+            t.tensor_content = np.ascontiguousarray(a).tobytes()
+        return AttrValue(tensor=t)
+    simple = {"int": lambda: AttrValue(i=int(v)), "float": lambda: AttrValue(f=float(v)),
+              "bool": lambda: AttrValue(b=bool(v)), "str": lambda: AttrValue(s=str(v).encode()),
+              "dtype": lambda: AttrValue(type=_dtype(str(v))), "shape": lambda: AttrValue(shape=_shape(v)),
+              "ints": lambda: AttrValue(list=AttrValue.ListValue(i=[int(x) for x in v])),
+              "floats": lambda: AttrValue(list=AttrValue.ListValue(f=[float(x) for x in v])),
+              "strs": lambda: AttrValue(list=AttrValue.ListValue(s=[str(x).encode() for x in v]))}
+    return simple[kind]()
+
+
+def _outputs(specs: list[TensorSpec]) -> dict[str, Any]:
+    from tensorboardX.proto.attr_value_pb2 import AttrValue
+
+    return {"_output_shapes": AttrValue(list=AttrValue.ListValue(shape=[_shape(s.shape) for s in specs])),
+            "_output_types": AttrValue(list=AttrValue.ListValue(type=[_dtype(s.dtype) for s in specs]))}
+
+
+def node_def(node: Node, device: str, layer: str = "") -> Any:
+    from tensorboardX.proto.attr_value_pb2 import AttrValue
+    from tensorboardX.proto.node_def_pb2 import NodeDef
+
+    inputs = []
+    for ref in node.inputs:
+        name, port = parse_ref(ref)
+        inputs.append(name if port == 0 else f"{name}:{port}")
+    nd = NodeDef(name=node.name, op=node.op, input=inputs + ["^" + c for c in node.control_inputs], device=device)
+    kinds = node.opdef.attrs
+    for key, v in node.attrs.items():
+        if v is not None and key in kinds:
+            nd.attr[key].CopyFrom(_attr(kinds[key][0], v))
+    for key, v in _outputs(node.outputs).items():
+        nd.attr[key].CopyFrom(v)
+    if layer:
+        nd.attr["_layer"].CopyFrom(AttrValue(s=layer.encode()))
+    return nd
+
+
+def graph_def(graph: Graph, assignment: Mapping[str, str], layers: Mapping[str, str]) -> Any:
+    """`graph` as a TensorFlow GraphDef proto, each node on its device in `assignment` (a node
+    without one keeps its own requested device)."""
+    from tensorboardX.proto.graph_pb2 import GraphDef
+    from tensorboardX.proto.versions_pb2 import VersionDef
+
+    nodes = [node_def(n, assignment.get(name) or n.assigned_device or n.device, layers.get(name, ""))
+             for name, n in graph.nodes.items()]
+    return GraphDef(node=nodes, versions=VersionDef(producer=22))
 
 
 class EventWriter:
@@ -60,6 +144,12 @@ class EventWriter:
         if purge_step is not None:
             self._event(Event(step=purge_step, file_version="brain.Event:2"))
             self._event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def graph(self, graph: Any) -> None:
+        """A GraphDef proto (graph_def()): TensorBoard shows the last one a run's files hold."""
+        from tensorboardX.proto.event_pb2 import Event
+
+        self._event(Event(graph_def=graph.SerializeToString(), wall_time=time.time()))
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         from tensorboardX.summary import scalar

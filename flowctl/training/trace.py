@@ -72,7 +72,16 @@ def step_trace(stats: RunStats, graphs: Mapping[str, Graph], layers: Mapping[str
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"measured_step_ms": (max((t for s in per_device.values() for _, t in s.finishes),
                                                    default=t0) - t0) * 1e3,
-                          "predicted_step_ms": predicted.step_time * 1e3 if predicted is not None else None}}
+                          "predicted_step_ms": predicted.step_time * 1e3 if predicted is not None else None,
+                          "executor": {_short(d): _executor_times(s) for d, s in per_device.items()}}}
+
+
+def _executor_times(s: RunStats) -> dict[str, float]:
+    """What the device's executor thread counted around the step, apart from its per-op times: a
+    reader checks the ops against it (their sum on the compute track is the busy time less the
+    executor's own bookkeeping)."""
+    return {"busy_ms": s.busy_s * 1e3, "wall_ms": s.wall_s * 1e3, "idle_ms": s.idle_s * 1e3,
+            "thread_cpu_ms": s.cpu_s * 1e3}
 
 
 def _predicted(sim: SimResult, graphs: Mapping[str, Graph], layers: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -81,10 +90,10 @@ def _predicted(sim: SimResult, graphs: Mapping[str, Graph], layers: Mapping[str,
     for i, d in enumerate(devices):
         events.append(_meta("thread_name", PREDICTED, i + 1, f"{_short(d)} predicted"))
     for name, start in sim.start.items():
-        d = sim.device_of.get(name)
-        if d is None:
+        on = sim.device_of.get(name)
+        if on is None:
             continue
-        events.append({"ph": "X", "pid": PREDICTED, "tid": devices.index(d) + 1, "ts": start * 1e6,
+        events.append({"ph": "X", "pid": PREDICTED, "tid": devices.index(on) + 1, "ts": start * 1e6,
                        "dur": (sim.finish[name] - start) * 1e6, "name": name, "cat": "predicted",
                        "args": {"layer": layers.get(name, "")}})
     return events
@@ -95,7 +104,7 @@ def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
 
 
 def busy_ms(trace: dict[str, Any]) -> dict[str, float]:
-    """Per measured track, the milliseconds its kernels took."""
+    """Per measured track, the milliseconds its kernels took (the sum of its events' durations)."""
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == MEASURED}
     out: dict[str, float] = {}

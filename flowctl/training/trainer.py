@@ -41,7 +41,7 @@ from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
 from flowctl.training.evaluate import Evaluator, improved
-from flowctl.training.events import EventWriter
+from flowctl.training.events import EventWriter, graph_def
 from flowctl.training.faults import Stop, check_finite, checked_learning_rate
 from flowctl.training.inputs import make_sources
 from flowctl.training.program import Program, open_program
@@ -281,6 +281,9 @@ class Trainer:
         t0 = time.perf_counter()
         writer = EventWriter(self.run.inside(self.run.events), purge_step=first + 1,
                              histograms_every=self.histograms_every)
+        if first == 0:  # a resumed run's graph is in its first event file, which TensorBoard reads too
+            placed = self.program.placed
+            writer.graph(graph_def(placed.step.graph, placed.assignment, placed.step.layers))
         cluster = self.program.cluster
         # N device threads each calling BLAS: give each its share of the cores (runtime.blas_limits).
         limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
