@@ -190,3 +190,39 @@ def test_predict_continues_a_sentence_after_its_last_word(tmp_path: Path) -> Non
     cfg = {**m.loaded.spec.data.model_dump(exclude={"validation_fraction"}), "validation": str(tmp_path / "other.txt")}
     want = m.evaluator.run(m.evaluator.source(4, config=cfg))
     assert json.loads(r.stdout)["val/loss"] == pytest.approx(want.values["val/loss"], rel=1e-12)
+
+
+NARROW = """\
+version: 1
+name: narrow
+model:
+  layers:
+    - {name: tokens, type: input, shape: [6], dtype: TOKENS, classes: 50}
+    - {name: label, type: input, shape: [], dtype: LABELS, classes: 4}
+    - {name: embedding, type: embedding, vocab: 50, dim: 8, inputs: [tokens]}
+    - {name: flat, type: flatten}
+    - {name: logits, type: dense, units: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, label]}
+data: {source: synthetic, seed: 4}
+training: {optimizer: {type: adam}, learning_rate: 0.01, batch_size: 8, steps: 6, seed: 2}
+"""
+
+
+@pytest.mark.parametrize("tokens,labels", [("int16", "uint8"), ("uint16", "int8")])
+def test_narrow_integer_inputs_train_exactly_as_int32_ones(tmp_path: Path, tokens: str, labels: str) -> None:
+    """Token ids and labels fed as 8- or 16-bit integers (a quarter of the bytes) are widened where
+    they index: the run is the int32 run, loss for loss."""
+    import json
+
+    from click.testing import CliRunner
+
+    from flowctl.cli.main import cli
+
+    losses = {}
+    for name, (t, lab) in {"narrow": (tokens, labels), "wide": ("int32", "int32")}.items():
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(NARROW.replace("TOKENS", t).replace("LABELS", lab))
+        r = CliRunner().invoke(cli, ["train", str(spec), "--run-dir", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["narrow"]) == 6 and losses["narrow"] == losses["wide"]

@@ -26,7 +26,7 @@ class InputSpec:
 
     @property
     def is_int(self) -> bool:
-        return self.dtype.startswith("int")
+        return self.dtype.startswith(("int", "uint"))
 
 
 class DataSource:

@@ -295,13 +295,13 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
                 problems.at(root, ("data", "feeds", key), f"'{name}' is not a model input" + did_you_mean(name, inputs))
                 continue
             out = inputs[name].output
-            if not out.dtype.startswith("int") or (out.shape[1:] != () if per_example == () else len(out.shape) != 2):
+            if not out.dtype.startswith(("int", "uint")) or (out.shape[1:] != () if per_example == () else len(out.shape) != 2):
                 problems.at(root, ("data", "feeds", key), f"'{name}' must be an integer model input of shape "
                             + ("[]" if per_example == () else "[steps]") + f", got {list(out.shape[1:])} {out.dtype}")
     if isinstance(data, TextData):
-        ints = [n for n, i in inputs.items() if i.output.dtype.startswith("int") and n != data.lengths]
+        ints = [n for n, i in inputs.items() if i.output.dtype.startswith(("int", "uint")) and n != data.lengths]
         if data.lengths is not None and (data.lengths not in inputs or inputs[data.lengths].output.shape[1:] != ()
-                                         or not inputs[data.lengths].output.dtype.startswith("int")):
+                                         or not inputs[data.lengths].output.dtype.startswith(("int", "uint"))):
             problems.at(root, ("data", "lengths"), f"'{data.lengths}' must be a scalar integer model input "
                         f"(shape [], dtype int32)" + did_you_mean(data.lengths, inputs))
         for key, default in (("input", 0), ("target", 1)):

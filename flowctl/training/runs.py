@@ -66,7 +66,7 @@ def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
             return "validation"
         loaded.spec.data = TextData.model_validate({**keep, "path": str(p)})
         return "train"
-    ints = [i for i in loaded.inputs() if i.output.dtype.startswith("int")]
+    ints = [i for i in loaded.inputs() if i.output.dtype.startswith(("int", "uint"))]
     vocab = getattr(ints[0].layer, "classes", None) if ints else None
     loaded.spec.data = TextData.model_validate({"source": "text", "path": str(p), "vocab_size": vocab})
     return "train"

@@ -35,6 +35,12 @@ def linear(b: Builder, x: Tensor, kernel: Tensor, bias: Tensor | None) -> Tensor
     return y
 
 
+def as_index(x: Tensor) -> Tensor:
+    """Integer ids as the ops that index take them (int32/int64): a narrow input (uint8 labels,
+    int16 token ids: less to read and to feed) is widened where it is used."""
+    return x if x.dtype in ("int32", "int64") else fc.cast(x, "int32", name="as_index")
+
+
 def sequence_mask(lengths: Tensor, steps: int, dtype: str, name: str = "mask") -> Tensor:
     """[batch, steps]: 1 where the step is below the example's length, 0 past it (padding)."""
     t = fc.reshape(fc.range_(steps, dtype="int32", name=f"{name}_steps"), (1, steps), name=f"{name}_row")
@@ -43,7 +49,7 @@ def sequence_mask(lengths: Tensor, steps: int, dtype: str, name: str = "mask") -
 
 
 def check_lengths(spec: TensorSpec, layer: str, names: list[str]) -> None:
-    if len(spec.shape) != 1 or not spec.dtype.startswith("int"):
+    if len(spec.shape) != 1 or not spec.dtype.startswith(("int", "uint")):
         raise LayerError(f"{layer}: lengths '{names[-1]}' must be one integer per example ([batch]), got "
                          f"{fmt(spec.shape)} {spec.dtype}", "inputs")
 
@@ -54,7 +60,7 @@ class Input(Layer):
 
     type: Literal["input"]
     shape: list[int] = Field(description="per-example shape, without the batch")
-    dtype: Literal["float32", "float64", "float16", "int32", "int64"] = "float32"
+    dtype: Literal["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16"] = "float32"
     classes: int | None = Field(None, ge=1, description="integer inputs take values in [0, classes)")
 
     arity: ClassVar[tuple[int, int | None]] = (0, 0)
@@ -192,7 +198,7 @@ class Embedding(Layer):
     init_scale: float = Field(0.05, gt=0, description="uniform ±init_scale (Zaremba et al.)")
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
-        if not ins[0].dtype.startswith("int"):
+        if not ins[0].dtype.startswith(("int", "uint")):
             raise LayerError(f"embedding needs integer token ids, got {ins[0].dtype}")
         return TensorSpec((*ins[0].shape, self.dim), self._dtype)
 
@@ -201,7 +207,7 @@ class Embedding(Layer):
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
         table = b.variable(self.weights([ins[0].spec])[0])
-        return fc.gather(table, ins[0], name="gather")
+        return fc.gather(table, as_index(ins[0]), name="gather")
 
 
 @register
@@ -222,13 +228,13 @@ class SoftmaxCrossEntropy(Layer):
         names = self.inputs or ["logits", "labels", "lengths"]
         if len(logits.shape) < 2:
             raise LayerError(f"logits must have rank >= 2, got {fmt(logits.shape)}", "inputs")
-        if labels.dtype.startswith("int"):
+        if labels.dtype.startswith(("int", "uint")):
             want = logits.shape[:-1]
         else:
             want = logits.shape
         if len(labels.shape) != len(want) or any(a is not None and b is not None and a != b
                                                  for a, b in zip(labels.shape, want)):
-            kind = "integer class ids" if labels.dtype.startswith("int") else "float distributions"
+            kind = "integer class ids" if labels.dtype.startswith(("int", "uint")) else "float distributions"
             raise LayerError(f"labels '{names[1]}' {fmt(labels.shape)} ({kind}) do not fit logits "
                              f"'{names[0]}' {fmt(logits.shape)}: expected labels of shape {fmt(want)}",
                              "inputs")
@@ -244,10 +250,10 @@ class SoftmaxCrossEntropy(Layer):
         steps = logits.shape[1] if len(logits.shape) == 3 else None
         if len(logits.shape) > 2:
             logits = fc.reshape(logits, (-1, logits.shape[-1]), name="fold_logits")
-            labels = fc.reshape(labels, (-1,) if labels.dtype.startswith("int") else (-1, logits.shape[-1]),
+            labels = fc.reshape(labels, (-1,) if labels.dtype.startswith(("int", "uint")) else (-1, logits.shape[-1]),
                                 name="fold_labels")
-        if labels.dtype.startswith("int"):
-            per_example = fc.sparse_softmax_cross_entropy(logits, labels, name="xent")
+        if labels.dtype.startswith(("int", "uint")):
+            per_example = fc.sparse_softmax_cross_entropy(logits, as_index(labels), name="xent")
         else:
             per_example = fc.softmax_cross_entropy(logits, labels, name="xent")
         if len(ins) < 3:

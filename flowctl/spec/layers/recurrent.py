@@ -52,7 +52,7 @@ class LSTM(Layer):
             if self.unroll != "dynamic":
                 raise LayerError(f"lstm '{self.name}': a lengths input needs unroll: dynamic", "inputs")
             rank(ins[1], 1, "lstm", "[batch] lengths input")
-            if not ins[1].dtype.startswith("int"):
+            if not ins[1].dtype.startswith(("int", "uint")):
                 raise LayerError(f"lstm '{self.name}': lengths must be integers, got {ins[1].dtype}", "inputs")
         known(x.shape[1], f"lstm '{self.name}' time steps (the unroll length)")
         known(x.shape[2], f"lstm '{self.name}' input features")
