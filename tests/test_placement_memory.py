@@ -28,9 +28,6 @@ def test_a_memory_cap_in_the_devices_syntax() -> None:
         Cluster.from_spec("4xgpu:k40:2TB")
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: since the LSTM's fused cells (issue 14), greedy, heft and single "
-                   "spreading leave both layers' kernels on one GPU and overflow the 60% cap; expert fits (open in "
-                   "issue 17's memory-capped rows)")
 def test_every_placer_fits_a_4_layer_lstm_capped_at_60_percent_of_its_one_device_need() -> None:
     loaded = _variant("lstm4.yaml", "lstm4", 4)
     need = single_device_need(_variant("lstm4.yaml", "lstm4", 4, free=True), "4xgpu:k40", 20)

@@ -2,12 +2,18 @@
 moving groups off it to where memory is free, instead of failing (Baechi's lesson: under a cap
 where one device cannot hold the model, a good placer still completes, a little slower).
 
-Each round takes the device that overflows most, and moves off it the groups holding the most
-memory per second of work (resident state -- variables, optimizer slots -- and their outputs:
-activations kept for the backward pass, gradients) until the moved bytes cover the overflow with
-a margin; each goes to the feasible device with the most memory left. The simulator re-checks
-the result; rounds repeat while a device overflows and the overflow shrinks. Memory is the
-simulator's: what a step holds at its peak, the same figure `place` prints per device.
+Each round takes the device that overflows most and an order in which its groups leave:
+"dense", the groups holding the most memory per second of work first (resident state --
+variables, optimizer slots -- and their outputs: activations kept for the backward pass,
+gradients), each to the feasible device with the most memory left; or "suffix", the last in
+the forward pass first, all to the one device with the most memory left (a whole model on one
+device is cut into consecutive stages: one cut, few transfers). How many leave is found by
+bisection on the simulator: the fewest that bring the device under its capacity. A group's
+bytes (its outputs) do not say how much a move lowers the peak -- what a step holds at its peak
+depends on when tensors are live, and a moved group's outputs read back on the device come
+back as received tensors -- so the simulator, not the byte count, decides. Rounds repeat while
+a device overflows and the total overflow shrinks. Memory is the simulator's: what a step
+holds at its peak, the same figure `place` prints per device.
 """
 from __future__ import annotations
 
@@ -15,10 +21,9 @@ import time
 
 from flowctl.engine.placement.explain import Decision, Placement
 from flowctl.engine.placement.problem import Problem, complete, finalize
-from flowctl.engine.placement.simulator import fmt_bytes
+from flowctl.engine.placement.simulator import fmt_bytes, simulate_table
 
 ROUNDS = 12
-MARGIN = 1.3
 
 
 def footprint(pb: Problem) -> dict[int, tuple[float, float]]:
@@ -37,54 +42,39 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
                decisions: list[Decision], started: float, notes: list[str], order: str = "dense") -> Placement:
     """`pl` (made from `group_dev`) repaired until it fits, or the least-overflowing attempt
     with its explanation when the cluster's memory cannot hold the step. `order`: which groups
-    leave first -- "dense", the most bytes per second of work; "suffix", the last in the forward
-    pass (a whole model on one device is cut into consecutive stages: one cut, few transfers)."""
+    leave first, "dense" or "suffix" (module docstring)."""
     if pl.valid:
         return pl
     fp = footprint(pb)
-    # A group's place in the forward pass (-1: backward or optimizer work only, such as a global
-    # norm over every gradient: moved last, as it reads from every stage).
-    first: dict[int, int] = {}
-    for i, g in enumerate(pb.step_group):
-        first.setdefault(g, -1)
-        if first[g] < 0 and not pb.graph.nodes[pb.table.names[i]].follows:
-            first[g] = i
+    first = _forward_position(pb)
     gd = complete(pb, group_dev)
     best, best_over = pl, _overflow(pl)
     notes = list(notes)
-    for r in range(ROUNDS):
+    for _ in range(ROUNDS):
         sim = best.simulation
         over = {pb.devices.index(s.device): s.peak_memory - s.capacity for s in sim.devices
                 if s.peak_memory > s.capacity}
         if not over:
             break
         d = max(over, key=lambda k: over[k])
-        free: dict[int, float] = {pb.devices.index(s.device): float(s.capacity - s.peak_memory)
-                                  for s in sim.devices}
+        free = {pb.devices.index(s.device): float(s.capacity - s.peak_memory) for s in sim.devices}
         movable = [g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1]
         if order == "suffix":
-            mine = sorted(movable, key=lambda g: -first[g])
+            # Forward-pass order, latest first; backward-only groups (-1: a global norm over every
+            # gradient, which reads from every stage) last.
+            mine = sorted(movable, key=lambda g: (first[g] < 0, -first[g]))
         else:
             mine = sorted(movable, key=lambda g: (-fp[g][0] / max(fp[g][1], 1e-9), g))
-        moved, count, dest = 0.0, 0, -1
-        for g in mine:
-            if moved >= MARGIN * over[d]:
-                break
-            targets = [x for x in pb.coarse.feasible_idx[g] if x != d and free[x] > fp[g][0]]
-            if not targets:
-                continue
-            # A suffix goes where the previous moved group went while it has room (one stage).
-            x = dest if order == "suffix" and dest in targets else max(targets, key=lambda k: (free[k], -k))
-            dest = x
+        moves = _destinations(pb, mine, d, free, fp, order)
+        if not moves:
+            break
+        k = _fewest(pb, gd, moves, d)
+        for g, x in moves[:k]:
             gd[g] = x
-            free[x] -= fp[g][0]
-            moved += fp[g][0]
-            count += 1
             decisions.append(pb.decision(g, x, f"moved off {pb.devices[d]} to fit memory "
                                                 f"({fmt_bytes(fp[g][0])} of outputs and state)"))
-        if not count:
-            break
-        notes.append(f"memory: moved {count} group(s), {fmt_bytes(moved)}, off {pb.devices[d]} "
+        moved = sum(fp[g][0] for g, _ in moves[:k])
+        notes.append(f"memory: moved {k} group(s), {fmt_bytes(moved)}, off {pb.devices[d]} "
                      f"(over by {fmt_bytes(over[d])})")
         cand = finalize(pb, algorithm, dict(gd), decisions, started, notes)
         o = _overflow(cand)
@@ -95,6 +85,61 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
             break
     best.seconds = time.perf_counter() - started
     return best
+
+
+def _forward_position(pb: Problem) -> dict[int, int]:
+    """Per group: the step index of its first forward node (-1: backward or optimizer work only)."""
+    first: dict[int, int] = {}
+    for i, g in enumerate(pb.step_group):
+        first.setdefault(g, -1)
+        if first[g] < 0 and not pb.graph.nodes[pb.table.names[i]].follows:
+            first[g] = i
+    return first
+
+
+def _destinations(pb: Problem, mine: list[int], d: int, free: dict[int, float],
+                  fp: dict[int, tuple[float, float]], order: str) -> list[tuple[int, int]]:
+    """Where each of `mine` would go, in order: "suffix", all to the device with the most memory
+    left that can run them (one stage); "dense", each to the feasible device with the most
+    memory left after the groups before it (by their bytes: an estimate the bisection checks)."""
+    free = dict(free)
+    if order == "suffix":
+        others = [x for x in free if x != d]
+        if not others:
+            return []
+        x = max(others, key=lambda k: (free[k], -k))
+        return [(g, x) for g in mine if x in pb.coarse.feasible_idx[g]]
+    out = []
+    for g in mine:
+        targets = [x for x in pb.coarse.feasible_idx[g] if x != d and free[x] > fp[g][0]]
+        if targets:
+            x = max(targets, key=lambda k: (free[k], -k))
+            free[x] -= fp[g][0]
+            out.append((g, x))
+    return out
+
+
+def _fewest(pb: Problem, gd: dict[int, int], moves: list[tuple[int, int]], d: int) -> int:
+    """The fewest leading `moves` after which device d fits, by bisection on the simulator (all
+    of them when none does). Fewer moves keep more of the placer's choice, and fewer transfers."""
+    cap = pb.cluster.device(pb.devices[d]).profile.memory
+
+    def fits(k: int) -> bool:
+        trial = dict(gd)
+        trial.update(moves[:k])
+        dev = [trial[g] for g in pb.step_group]
+        return simulate_table(pb.table, dev, pb.cluster).devices[d].peak_memory <= cap
+
+    lo, hi = 1, len(moves)
+    if not fits(hi):
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _overflow(pl: Placement) -> float:
