@@ -33,7 +33,7 @@ from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
 from flowctl.engine.placement.learned import LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
-from flowctl.engine.placement.memfit import fit_memory
+from flowctl.engine.placement.memfit import ORDERS, fit_memory
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
 Rules = Sequence[tuple[str, str]]
@@ -82,7 +82,7 @@ def place_single(pb: Problem) -> Placement:
         d, pl = min(results, key=lambda x: (x[1].step_time, x[0]))
         spreads = [fit_memory(pb, pl, made[d], "single", list(pl.decisions), started,
                               [f"no single device holds the step: started on {pb.devices[d]}, spread by {how}"],
-                              order=how) for how in ("suffix", "dense")]
+                              order=how) for how in ORDERS]
         fits = [x for x in spreads if x.valid]
         if fits:
             spread = min(fits, key=lambda x: x.step_time)
