@@ -64,3 +64,21 @@ def test_inspect_and_place_agree_on_what_a_step_holds() -> None:
     resident = {d["device"]: d["resident"] for d in devices}
     assert resident[mem["device"]] == mem["step_resident_bytes"]
     assert mem["step_peak_bytes"] > mem["step_resident_bytes"] >= mem["parameter_bytes"]
+
+
+def test_coarsening_keeps_each_lstm_layer_with_its_weights_gradients_and_updates() -> None:
+    # An unrolled LSTM's cells are each cheaper to run than to send their state; merged one by
+    # one into their consumer, they once snowballed all four layers into one 447-node group.
+    loaded = _variant("lstm4.yaml", "lstm4", 4)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    cl = cluster_for(step_config(loaded), "4xgpu:k40")
+    pb = prepare(sg.graph, cl, StaticCostModel(cl, batch=20), [sg.targets[0]])
+    co = pb.coarse
+    kernels = [co.group(f"lstm_{k}/kernel").id for k in range(1, 5)]
+    assert len(set(kernels)) == 4
+    for k, g in zip(range(1, 5), kernels):
+        update = f"lstm_{k}/kernel/SGD/update"
+        grads = [n for n in sg.graph.nodes.values() if n.follows == f"lstm_{k}/kernel_rows"]
+        assert co.group(update).id == g and grads and all(co.group(n.name).id == g for n in grads)
+    sizes = [len(grp.members) for grp in co.groups.values()]
+    assert max(sizes) < 100, max(sizes)
