@@ -144,15 +144,19 @@ def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
 
 
 def _forward_position(pb: Problem) -> dict[int, int]:
-    """Per group: the step index of its first computed forward node (-1: backward or optimizer
-    work only). Sources do not count: a topological order lists every Variable and Const before
-    the first op, so a layer's kernel would put the last layer at the front."""
-    first: dict[int, int] = {}
+    """Per group: the step index of its heaviest forward node (-1: backward or optimizer work
+    only). Not its first: a topological order lists every source, and the optimizer's ops that
+    read only sources (momentum x accumulator), before the first layer, so a late layer's group
+    holding its kernel's update would sort to the front and the cut would not be one."""
+    t = pb.table
+    heaviest: dict[int, tuple[float, int]] = {}
     for i, g in enumerate(pb.step_group):
-        first.setdefault(g, -1)
-        if first[g] < 0 and pb.table.inputs[i] and not pb.graph.nodes[pb.table.names[i]].follows:
-            first[g] = i
-    return first
+        heaviest.setdefault(g, (-1.0, -1))
+        if t.inputs[i] and not pb.graph.nodes[t.names[i]].follows:
+            w = min(t.times[i])
+            if w > heaviest[g][0]:
+                heaviest[g] = (w, i)
+    return {g: i for g, (_, i) in heaviest.items()}
 
 
 def _destinations(pb: Problem, mine: list[int], d: int, free: dict[int, float],
