@@ -82,3 +82,17 @@ def test_coarsening_keeps_each_lstm_layer_with_its_weights_gradients_and_updates
         assert co.group(update).id == g and grads and all(co.group(n.name).id == g for n in grads)
     sizes = [len(grp.members) for grp in co.groups.values()]
     assert max(sizes) < 100, max(sizes)
+
+
+def test_bench_placement_rows_select_models_and_single_rows() -> None:
+    from flowctl.bench.placement import DEFAULT_ROWS, select_rows
+    from flowctl.engine.errors import FlowctlError
+
+    assert select_rows(DEFAULT_ROWS, "lstm4") == [("lstm4", 4, "k40")]
+    assert select_rows(DEFAULT_ROWS, "lstm4/2xk40, nmt") == [("lstm4", 2, "k40"), ("nmt", 4, "k40")]
+    with pytest.raises(FlowctlError, match="known"):
+        select_rows(DEFAULT_ROWS, "lstm5")
+    with pytest.raises(FlowctlError, match="NxPROFILE"):
+        select_rows(DEFAULT_ROWS, "lstm4/2xp100")
+    r = CliRunner().invoke(cli, ["bench", "placement", "--rows", "lstm9"])
+    assert r.exit_code != 0 and "no placement benchmark 'lstm9'" in r.output
