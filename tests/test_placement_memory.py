@@ -96,3 +96,28 @@ def test_bench_placement_rows_select_models_and_single_rows() -> None:
         select_rows(DEFAULT_ROWS, "lstm4/2xp100")
     r = CliRunner().invoke(cli, ["bench", "placement", "--rows", "lstm9"])
     assert r.exit_code != 0 and "no placement benchmark 'lstm9'" in r.output
+
+
+def test_the_expert_under_a_cap_moves_only_what_no_rule_placed() -> None:
+    # NMT's own rules pin the encoder to gpu:0 and the decoder to gpu:1; attention and the
+    # projection follow the decoder and overflow gpu:1 at 60% of the one-device need.
+    loaded = _variant("nmt.yaml", "own", 4)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    targets, rules, layers = [sg.targets[0]], step_config(loaded).expert_rules(), sg.model.layer_of()
+    # 60% of what NMT without constraints needs on one K40 (bench placement's single_device_need)
+    capped = cluster_for(step_config(loaded), "4xgpu:k40:2135MiB")
+    free = cluster_for(step_config(loaded), "4xgpu:k40")
+    uncapped = place(sg.graph, free, StaticCostModel(free, batch=64), "expert", targets=targets, rules=rules,
+                     layers=layers)
+    pl = place(sg.graph, capped, StaticCostModel(capped, batch=64), "expert", targets=targets, rules=rules,
+               layers=layers)
+    assert max(d.peak_memory for d in uncapped.devices) > 2135 << 20  # the rules' own placement overflows
+    assert pl.valid and pl.step_time <= 1.10 * uncapped.step_time
+    gpu0, gpu1 = capped.names[0], capped.names[1]
+    for name, node in sg.graph.nodes.items():
+        if name.startswith("encoder/"):
+            assert pl[name] == gpu0, name
+        elif name.startswith("decoder/"):
+            assert pl[name] == gpu1, name
+    assert pl["projection/kernel"] != uncapped["projection/kernel"]
+    assert any("what no rule placed was moved" in n for n in pl.notes)

@@ -43,23 +43,25 @@ ORDERS = ("suffix", "dense")
 
 
 def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
-               decisions: list[Decision], started: float, notes: list[str], order: str = "any") -> Placement:
+               decisions: list[Decision], started: float, notes: list[str], order: str = "any",
+               fixed: frozenset[int] = frozenset()) -> Placement:
     """`pl` (made from `group_dev`) repaired until it fits, or the least-overflowing attempt
     with its explanation when the cluster's memory cannot hold the step. `order`: which groups
-    leave first, "dense" or "suffix" (module docstring); "any": both, the faster that fits."""
+    leave first, "dense" or "suffix" (module docstring); "any": both, the faster that fits.
+    `fixed`: groups that stay where they are (the expert's rules placed them)."""
     if pl.valid:
         return pl
-    tries = [_fit(pb, pl, group_dev, algorithm, list(decisions), started, notes, how)
+    tries = [_fit(pb, pl, group_dev, algorithm, list(decisions), started, notes, how, fixed)
              for how in (ORDERS if order == "any" else (order,))]
     fits = [x for x in tries if x.valid]
     best = min(fits, key=lambda x: x.step_time) if fits else min(tries, key=_overflow)
     if best.valid:
-        best = _rejoin(pb, best, algorithm, started)
+        best = _rejoin(pb, best, algorithm, started, fixed)
     best.seconds = time.perf_counter() - started
     return best
 
 
-def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float) -> Placement:
+def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: frozenset[int]) -> Placement:
     """After the moves: the largest tensors that now cross devices, each tried without its
     crossing (its consumer's group joins its producer's device, or the other way), kept where the
     simulator says the step is faster and every device still fits. A group that left for memory
@@ -80,7 +82,7 @@ def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float) -> Place
         if tried >= REJOIN_TRIES:
             break
         for g, x in ((b, best[a]), (a, best[b])):
-            if best[g] == x or x not in co.feasible_idx[g]:
+            if best[g] == x or x not in co.feasible_idx[g] or g in fixed:
                 continue
             tried += 1
             trial = {**best, g: x}
@@ -99,7 +101,8 @@ def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float) -> Place
 
 
 def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
-         decisions: list[Decision], started: float, notes: list[str], order: str) -> Placement:
+         decisions: list[Decision], started: float, notes: list[str], order: str,
+         fixed: frozenset[int] = frozenset()) -> Placement:
     if pl.valid:
         return pl
     fp = footprint(pb)
@@ -115,7 +118,7 @@ def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
             break
         d = max(over, key=lambda k: over[k])
         free = {pb.devices.index(s.device): float(s.capacity - s.peak_memory) for s in sim.devices}
-        movable = [g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1]
+        movable = [g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1 and g not in fixed]
         if order == "suffix":
             # Forward-pass order, latest first; backward-only groups (-1: a global norm over every
             # gradient, which reads from every stage) last.

@@ -170,7 +170,7 @@ def place_expert(pb: Problem, rules: Rules, layers: Mapping[str, str] | None = N
             gdev[g] = min(feas.feasible[g])
             reasons[g] = "no rule, input or consumer placed: first feasible device"
     assignment = {n: devices[gdev[hard[i]]] for i, n in enumerate(feas.order)}
-    decisions = []
+    decisions: list[Decision] = []
     for g in sorted(gdev):
         first = feas.order[feas.members[g][0]]
         decisions.append(Decision(group=g, first=first, size=len(feas.members[g]),
@@ -178,7 +178,25 @@ def place_expert(pb: Problem, rules: Rules, layers: Mapping[str, str] | None = N
                                   narrowed_by=feas.group_narrowed_by(feas.order[m] for m in feas.members[g]),
                                   merged=list(feas.links.get(g, [])),
                                   choice=devices[gdev[g]], reason=reasons[g]))
-    return build_placement(pb, "expert", assignment, decisions, started)
+    pl = build_placement(pb, "expert", assignment, decisions, started)
+    return pl if pl.valid else _fit_expert(pb, pl, set(why), started)
+
+
+def _fit_expert(pb: Problem, pl: Placement, ruled: set[int], started: float) -> Placement:
+    """An expert placement that overflows a device: what no rule placed (a node that followed its
+    input or consumer) moves to where memory is free; what a rule placed stays. Possible where
+    each coarse group sits on one device (memfit moves coarse groups)."""
+    feas, co = pb.feas, pb.coarse
+    gd: dict[int, int] = {}
+    fixed: set[int] = set()
+    for i, name in enumerate(feas.order):
+        g, d = co.group_of[i], pb.devices.index(pl.assignment[name])
+        if gd.setdefault(g, d) != d:
+            return pl  # the rules split a coarse group over devices: not a device per group
+        if feas.group_of[i] in ruled:
+            fixed.add(g)
+    notes = ["memory: the rules' placement overflows; what no rule placed was moved"]
+    return fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
 
 
 def _resolve_rule(pattern: str, dev: str, devices: list[str]) -> list[int]:
