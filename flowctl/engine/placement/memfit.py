@@ -147,19 +147,32 @@ def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
 
 
 def _forward_position(pb: Problem) -> dict[int, int]:
-    """Per group: the step index of its heaviest forward node (-1: backward or optimizer work
-    only). Not its first: a topological order lists every source, and the optimizer's ops that
-    read only sources (momentum x accumulator), before the first layer, so a late layer's group
-    holding its kernel's update would sort to the front and the cut would not be one."""
+    """Per group: the step index of its first forward node -- one a fed input reaches and no
+    gradient does (-1: none; backward or optimizer work only). Neither merely its first computed
+    node (a topological order lists the optimizer's ops that read only state, momentum x
+    accumulator, before the first layer) nor its first node without `follows` (gradient
+    clipping has none, and comes after the whole forward pass): either would sort a group
+    holding a kernel's update to one end, and the cut would not be one."""
     t = pb.table
-    heaviest: dict[int, tuple[float, int]] = {}
+    fed = [False] * len(t.names)
+    backward = [False] * len(t.names)
+    first: dict[int, int] = {}
+    for i, g in enumerate(pb.step_group):  # topological order: inputs come first
+        node = pb.graph.nodes[t.names[i]]
+        fed[i] = node.op == "Placeholder" or any(fed[j] for j, _ in t.inputs[i])
+        backward[i] = bool(node.follows) or any(backward[j] for j, _ in t.inputs[i])
+        first.setdefault(g, -1)
+        if first[g] < 0 and fed[i] and t.inputs[i] and not backward[i]:
+            first[g] = i
+    # A group of state (a kernel, its views, its gradient and update) has no such node: it
+    # stands where its first forward reader does, so that a cut takes a layer with its weights.
+    out = dict(first)
     for i, g in enumerate(pb.step_group):
-        heaviest.setdefault(g, (-1.0, -1))
-        if t.inputs[i] and not pb.graph.nodes[t.names[i]].follows:
-            w = min(t.times[i])
-            if w > heaviest[g][0]:
-                heaviest[g] = (w, i)
-    return {g: i for g, (_, i) in heaviest.items()}
+        if first[g] < 0 and not backward[i]:
+            readers = [first[pb.step_group[c]] for c in t.succ[i] if first[pb.step_group[c]] >= 0]
+            if readers and (out[g] < 0 or min(readers) < out[g]):
+                out[g] = min(readers)
+    return out
 
 
 def _destinations(pb: Problem, mine: list[int], d: int, free: dict[int, float],
