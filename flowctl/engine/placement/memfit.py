@@ -12,8 +12,13 @@ bisection on the simulator: the fewest that bring the device under its capacity.
 bytes (its outputs) do not say how much a move lowers the peak -- what a step holds at its peak
 depends on when tensors are live, and a moved group's outputs read back on the device come
 back as received tensors -- so the simulator, not the byte count, decides. Rounds repeat while
-a device overflows and the total overflow shrinks. Memory is the simulator's: what a step
-holds at its peak, the same figure `place` prints per device.
+a device overflows and the total overflow shrinks; the faster of the two orders that fits wins.
+Where neither fits (two devices, each under the step's need with little to spare: a run of
+groups that fits one device overflows the other), a descent moves one group at a time, the
+move the simulator says shrinks the overflow most. Once it fits, groups that the moves left
+apart from a neighbour they exchange large tensors with may rejoin it, where the simulator says
+the step is faster and memory still fits. Memory is the simulator's: what a step holds at its
+peak, the same figure `place` prints per device.
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ import time
 
 from flowctl.engine.placement.explain import Decision, Placement
 from flowctl.engine.placement.problem import Problem, complete, finalize
-from flowctl.engine.placement.simulator import fmt_bytes, simulate_table
+from flowctl.engine.placement.simulator import SimResult, fmt_bytes, simulate_table
 
 ROUNDS = 12
+DESCENT_ROUNDS = 8  # single-group moves of the last resort
+DESCENT_CANDIDATES = 6  # groups tried per overflowing device and move
 REJOIN_TRIES = 8  # simulations spent rejoining groups split by the moves
 
 
@@ -55,10 +62,59 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
              for how in (ORDERS if order == "any" else (order,))]
     fits = [x for x in tries if x.valid]
     best = min(fits, key=lambda x: x.step_time) if fits else min(tries, key=_overflow)
+    if not best.valid and order == "any":
+        best = descend(pb, best, algorithm, started, fixed)
     if best.valid:
         best = _rejoin(pb, best, algorithm, started, fixed)
     best.seconds = time.perf_counter() - started
     return best
+
+
+def descend(pb: Problem, pl: Placement, algorithm: str, started: float,
+            fixed: frozenset[int] = frozenset()) -> Placement:
+    """The last resort, where moving a run of groups off a device only overflows the one they
+    reach (two devices, each under the step's need, with little to spare): one group at a time,
+    the move among a few candidates -- the groups holding the most bytes on each overflowing
+    device, each to every other device it can run on -- that leaves the least total overflow by
+    the simulator, while the overflow shrinks."""
+    t, co = pb.table, pb.coarse
+    fp = footprint(pb)
+    gd = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
+    sim = pl.simulation
+    moved: dict[int, int] = {}
+    for _ in range(DESCENT_ROUNDS):
+        over = _overflow_of(sim)
+        if over == 0:
+            break
+        full = [pb.devices.index(s.device) for s in sim.devices if s.peak_memory > s.capacity]
+        cands = []
+        for d in full:
+            mine = sorted((g for g in fp if gd[g] == d and g not in fixed and len(co.feasible_idx[g]) > 1),
+                          key=lambda g: (-fp[g][0], g))[:DESCENT_CANDIDATES]
+            cands += [(g, x) for g in mine for x in sorted(co.feasible_idx[g]) if x != d]
+        best: tuple[float, float, int, int] | None = None
+        for g, x in cands:
+            trial = {**gd, g: x}
+            s_ = simulate_table(t, [trial[k] for k in pb.step_group], pb.cluster)
+            key = (_overflow_of(s_), s_.step_time, g, x)
+            if best is None or key < best:
+                best = key
+        if best is None or best[0] >= over:
+            break
+        _, _, g, x = best
+        gd[g] = moved[g] = x
+        sim = simulate_table(t, [gd[k] for k in pb.step_group], pb.cluster)
+    if not moved or _overflow_of(sim) >= _overflow(pl):
+        return pl
+    notes = pl.notes + [f"memory: {len(moved)} group(s) moved one at a time where the simulator said the "
+                        f"overflow shrank most"]
+    decisions = pl.decisions + [pb.decision(g, x, "moved to fit memory (one group at a time)")
+                                for g, x in moved.items()]
+    return finalize(pb, algorithm, gd, decisions, started, notes)
+
+
+def _overflow_of(sim: SimResult) -> float:
+    return float(sum(max(0, s.peak_memory - s.capacity) for s in sim.devices))
 
 
 def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: frozenset[int]) -> Placement:
@@ -224,7 +280,7 @@ def _fewest(pb: Problem, gd: dict[int, int], moves: list[tuple[int, int]], d: in
 
 
 def _overflow(pl: Placement) -> float:
-    return float(sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices))
+    return _overflow_of(pl.simulation)
 
 
-__all__ = ["ORDERS", "fit_memory", "footprint"]
+__all__ = ["ORDERS", "descend", "fit_memory", "footprint"]
