@@ -197,3 +197,69 @@ def test_learned_beats_the_expert_on_unconstrained_nmt_over_4_k40_by_10_percent(
     expert = place(sg.graph, cl, cm, "expert", **args)
     pl = place(sg.graph, cl, cm, "learned", learned=LearnedOptions(seed=0, steps=700), **args)
     assert pl.step_time <= 0.9 * expert.step_time, (pl.step_time, expert.step_time)
+
+
+def _demo_on_two_cpus():
+    from flowctl.spec.loader import load_spec
+    from flowctl.spec.model import build_model
+    from flowctl.training.program import build_step, cluster_for, step_config
+
+    loaded = load_spec(str(ROOT / "specs" / "demo.yaml"), ("devices=[cpu:0, cpu:1]",))
+    config = step_config(loaded)
+    step = build_step(build_model(loaded, training=True), config)
+    return loaded, config, step, cluster_for(config)
+
+
+def test_the_measured_reward_runs_each_distinct_placement_once_on_two_virtual_cpus() -> None:
+    from flowctl.training.measure import StepMeter
+    from flowctl.training.program import place_step
+
+    loaded, config, step, cluster = _demo_on_two_cpus()
+    meter = StepMeter(step, loaded, cluster, steps=1)
+    measured: list[float] = []
+
+    def measure(assignment: dict[str, str]) -> float:
+        assert set(assignment) == set(step.graph.nodes)  # every node placed, on the cluster's devices
+        assert set(assignment.values()) <= set(cluster.names)
+        measured.append(meter(assignment))
+        return measured[-1]
+
+    # Two units over two devices: four placements, so the 13 evaluations must repeat some.
+    opts = LearnedOptions(steps=4, imitation=1, batch=4, max_units=2, reward="measured", measure=measure)
+    cost = StaticCostModel(cluster, batch=step.batch)
+    pb = prepare(step.graph, cluster, cost, step.targets)
+    seed, _ = heuristic_seed(pb, None, step.model.layer_of())
+    tr = Trainer(pb, opts, seed, step.model.layer_of())
+    run = tr.train()
+    assert len(run.units) <= 2
+    assert meter.calls == run.measured == len(measured) == 1 + len(tr.cache)  # the seed, then each distinct one
+    assert len(tr.cache) <= 4 < 1 + 3 * opts.batch
+    assert run.best_step in tr.cache.values() or run.best_step == tr.seed_measured
+
+    measured.clear()
+    pl = place_step(step, config, cluster, cost, "learned", learned=opts).chosen
+    assert pl.valid and set(pl.assignment.values()) <= set(cluster.names)
+    assert pl.measured_step is not None and pl.measured_step in measured
+    assert any("rewards measured" in n for n in pl.notes)
+
+
+def test_place_cli_measured_reward_on_virtual_cpus_and_refused_where_the_devices_are_not_here() -> None:
+    import json
+
+    from flowctl.kernels.registry import gpu_count
+
+    spec = str(ROOT / "specs" / "demo.yaml")
+    r = CliRunner().invoke(cli, ["place", spec, "--algorithm", "learned", "--reward", "measured", "--devices",
+                                 "cpu:0,cpu:1", "--steps", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["valid"] and out["measured_step"] > 0
+    bad = CliRunner().invoke(cli, ["place", spec, "--reward", "measured", "--devices", "cpu:0,cpu:1"])
+    assert bad.exit_code != 0 and "--algorithm learned" in bad.output and "Traceback" not in bad.output
+    if gpu_count() >= 4:
+        pytest.skip("this machine has the GPUs: the refusal needs a cluster that is not here")
+    bad = CliRunner().invoke(cli, ["place", spec, "--algorithm", "learned", "--reward", "measured", "--devices",
+                                   "4xgpu:k40", "--steps", "1"])
+    assert bad.exit_code != 0 and (bad.exception is None or isinstance(bad.exception, SystemExit))
+    lines = [x for x in bad.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "not on this machine" in lines[0], bad.output

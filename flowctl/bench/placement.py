@@ -110,14 +110,36 @@ def single_device_need(loaded: LoadedSpec, devices: str, batch: int) -> int:
     return max(d.peak_memory for d in pl.devices)
 
 
+def select_rows(grid: list[tuple[str, int, str]], rows: str) -> list[tuple[str, int, str]]:
+    """`rows`: comma-separated models (`lstm4`: its rows of `grid`) or rows (`lstm4/2xk40`: that one,
+    in the grid or not)."""
+    models = {m for m, *_ in MODELS}
+    out: list[tuple[str, int, str]] = []
+    for token in (t.strip() for t in rows.split(",") if t.strip()):
+        model, _, where = token.partition("/")
+        if model not in models:
+            raise FlowctlError(f"no placement benchmark '{model}' (known: {', '.join(sorted(models))})")
+        if not where:
+            out += [r for r in grid if r[0] == model]
+            continue
+        n, _, prof = where.partition("x")
+        if not n.isdigit() or prof not in ("k40", "v100", "h100"):
+            raise FlowctlError(f"row '{token}': write MODEL/NxPROFILE, e.g. lstm4/2xk40 (profiles: k40, v100, h100)")
+        out.append((model, int(n), prof))
+    return list(dict.fromkeys(out))
+
+
 def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, learned_budget: float = 20.0,
-                    seed: int = 0, capped: bool = True,
+                    seed: int = 0, capped: bool = True, rows: str | None = None,
                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`rows`: a selection (select_rows) of the grid (`full`) or of the default rows."""
     say = progress or (lambda _m: None)
     grid = [(m, g, p) for m, *_ in MODELS for g in (2, 4, 8) for p in ("k40", "v100", "h100")] if full \
         else DEFAULT_ROWS
+    if rows:
+        grid = select_rows(grid, rows)
     models = {m: (f, b, v) for m, f, b, v in MODELS}
-    rows = []
+    out_rows = []
     for model, gpus, prof in grid:
         spec_file, batch, variant = models[model]
         loaded = _variant(spec_file, variant, gpus)
@@ -139,9 +161,9 @@ def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, lear
                 row["single_device_need"] = need
             if "learned" in steps and others:
                 row["learned_vs_best_other"] = steps["learned"] / min(others)
-            rows.append(row)
+            out_rows.append(row)
     return {"suite": "placement", "full": full, "learned_budget_s": learned_budget, "seed": seed,
-            "cap_share": CAP, "rows": rows}
+            "cap_share": CAP, "rows": out_rows}
 
 
-__all__ = ["placement_suite", "single_device_need"]
+__all__ = ["placement_suite", "select_rows", "single_device_need"]

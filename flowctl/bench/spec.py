@@ -28,37 +28,14 @@ from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.kernels.registry import gpu_count
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import build_model
-from flowctl.training.inputs import make_sources
+from flowctl.training.measure import step_feeds as _feeds
+from flowctl.training.measure import step_fetches as _fetches
+from flowctl.training.measure import timed_block as _timed_block
 from flowctl.training.program import Step, StepConfig, build_step, cluster_for, place_step, step_config
 from flowctl.training.trace import step_trace, write_trace
 
 
 BENCH_SAMPLES = 32  # jittered simulations behind each prediction (seconds, beside minutes of measuring)
-
-
-def _fetches(step: Step) -> list[fc.Tensor]:
-    assert step.train is not None
-    return [step.train.loss, step.train.train_op]
-
-
-def _feeds(step: Step, loaded: LoadedSpec) -> dict[Any, Any]:
-    assert step.train is not None
-    feeds: dict[Any, Any] = step.train.feeds(make_sources(loaded, 1, step.batch)[0].next_batch())
-    feeds[step.lr] = np.asarray(0.0, dtype=step.lr.dtype)  # rate 0: the variables stay where they are
-    return feeds
-
-
-def _timed_block(session: fc.Session, step: Step, feeds: dict[Any, Any], steps: int) -> list[float]:
-    """One untimed step (after another placement ran, caches and BLAS threads are someone else's),
-    then `steps` timed ones."""
-    fetches = _fetches(step)
-    session.run(fetches, feeds)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        session.run(fetches, feeds)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _measure(session: fc.Session, step: Step, feeds: dict[Any, Any], steps: int) -> tuple[float, fc.RunStats]:

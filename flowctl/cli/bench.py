@@ -31,7 +31,8 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
 @click.option("--full", is_flag=True, help="placement: the whole grid (2/4/8 GPUs x K40/V100/H100).")
 @click.option("--learned-budget", default=20.0, show_default=True, help="placement: seconds per learned row.")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
-              "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32).")
+              "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32). placement: models "
+              "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40.")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A spec target: trace one more step of each placement into this directory "
@@ -68,7 +69,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         from flowctl.bench.placement import placement_suite
 
         with err.status("benchmarking placement") as status:
-            results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget,
+            results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget, rows=rows,
                                       progress=lambda m: status.update(m))
         render = _render_placement
     elif target == "peers":

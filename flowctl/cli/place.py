@@ -55,9 +55,11 @@ def _short(dev: str) -> str:
 @click.option("--resume", is_flag=True, help="learned: continue the training saved in --checkpoint.")
 @click.option("--warm-start", type=click.Path(dir_okay=False), help="learned: start from a policy trained "
               "on another graph or cluster (a --checkpoint file).")
+@click.option("--reward", type=click.Choice(["simulated", "measured"]), default="simulated", show_default=True,
+              help="learned: step times from the simulator, or measured on the devices (which must be here).")
 def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, by: str, limit: int,
           batch: int | None, overrides: tuple[str, ...], as_json: bool, budget: str | None, seed: int,
-          steps: int | None, checkpoint: str | None, resume: bool, warm_start: str | None) -> None:
+          steps: int | None, checkpoint: str | None, resume: bool, warm_start: str | None, reward: str) -> None:
     """Place SPEC's training step on its devices (or --devices) and show where every node runs and why."""
     from flowctl.spec.loader import load_spec
     from flowctl.spec.overrides import device_names
@@ -71,8 +73,11 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     what_if = None if names else devices
     alg = algorithm or loaded.spec.placement.algorithm
     try:
+        if reward == "measured" and alg != "learned":
+            raise PlacementError("--reward measured is the learned placer's; add --algorithm learned")
         if alg == "learned":
-            p = _place_learned(console, loaded, what_if, batch, budget, seed, steps, checkpoint, resume, warm_start)
+            p = _place_learned(console, loaded, what_if, batch, budget, seed, steps, checkpoint, resume, warm_start,
+                               reward)
         else:
             p = plan(loaded, algorithm, what_if, batch=batch)
     except PlacementError as e:
@@ -110,7 +115,7 @@ def parse_duration(text: str) -> float:
 
 def _place_learned(console: Console, loaded: Any, devices: str | None, batch: int | None, budget: str | None,
                    seed: int, steps: int | None, checkpoint: str | None, resume: bool,
-                   warm_start: str | None) -> Any:
+                   warm_start: str | None, reward: str = "simulated") -> Any:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from flowctl.engine.placement.learned import LearnedOptions
@@ -127,7 +132,7 @@ def _place_learned(console: Console, loaded: Any, devices: str | None, batch: in
                        description=f"step {step}, best {best * 1e3:,.2f} ms")
 
         opts = LearnedOptions(seed=seed, steps=steps, budget_s=seconds, checkpoint=checkpoint, resume=resume,
-                              warm_start=warm_start, progress=progress)
+                              warm_start=warm_start, progress=progress, reward=reward)
         return plan(loaded, "learned", devices, batch=batch, learned=opts)
 
 
@@ -149,6 +154,9 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
     console.print(fit("predicted step time (simulated)",
                       [Col("placement"), Col("step ms", "right", True), Col("expected ms", "right", True),
                        Col("10-90%", "right", True), Col("vs chosen", "right")], rows, width))
+    if chosen.measured_step is not None:
+        console.print(f"  measured on the devices: {_ms(chosen.measured_step)} ms per step "
+                      f"(the learned placer's measured reward)")
     console.print("  step ms: the schedule at exactly the modelled op times; expected: its mean over "
                   "runs with every op's time off by the cost model's jitter "
                   f"(sd of log {jitter:.2f}), what a measurement should show")

@@ -17,6 +17,7 @@ one is a PlacementError naming the node.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -407,6 +408,12 @@ def plan(loaded: LoadedSpec, algorithm: str | None = None, devices: str | None =
     step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config, devices)
     cost = cost or StaticCostModel(cluster, batch=batch or config.per_replica_batch)
+    if learned is not None and learned.reward == "measured" and learned.measure is None:
+        from flowctl.training.measure import StepMeter
+
+        if (algorithm or config.algorithm) != "learned":
+            raise PlacementError("a measured reward is the learned placer's; use --algorithm learned")
+        learned = dataclasses.replace(learned, measure=StepMeter(step, loaded, cluster))
     return place_step(step, config, cluster, cost, algorithm, compare, time_budget, learned)
 
 

@@ -12,7 +12,11 @@ of its own (hard colocation is never broken, and a cheap op never drags a heavy 
      (a) A reads nothing computed outside B and does less work than B (it hangs off B:
          variables and their update chains; not a whole tower hanging off a fed input), or
      (b) A is B's only computed input (a chain), or
-     (c) A's work is no more than sending its outputs to B, so running A elsewhere cannot pay.
+     (c) A's work is no more than sending its outputs to B, so running A elsewhere cannot pay,
+         and A reads no more bytes from computed groups other than B than it sends to B: else
+         joining B only moves the cut one op upstream, and a chain of cheap ops (an unrolled
+         LSTM's cells, each cheaper than sending its state) snowballs into one group that
+         swallows the layers below it too (4 pipelined layers became one device's work).
    Without the guard, the literature's bare rule folds every branch of an in-tree into its join
    (two parallel matmul towers feeding one Add become one group, one device).
 3. Backward nodes follow their forward node (`Node.follows`, set by autodiff), so a layer's
@@ -151,12 +155,15 @@ class _ForwardView:
         self.computed = [bool(nd.inputs) for nd in nodes]  # sources (Const, Variable, Placeholder) are not
         self.prod: list[list[int]] = [[] for _ in range(N)]
         self.cons: list[list[int]] = [[] for _ in range(N)]
-        # (consumer, producer port, bytes) per producer
+        # (consumer, producer port, bytes) per producer; (producer, port, bytes) per consumer
         self.out_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(N)]
+        self.in_edges: list[list[tuple[int, int, int]]] = [[] for _ in range(N)]
         if table is not None:
             for k, name in enumerate(table.names):
                 for j, p in table.inputs[k]:
-                    self.out_edges[feas.index[table.names[j]]].append((feas.index[name], p, table.out_bytes[j][p]))
+                    src, dst, nb = feas.index[table.names[j]], feas.index[name], table.out_bytes[j][p]
+                    self.out_edges[src].append((dst, p, nb))
+                    self.in_edges[dst].append((src, p, nb))
         for i, nd in enumerate(nodes):
             if not forward[i] or nd.opdef.group == CONTROL:
                 continue
@@ -210,8 +217,11 @@ def _merge_forward(m: _Merging, view: _ForwardView, topo: list[str],
         if cheapest_link is not None:
             mine = min(gwork[a])
             crossing = {(x, p): nb for x in members[a] for c, p, nb in view.out_edges[x] if find(c) == b}
-            sent = cheapest_link(sum(crossing.values()))
-            if mine <= sent:
+            # One transfer per tensor and device (§3.2.2): a tensor read twice is received once.
+            received = {(s, p): nb for x in members[a] for s, p, nb in view.in_edges[x]
+                        if view.forward[s] and view.computed[s] and find(s) not in (a, b)}
+            sent = sum(crossing.values())
+            if mine <= cheapest_link(sent) and sum(received.values()) <= sent:
                 m.union(a, b, f"'{name}' is cheaper to run than to send to another device")
 
 

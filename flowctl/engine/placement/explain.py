@@ -84,6 +84,7 @@ class Placement:
     alternatives: dict[str, Any] = field(default_factory=dict)  # other candidates' predicted step times
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0  # wall time the placer took
+    measured_step: float | None = None  # seconds per step measured on the devices (learned, measured reward)
     # For node reports (built on demand: a 20k-node graph needs them only when asked).
     graph: Graph | None = field(default=None, repr=False, compare=False)
     coarse: Coarsening | None = field(default=None, repr=False, compare=False)
@@ -181,7 +182,8 @@ class Placement:
 
     def to_dict(self, nodes: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "algorithm": self.algorithm, "step_time": self.step_time, "valid": self.valid,
+            "algorithm": self.algorithm, "step_time": self.step_time, "measured_step": self.measured_step,
+            "valid": self.valid,
             "problems": list(self.simulation.problems), "cost_model": self.cost_model,
             "fallbacks": list(self.fallbacks), "seconds": self.seconds, "notes": list(self.notes),
             "alternatives": dict(self.alternatives),

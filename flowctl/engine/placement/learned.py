@@ -18,6 +18,13 @@ Training, one update per step:
   expert where rules exist, greedy, heft), projected onto the units: the policy starts where the
   heuristics end and searches around it.
 
+Rewards from measured steps (`reward="measured"`, the paper's setting): `measure` maps an
+assignment (node -> device) to seconds per step run on the devices; the caller builds it (the
+engine runs no training step of its own). Each distinct placement is measured once (sampled
+placements repeat: the cache above); one the simulator says overflows a device is penalised
+without running; the seed's own assignment is measured too, so the comparison below is between
+measured figures, and the result carries its measured step (`Placement.measured_step`).
+
 What `place` returns is the best placement seen: a sampled one, or the heuristic seed itself when
 no sample beat it (a note says which), so the learned placer is never slower than its seed by the
 simulator. The run is determined by (problem, seed, options, number of steps): `budget_s` (the
@@ -47,6 +54,8 @@ from flowctl.engine.placement.simulator import simulate_table
 PENALTY = 3.0
 EXPLORE_MAX = 30.0
 Progress = Callable[[int, float, float], None]  # (step, best step time s, seconds elapsed)
+Measure = Callable[[dict[str, str]], float]  # an assignment (node -> device) -> measured seconds per step
+REWARDS = ("simulated", "measured")
 
 
 @dataclass
@@ -66,12 +75,14 @@ class LearnedOptions:
     resume: bool = False  # continue from `checkpoint` when it exists
     warm_start: str | None = None  # a checkpoint from another graph or cluster: its policy weights
     progress: Progress | None = field(default=None, repr=False)
+    reward: str = "simulated"  # or "measured": step times from `measure` (module docstring)
+    measure: Measure | None = field(default=None, repr=False)
 
     def key(self) -> dict[str, Any]:
         """What must match for a checkpoint to be resumed."""
         return {"seed": self.seed, "batch": self.batch, "lr": self.lr, "entropy": self.entropy,
                 "baseline_decay": self.baseline_decay, "imitation": self.imitation, "keep_best": self.keep_best,
-                "max_units": self.max_units}
+                "max_units": self.max_units, "reward": self.reward}
 
 
 @dataclass
@@ -86,6 +97,7 @@ class LearnedRun:
     seed_step: float = float("inf")
     seed_units_step: float = float("inf")  # the seed projected onto units
     simulated: int = 0
+    measured: int = 0  # placements run on the devices (measured reward)
     history: list[dict[str, float]] = field(default_factory=list)  # per step: mean, best, valid share
     explore: float = 1.0  # the entropy bonus's current multiple of `entropy` (see Trainer.step)
     seconds: float = 0.0
@@ -101,6 +113,11 @@ class Trainer:
                  layers: Mapping[str, str] | None = None) -> None:
         from flowctl.engine.placement.policy import Policy
 
+        if opts.reward not in REWARDS:
+            raise PlacementError(f"unknown reward '{opts.reward}' for the learned placer (known: {', '.join(REWARDS)})")
+        if opts.reward == "measured" and opts.measure is None:
+            raise PlacementError("the learned placer's measured reward needs a way to run a placement "
+                                 "(LearnedOptions.measure); `flowctl place --reward measured` builds one")
         if len(pb.devices) > MAX_DEVICES:
             raise PlacementError(f"the learned placer handles up to {MAX_DEVICES} devices; this cluster has "
                                  f"{len(pb.devices)}")
@@ -113,6 +130,9 @@ class Trainer:
         self.run = LearnedRun(units)
         self.cache: dict[bytes, float] = {}
         self.ref = seed_placement.step_time  # an invalid seed's step still sets the penalty's scale
+        self.seed_measured: float | None = None
+        if self.measuring and seed_placement.valid:
+            self.seed_measured = self.ref = self._measure(seed_placement.assignment)
         self.run.seed_algorithm, self.run.seed_step = seed_placement.algorithm, seed_placement.step_time
         self.target = units.project(pb, seed_placement.device_index)
         self.run.seed_units_step = self.evaluate(self.target)
@@ -123,8 +143,18 @@ class Trainer:
                                           if not k.startswith("__")}, warm=True)
 
     # ------------------------------------------------------------------ rewards
+    @property
+    def measuring(self) -> bool:
+        return self.opts.reward == "measured"
+
+    def _measure(self, assignment: dict[str, str]) -> float:
+        assert self.opts.measure is not None
+        self.run.measured += 1
+        return float(self.opts.measure(assignment))
+
     def evaluate(self, unit_dev: np.ndarray) -> float:
-        """Simulated step time in seconds; an overflowing placement gets the penalty step."""
+        """Step time in seconds, simulated or measured (once per distinct placement); a placement
+        the simulator says overflows a device gets the penalty step."""
         key = unit_dev.astype(np.int8).tobytes()
         got = self.cache.get(key)
         if got is not None:
@@ -132,7 +162,7 @@ class Trainer:
         sim = simulate_table(self.pb.table, self.run.units.node_devices(unit_dev).tolist(), self.pb.cluster)
         self.run.simulated += 1
         if sim.valid:
-            t = sim.step_time
+            t = self._measure(self.run.units.assignment(self.pb, unit_dev)) if self.measuring else sim.step_time
         else:
             over = sum(max(0, s.peak_memory - s.capacity) / max(s.capacity, 1) for s in sim.devices)
             t = PENALTY * self.ref * (1.0 + over)
@@ -207,7 +237,7 @@ class Trainer:
         r = self.run
         meta = {"fingerprint": self.fingerprint(), "step": r.step, "baseline": r.baseline,
                 "best_step": r.best_step, "best_units": r.best_units, "best_at": r.best_at,
-                "simulated": r.simulated, "history": r.history, "seconds": r.seconds, "explore": r.explore,
+                "simulated": r.simulated, "measured": r.measured, "history": r.history, "seconds": r.seconds, "explore": r.explore,
                 "rng": self.rng.bit_generator.state}
         tmp = path + ".tmp"
         U = len(r.units)
@@ -232,6 +262,7 @@ class Trainer:
         r = self.run
         r.step, r.baseline, r.best_step = meta["step"], meta["baseline"], meta["best_step"]
         r.best_units, r.best_at, r.simulated = meta["best_units"], meta["best_at"], meta["simulated"]
+        r.measured = meta.get("measured", 0)
         r.history, r.seconds, r.explore = meta["history"], meta["seconds"], meta["explore"]
         self.rng.bit_generator.state = meta["rng"]
 
@@ -272,28 +303,36 @@ def place_learned(pb: Problem, seed: Placement, alternatives: dict[str, Any],
     best = np.asarray(run.best_units, dtype=np.int64)
     notes = [f"learned: {run.step} updates ({min(run.step, opts.imitation)} imitating {seed.algorithm}), "
              f"{run.simulated} placements simulated over {len(units)} units in {run.seconds:.1f} s"]
+    if tr.measuring:
+        notes.append(f"rewards measured: {run.measured} distinct placements run on the devices "
+                     f"(repeats from the cache)")
     if tr.warm:
         notes.append(f"warm-started from {opts.warm_start} ({len(tr.warm)} policy variables)")
-    if run.best_step >= seed.step_time:
-        notes.insert(0, f"no sampled placement beat {seed.algorithm}'s {seed.step_time * 1e3:.2f} ms "
+    # Measured against measured: the seed's own assignment was run too (Trainer.__init__).
+    seed_step = tr.seed_measured if tr.seed_measured is not None else seed.step_time
+    kind = "measured" if tr.measuring else "simulated"
+    if run.best_step >= seed_step:
+        notes.insert(0, f"no sampled placement beat {seed.algorithm}'s {seed_step * 1e3:.2f} ms {kind} "
                         f"(best sample {min((h['best'] for h in run.history), default=run.best_step) * 1e3:.2f} ms): "
                         f"returning {seed.algorithm}'s placement")
         pl = seed
         pl.notes = notes + pl.notes
+        pl.measured_step = tr.seed_measured
     else:
         at = "the seed projected onto units" if run.best_at < 0 else f"step {run.best_at}"
-        notes.insert(0, f"best placement found at {at}: {run.best_step * 1e3:.2f} ms "
-                        f"({seed.algorithm}: {seed.step_time * 1e3:.2f} ms)")
+        notes.insert(0, f"best placement found at {at}: {run.best_step * 1e3:.2f} ms {kind} "
+                        f"({seed.algorithm}: {seed_step * 1e3:.2f} ms)")
         decisions = []
         for u, atoms in enumerate(units.groups):
             d = int(best[u])
             for g in dict.fromkeys(units.atoms[a][0] for a in atoms):
                 decisions.append(pb.decision(g, d, f"policy unit {u} ({units.names[u]}): p={probs[u, d]:.2f}"))
         pl = build_placement(pb, "learned", units.assignment(pb, best), decisions, started, notes)
+        pl.measured_step = run.best_step if tr.measuring else None
     pl.algorithm = "learned"
     pl.alternatives = {**alternatives, "learned_curve": run.curve(), "units": describe(units)}
     pl.seconds = time.perf_counter() - started
     return pl
 
 
-__all__ = ["LearnedOptions", "LearnedRun", "Trainer", "place_learned"]
+__all__ = ["REWARDS", "LearnedOptions", "LearnedRun", "Measure", "Trainer", "place_learned"]

@@ -2,12 +2,23 @@
 moving groups off it to where memory is free, instead of failing (Baechi's lesson: under a cap
 where one device cannot hold the model, a good placer still completes, a little slower).
 
-Each round takes the device that overflows most, and moves off it the groups holding the most
-memory per second of work (resident state -- variables, optimizer slots -- and their outputs:
-activations kept for the backward pass, gradients) until the moved bytes cover the overflow with
-a margin; each goes to the feasible device with the most memory left. The simulator re-checks
-the result; rounds repeat while a device overflows and the overflow shrinks. Memory is the
-simulator's: what a step holds at its peak, the same figure `place` prints per device.
+Each round takes the device that overflows most and an order in which its groups leave:
+"dense", the groups holding the most memory per second of work first (resident state --
+variables, optimizer slots -- and their outputs: activations kept for the backward pass,
+gradients), each to the feasible device with the most memory left; or "suffix", the last in
+the forward pass first, all to the one device with the most memory left (a whole model on one
+device is cut into consecutive stages: one cut, few transfers). How many leave is found by
+bisection on the simulator: the fewest that bring the device under its capacity. A group's
+bytes (its outputs) do not say how much a move lowers the peak -- what a step holds at its peak
+depends on when tensors are live, and a moved group's outputs read back on the device come
+back as received tensors -- so the simulator, not the byte count, decides. Rounds repeat while
+a device overflows and the total overflow shrinks; the faster of the two orders that fits wins.
+Where neither fits (two devices, each under the step's need with little to spare: a run of
+groups that fits one device overflows the other), a descent moves one group at a time, the
+move the simulator says shrinks the overflow most. Once it fits, groups that the moves left
+apart from a neighbour they exchange large tensors with may rejoin it, where the simulator says
+the step is faster and memory still fits. Memory is the simulator's: what a step holds at its
+peak, the same figure `place` prints per device.
 """
 from __future__ import annotations
 
@@ -15,10 +26,12 @@ import time
 
 from flowctl.engine.placement.explain import Decision, Placement
 from flowctl.engine.placement.problem import Problem, complete, finalize
-from flowctl.engine.placement.simulator import fmt_bytes
+from flowctl.engine.placement.simulator import SimResult, fmt_bytes, simulate_table
 
 ROUNDS = 12
-MARGIN = 1.3
+DESCENT_ROUNDS = 8  # single-group moves of the last resort
+DESCENT_CANDIDATES = 6  # groups tried per overflowing device and move
+REJOIN_TRIES = 8  # simulations spent rejoining groups split by the moves
 
 
 def footprint(pb: Problem) -> dict[int, tuple[float, float]]:
@@ -33,58 +46,151 @@ def footprint(pb: Problem) -> dict[int, tuple[float, float]]:
     return {g: (b, w) for g, (b, w) in out.items()}
 
 
+ORDERS = ("suffix", "dense")
+
+
 def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
-               decisions: list[Decision], started: float, notes: list[str], order: str = "dense") -> Placement:
+               decisions: list[Decision], started: float, notes: list[str], order: str = "any",
+               fixed: frozenset[int] = frozenset()) -> Placement:
     """`pl` (made from `group_dev`) repaired until it fits, or the least-overflowing attempt
     with its explanation when the cluster's memory cannot hold the step. `order`: which groups
-    leave first -- "dense", the most bytes per second of work; "suffix", the last in the forward
-    pass (a whole model on one device is cut into consecutive stages: one cut, few transfers)."""
+    leave first, "dense" or "suffix" (module docstring); "any": both, the faster that fits.
+    `fixed`: groups that stay where they are (the expert's rules placed them)."""
+    if pl.valid:
+        return pl
+    tries = [_fit(pb, pl, group_dev, algorithm, list(decisions), started, notes, how, fixed)
+             for how in (ORDERS if order == "any" else (order,))]
+    fits = [x for x in tries if x.valid]
+    best = min(fits, key=lambda x: x.step_time) if fits else min(tries, key=_overflow)
+    if not best.valid and order == "any":
+        best = descend(pb, best, algorithm, started, fixed)
+    if best.valid:
+        best = _rejoin(pb, best, algorithm, started, fixed)
+    best.seconds = time.perf_counter() - started
+    return best
+
+
+def descend(pb: Problem, pl: Placement, algorithm: str, started: float,
+            fixed: frozenset[int] = frozenset()) -> Placement:
+    """The last resort, where moving a run of groups off a device only overflows the one they
+    reach (two devices, each under the step's need, with little to spare): one group at a time,
+    the move among a few candidates -- the groups holding the most bytes on each overflowing
+    device, each to every other device it can run on -- that leaves the least total overflow by
+    the simulator, while the overflow shrinks."""
+    t, co = pb.table, pb.coarse
+    fp = footprint(pb)
+    gd = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
+    sim = pl.simulation
+    moved: dict[int, int] = {}
+    for _ in range(DESCENT_ROUNDS):
+        over = _overflow_of(sim)
+        if over == 0:
+            break
+        full = [pb.devices.index(s.device) for s in sim.devices if s.peak_memory > s.capacity]
+        cands = []
+        for d in full:
+            mine = sorted((g for g in fp if gd[g] == d and g not in fixed and len(co.feasible_idx[g]) > 1),
+                          key=lambda g: (-fp[g][0], g))[:DESCENT_CANDIDATES]
+            cands += [(g, x) for g in mine for x in sorted(co.feasible_idx[g]) if x != d]
+        best: tuple[float, float, int, int] | None = None
+        for g, x in cands:
+            trial = {**gd, g: x}
+            s_ = simulate_table(t, [trial[k] for k in pb.step_group], pb.cluster)
+            key = (_overflow_of(s_), s_.step_time, g, x)
+            if best is None or key < best:
+                best = key
+        if best is None or best[0] >= over:
+            break
+        _, _, g, x = best
+        gd[g] = moved[g] = x
+        sim = simulate_table(t, [gd[k] for k in pb.step_group], pb.cluster)
+    if not moved or _overflow_of(sim) >= _overflow(pl):
+        return pl
+    notes = pl.notes + [f"memory: {len(moved)} group(s) moved one at a time where the simulator said the "
+                        f"overflow shrank most"]
+    decisions = pl.decisions + [pb.decision(g, x, "moved to fit memory (one group at a time)")
+                                for g, x in moved.items()]
+    return finalize(pb, algorithm, gd, decisions, started, notes)
+
+
+def _overflow_of(sim: SimResult) -> float:
+    return float(sum(max(0, s.peak_memory - s.capacity) for s in sim.devices))
+
+
+def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: frozenset[int]) -> Placement:
+    """After the moves: the largest tensors that now cross devices, each tried without its
+    crossing (its consumer's group joins its producer's device, or the other way), kept where the
+    simulator says the step is faster and every device still fits. A group that left for memory
+    often leaves its cheap neighbour behind (a projection moved, its loss not: its logits cross
+    twice a step)."""
+    t, co = pb.table, pb.coarse
+    dev = list(pl.device_index)
+    crossing: dict[tuple[int, int], int] = {}
+    for i, ins in enumerate(t.inputs):
+        for j, p in ins:
+            if dev[j] != dev[i]:
+                a, b = pb.step_group[j], pb.step_group[i]
+                crossing[(a, b)] = crossing.get((a, b), 0) + t.out_bytes[j][p]
+    gd = {g: dev[i] for i, g in enumerate(pb.step_group)}
+    best, best_t = gd, pl.step_time
+    tried = 0
+    for (a, b), _ in sorted(crossing.items(), key=lambda x: -x[1]):
+        if tried >= REJOIN_TRIES:
+            break
+        for g, x in ((b, best[a]), (a, best[b])):
+            if best[g] == x or x not in co.feasible_idx[g] or g in fixed:
+                continue
+            tried += 1
+            trial = {**best, g: x}
+            sim = simulate_table(t, [trial[k] for k in pb.step_group], pb.cluster)
+            if sim.valid and sim.step_time < best_t:
+                best, best_t = trial, sim.step_time
+                break
+    if best is gd:
+        return pl
+    moved = sum(1 for g in gd if gd[g] != best[g])
+    notes = pl.notes + [f"memory: {moved} group(s) rejoined a neighbour across a large crossing tensor "
+                        f"({pl.step_time * 1e3:.2f} -> {best_t * 1e3:.2f} ms)"]
+    decisions = pl.decisions + [pb.decision(g, best[g], "rejoined its neighbour after the memory moves")
+                                for g in gd if gd[g] != best[g]]
+    return finalize(pb, algorithm, best, decisions, started, notes)
+
+
+def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
+         decisions: list[Decision], started: float, notes: list[str], order: str,
+         fixed: frozenset[int] = frozenset()) -> Placement:
     if pl.valid:
         return pl
     fp = footprint(pb)
-    # A group's place in the forward pass (-1: backward or optimizer work only, such as a global
-    # norm over every gradient: moved last, as it reads from every stage).
-    first: dict[int, int] = {}
-    for i, g in enumerate(pb.step_group):
-        first.setdefault(g, -1)
-        if first[g] < 0 and not pb.graph.nodes[pb.table.names[i]].follows:
-            first[g] = i
+    first = _forward_position(pb)
     gd = complete(pb, group_dev)
     best, best_over = pl, _overflow(pl)
     notes = list(notes)
-    for r in range(ROUNDS):
+    for _ in range(ROUNDS):
         sim = best.simulation
         over = {pb.devices.index(s.device): s.peak_memory - s.capacity for s in sim.devices
                 if s.peak_memory > s.capacity}
         if not over:
             break
         d = max(over, key=lambda k: over[k])
-        free: dict[int, float] = {pb.devices.index(s.device): float(s.capacity - s.peak_memory)
-                                  for s in sim.devices}
-        movable = [g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1]
+        free = {pb.devices.index(s.device): float(s.capacity - s.peak_memory) for s in sim.devices}
+        movable = [g for g in fp if gd.get(g) == d and len(pb.coarse.feasible_idx[g]) > 1 and g not in fixed]
         if order == "suffix":
-            mine = sorted(movable, key=lambda g: -first[g])
+            # Forward-pass order, latest first; backward-only groups (-1: a global norm over every
+            # gradient, which reads from every stage) last.
+            mine = sorted(movable, key=lambda g: (first[g] < 0, -first[g]))
         else:
             mine = sorted(movable, key=lambda g: (-fp[g][0] / max(fp[g][1], 1e-9), g))
-        moved, count, dest = 0.0, 0, -1
-        for g in mine:
-            if moved >= MARGIN * over[d]:
-                break
-            targets = [x for x in pb.coarse.feasible_idx[g] if x != d and free[x] > fp[g][0]]
-            if not targets:
-                continue
-            # A suffix goes where the previous moved group went while it has room (one stage).
-            x = dest if order == "suffix" and dest in targets else max(targets, key=lambda k: (free[k], -k))
-            dest = x
+        moves = _destinations(pb, mine, d, free, fp, order)
+        if not moves:
+            break
+        k = _fewest(pb, gd, moves, d)
+        for g, x in moves[:k]:
             gd[g] = x
-            free[x] -= fp[g][0]
-            moved += fp[g][0]
-            count += 1
             decisions.append(pb.decision(g, x, f"moved off {pb.devices[d]} to fit memory "
                                                 f"({fmt_bytes(fp[g][0])} of outputs and state)"))
-        if not count:
-            break
-        notes.append(f"memory: moved {count} group(s), {fmt_bytes(moved)}, off {pb.devices[d]} "
+        moved = sum(fp[g][0] for g, _ in moves[:k])
+        notes.append(f"memory: moved {k} group(s), {fmt_bytes(moved)}, off {pb.devices[d]} "
                      f"(over by {fmt_bytes(over[d])})")
         cand = finalize(pb, algorithm, dict(gd), decisions, started, notes)
         o = _overflow(cand)
@@ -93,12 +199,88 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
         best, best_over = cand, o
         if cand.valid:
             break
-    best.seconds = time.perf_counter() - started
     return best
 
 
+def _forward_position(pb: Problem) -> dict[int, int]:
+    """Per group: the step index of its first forward node -- one a fed input reaches and no
+    gradient does (-1: none; backward or optimizer work only). Neither merely its first computed
+    node (a topological order lists the optimizer's ops that read only state, momentum x
+    accumulator, before the first layer) nor its first node without `follows` (gradient
+    clipping has none, and comes after the whole forward pass): either would sort a group
+    holding a kernel's update to one end, and the cut would not be one."""
+    t = pb.table
+    fed = [False] * len(t.names)
+    backward = [False] * len(t.names)
+    first: dict[int, int] = {}
+    for i, g in enumerate(pb.step_group):  # topological order: inputs come first
+        node = pb.graph.nodes[t.names[i]]
+        fed[i] = node.op == "Placeholder" or any(fed[j] for j, _ in t.inputs[i])
+        backward[i] = bool(node.follows) or any(backward[j] for j, _ in t.inputs[i])
+        first.setdefault(g, -1)
+        if first[g] < 0 and fed[i] and t.inputs[i] and not backward[i]:
+            first[g] = i
+    # A group of state (a kernel, its views, its gradient and update) has no such node: it
+    # stands where its first forward reader does, so that a cut takes a layer with its weights.
+    out = dict(first)
+    for i, g in enumerate(pb.step_group):
+        if first[g] < 0 and not backward[i]:
+            readers = [first[pb.step_group[c]] for c in t.succ[i] if first[pb.step_group[c]] >= 0]
+            if readers and (out[g] < 0 or min(readers) < out[g]):
+                out[g] = min(readers)
+    return out
+
+
+def _destinations(pb: Problem, mine: list[int], d: int, free: dict[int, float],
+                  fp: dict[int, tuple[float, float]], order: str) -> list[tuple[int, int]]:
+    """Where each of `mine` would go, in order: "suffix", all to the device with the most memory
+    left that can run them (one stage); "dense", each to the feasible device with the most
+    memory left after the groups before it (by their bytes: an estimate the bisection checks)."""
+    free = dict(free)
+    if order == "suffix":
+        others = [x for x in free if x != d]
+        if not others:
+            return []
+        x = max(others, key=lambda k: (free[k], -k))
+        return [(g, x) for g in mine if x in pb.coarse.feasible_idx[g]]
+    out = []
+    for g in mine:
+        targets = [x for x in pb.coarse.feasible_idx[g] if x != d]
+        if targets:
+            # Its bytes overstate what a group holds at the peak (not every output is live at
+            # once): where none has room by them, the device with the most left may still do.
+            roomy = [x for x in targets if free[x] > fp[g][0]] or targets
+            x = max(roomy, key=lambda k: (free[k], -k))
+            free[x] -= fp[g][0]
+            out.append((g, x))
+    return out
+
+
+def _fewest(pb: Problem, gd: dict[int, int], moves: list[tuple[int, int]], d: int) -> int:
+    """The fewest leading `moves` after which device d fits, by bisection on the simulator (all
+    of them when none does). Fewer moves keep more of the placer's choice, and fewer transfers."""
+    cap = pb.cluster.device(pb.devices[d]).profile.memory
+
+    def fits(k: int) -> bool:
+        trial = dict(gd)
+        trial.update(moves[:k])
+        dev = [trial[g] for g in pb.step_group]
+        return simulate_table(pb.table, dev, pb.cluster).devices[d].peak_memory <= cap
+
+    lo, hi = 1, len(moves)
+    if not fits(hi):
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _overflow(pl: Placement) -> float:
-    return float(sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices))
+    return _overflow_of(pl.simulation)
 
 
-__all__ = ["fit_memory", "footprint"]
+__all__ = ["ORDERS", "descend", "fit_memory", "footprint"]

@@ -33,7 +33,7 @@ from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
 from flowctl.engine.placement.learned import LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
-from flowctl.engine.placement.memfit import fit_memory
+from flowctl.engine.placement.memfit import ORDERS, descend, fit_memory
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
 Rules = Sequence[tuple[str, str]]
@@ -82,8 +82,11 @@ def place_single(pb: Problem) -> Placement:
         d, pl = min(results, key=lambda x: (x[1].step_time, x[0]))
         spreads = [fit_memory(pb, pl, made[d], "single", list(pl.decisions), started,
                               [f"no single device holds the step: started on {pb.devices[d]}, spread by {how}"],
-                              order=how) for how in ("suffix", "dense")]
+                              order=how) for how in ORDERS]
         fits = [x for x in spreads if x.valid]
+        if not fits:
+            least = min(spreads, key=lambda x: sum(max(0, s.peak_memory - s.capacity) for s in x.devices))
+            fits = [x for x in [descend(pb, least, "single", started)] if x.valid]
         if fits:
             spread = min(fits, key=lambda x: x.step_time)
             spread.alternatives = alternatives
@@ -170,7 +173,7 @@ def place_expert(pb: Problem, rules: Rules, layers: Mapping[str, str] | None = N
             gdev[g] = min(feas.feasible[g])
             reasons[g] = "no rule, input or consumer placed: first feasible device"
     assignment = {n: devices[gdev[hard[i]]] for i, n in enumerate(feas.order)}
-    decisions = []
+    decisions: list[Decision] = []
     for g in sorted(gdev):
         first = feas.order[feas.members[g][0]]
         decisions.append(Decision(group=g, first=first, size=len(feas.members[g]),
@@ -178,7 +181,25 @@ def place_expert(pb: Problem, rules: Rules, layers: Mapping[str, str] | None = N
                                   narrowed_by=feas.group_narrowed_by(feas.order[m] for m in feas.members[g]),
                                   merged=list(feas.links.get(g, [])),
                                   choice=devices[gdev[g]], reason=reasons[g]))
-    return build_placement(pb, "expert", assignment, decisions, started)
+    pl = build_placement(pb, "expert", assignment, decisions, started)
+    return pl if pl.valid else _fit_expert(pb, pl, set(why), started)
+
+
+def _fit_expert(pb: Problem, pl: Placement, ruled: set[int], started: float) -> Placement:
+    """An expert placement that overflows a device: what no rule placed (a node that followed its
+    input or consumer) moves to where memory is free; what a rule placed stays. Possible where
+    each coarse group sits on one device (memfit moves coarse groups)."""
+    feas, co = pb.feas, pb.coarse
+    gd: dict[int, int] = {}
+    fixed: set[int] = set()
+    for i, name in enumerate(feas.order):
+        g, d = co.group_of[i], pb.devices.index(pl.assignment[name])
+        if gd.setdefault(g, d) != d:
+            return pl  # the rules split a coarse group over devices: not a device per group
+        if feas.group_of[i] in ruled:
+            fixed.add(g)
+    notes = ["memory: the rules' placement overflows; what no rule placed was moved"]
+    return fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
 
 
 def _resolve_rule(pattern: str, dev: str, devices: list[str]) -> list[int]:
