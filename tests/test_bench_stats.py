@@ -224,3 +224,44 @@ def test_links_are_measured_through_the_runtime_and_cost_transfers(tmp_path):
     assert static == pytest.approx(cluster.link(a, b).latency + 1000 / cluster.link(a, b).bandwidth)
     cost.save(tmp_path / "m.json")
     assert MeasuredCostModel.load(tmp_path / "m.json", cluster).links == links
+
+
+def _loop_graph():
+    import flowctl as fc
+    from flowctl.engine.control_flow import while_loop
+
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (4, 8), name="x")
+        w = fc.constant(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), name="w")
+        out = while_loop(lambda i, h: fc.less(i, fc.constant(np.int32(10))),
+                         lambda i, h: (i + 1, fc.tanh(fc.matmul(h, w, name="mm"), name="act")),
+                         [fc.constant(np.int32(0)), x], expected_iterations=10)
+    return g, x, out
+
+
+def test_a_step_with_a_loop_is_profiled_per_iteration_and_calibrated_by_its_runs():
+    """The profiler cannot run a loop node by node: it times the frame executor's kernel runs. The
+    calibration then counts a loop node's dispatch once per iteration (a step of N nodes, some
+    in a 10-iteration loop, is not N dispatches)."""
+    import flowctl as fc
+    from flowctl.engine.cluster import Cluster
+    from flowctl.engine.frames import run_counts
+    from flowctl.engine.placement import MeasuredCostModel
+    from flowctl.engine.placement.profiler import profile
+
+    g, x, out = _loop_graph()
+    cluster = Cluster.local(1)
+    cost = MeasuredCostModel(cluster, batch=4)
+    sess = fc.Session(g, device=cluster.names[0])
+    assert profile(cost, sess, out[1], {x: np.ones((4, 8), np.float32)}, repeat=2) > 0
+    for name in ("while/mm", "while/act"):
+        assert cost.key_for(g, g.nodes[name], cluster.names[0]) in cost.records
+    nodes = list(g.nodes)
+    runs = run_counts(g)
+    assert runs["while/mm"] == 10
+    kernels = sum(runs.get(n, 1.0) * cost.op_time(g, g.nodes[n], cluster.names[0]) for n in nodes)
+    measured = kernels + 1e-3  # what the runtime adds beyond the kernels: 1 ms over the step
+    d = cost.calibrate(measured, g, nodes, cluster.names[0])
+    weighted = sum(runs.get(n, 1.0) for n in nodes)
+    assert d == pytest.approx(1e-3 / weighted, rel=1e-6)

@@ -223,13 +223,15 @@ class MeasuredCostModel:
         self.scale_by[profile] = 1.0
         issue = [self.op_time(graph, graph.nodes[n], device) for n in nodes]
         stream = [self.stream_time(graph, graph.nodes[n], device) or 0.0 for n in nodes]
+        runs = run_counts(graph)  # §4.4: a node in a loop runs, and dispatches, once per iteration
+        weight = [runs.get(n, 1.0) for n in nodes]
 
         def step(d: float) -> float:
-            return sum(max(a + d, b) for a, b in zip(issue, stream))
+            return sum(w * max(a + d, b) for w, a, b in zip(weight, issue, stream))
 
         d = 0.0
         if step(0.0) < step_seconds:
-            lo, hi = 0.0, step_seconds / max(1, len(nodes))
+            lo, hi = 0.0, step_seconds / max(1.0, sum(weight))
             for _ in range(60):
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if step(mid) < step_seconds else (lo, mid)

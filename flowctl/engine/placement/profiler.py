@@ -25,6 +25,8 @@ def profile(model: MeasuredCostModel, session: Any, fetches: Any, feeds: Mapping
     plan = session.plan_for(fetches, feeds)
     kind = model.cluster.device(session.device).profile.name
     dev = model.cluster.device(session.device)
+    if plan.frame_tables is not None:
+        return _profile_frames(model, session, plan, fetches, feeds, repeat, threads or dev.threads)
     values: list[Any] = [None] * plan.num_slots
     by_ref = {session._ref(k): v for k, v in (feeds or {}).items()}
     for i, ref in enumerate(plan.feeds):
@@ -64,6 +66,39 @@ def profile(model: MeasuredCostModel, session: Any, fetches: Any, feeds: Mapping
         seen.setdefault(key, []).append(best[i])
         if gate is not None:
             seen.setdefault(key + STREAM, []).append(best_stream[i])
+    return model.record_times(seen)
+
+
+def _profile_frames(model: MeasuredCostModel, session: Any, plan: Any, fetches: Any, feeds: Mapping[Any, Any] | None,
+                    repeat: int, threads: int) -> int:
+    """A plan with loops (§4.4) cannot run node by node in one order: its nodes run once per
+    iteration, in frames. It runs whole on the frame executor instead, whose own record of each
+    kernel run (start, finish) times every iteration; a node's time is its mean run, the best of
+    the repeats, recorded under the key the cost model looks it up by."""
+    from flowctl.engine.executor import RunStats
+
+    best: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        if plan.device_type == "cpu":
+            stack.enter_context(_blas_limit(threads))
+        for _ in range(max(1, repeat)):
+            stats = RunStats()
+            session.run(fetches, feeds, stats=stats)
+            open_at: dict[str, list[float]] = {}
+            total: dict[str, list[float]] = {}
+            for name, t in stats.starts:
+                open_at.setdefault(name, []).append(t)
+            for name, t in stats.finishes:
+                started = open_at.get(name)
+                if started:
+                    total.setdefault(name, []).append(t - started.pop(0))
+            for name, runs in total.items():
+                mean = sum(runs) / len(runs)
+                best[name] = min(best.get(name, float("inf")), mean)
+    seen: dict[str, list[float]] = {}
+    for node in plan.nodes:
+        if node.name in best:
+            seen.setdefault(model.key_for(session.graph, node, session.device), []).append(best[node.name])
     return model.record_times(seen)
 
 
