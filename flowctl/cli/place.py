@@ -94,6 +94,8 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
         out["nodes_in_step"] = len(chosen.simulation.start)
         if explain and by == "layer":
             out["layers"] = _by_layer(p)
+        if explain:
+            out["loops"] = p.loops()
         click.echo(json.dumps(out, default=str))
     _render(console, p, explain, by, limit)
 
@@ -173,6 +175,14 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
             console.print(f"note: {n}")
     if not explain:
         return
+    loops = p.loops()
+    if loops:
+        rows = [[r["loop"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
+                 str(r["iterations"]) if r["iterations"] else "unknown (1)", _ms(r["time"]),
+                 _ms(r["time"] / max(r["iterations"], 1))] for r in loops]
+        console.print(fit("per loop (placed and costed as a unit: an iteration's cost times the trip count)",
+                          [Col("loop"), Col("nodes", "right", True), Col("devices"), Col("iterations", "right"),
+                           Col("time ms", "right", True), Col("per iteration", "right", True)], rows, width))
     if by == "layer":
         rows = [[r["layer"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
                  f"{r['flops'] / 1e9:,.3f}", _ms(r["time"]), "; ".join(r["narrowed_by"])[:60] or "-"]

@@ -354,6 +354,31 @@ class PlacedStep:
         """node -> layer for every node, the optimizer's and other unlayered nodes under one name."""
         return {n: self.step.layers.get(n, "(optimizer and other)") for n in self.step.graph.nodes}
 
+    def loops(self) -> list[dict[str, Any]]:
+        """Each while loop of the step (§4.4) as placement sees it: its nodes (a nested loop's
+        included), the devices they run on, the trip count the cost model assumes (the stated
+        estimate; 0: unknown, costed as one iteration) and the modelled time of all iterations."""
+        from flowctl.engine.frames import ROOT, assign_frames, has_control_flow
+
+        graph = self.step.graph
+        if not has_control_flow(graph.nodes.values()):
+            return []
+        frames = assign_frames(graph)
+        reports = {r.name: r for r in self.chosen.node_reports()}
+        out: dict[str, dict[str, Any]] = {}
+        for name, frame in frames.exec_frame.items():
+            while frame != ROOT:  # a node counts toward its loop and every loop around it
+                a = out.setdefault(frame, {"loop": frame, "parent": frames.parent.get(frame, ROOT),
+                                           "iterations": frames.expected.get(frame, 0), "nodes": 0,
+                                           "devices": {}, "time": 0.0})
+                a["nodes"] += 1
+                r = reports.get(name)
+                if r is not None:
+                    a["devices"][r.device] = a["devices"].get(r.device, 0) + 1
+                    a["time"] += r.time or 0.0
+                frame = frames.parent.get(frame, ROOT)
+        return sorted(out.values(), key=lambda a: a["loop"])
+
 
 def place_step(step: Step, config: StepConfig, cluster: Cluster, cost: CostModel, algorithm: str | None = None,
                compare: tuple[str, ...] = (), time_budget: float | None = None, learned: Any = None) -> PlacedStep:
