@@ -210,6 +210,13 @@ def _render(console: Console, r: dict[str, Any]) -> None:
         t.add_row(d["shape"], str(d["batch"]), f"{d['fwd_bwd_s'] * 1e3:.1f}", f"{d['matmul_same_flops_s'] * 1e3:.1f}",
                   f"{d['ratio_to_matmul']:.2f}", f"{d['gflops_per_s']:.1f}")
     console.print(t)
+    t = Table(title="Conv2D kernels vs the matmul of their FLOPs (kernel time / matmul time)")
+    for col in ("shape", "batch", "GFLOP", "matmul ms", "forward", "input grad", "filter grad"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for d in r.get("conv2d_passes", []):
+        t.add_row(d["shape"], str(d["batch"]), f"{d['gflops']:.2f}", f"{d['matmul_same_flops_s'] * 1e3:.1f}",
+                  *(f"{d[p]['ratio_to_matmul']:.2f}" for p in ("forward", "input_grad", "filter_grad")))
+    console.print(t)
     d = r["lstm_cell"]
     console.print(f"LSTM cell (batch {d['batch']}, hidden {d['hidden']}, {d['nodes']} nodes) forward+backward: "
                   f"{d['fwd_bwd_s'] * 1e3:.2f} ms, {d['ratio_to_matmuls']:.2f}x its raw matmuls "

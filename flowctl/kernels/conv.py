@@ -360,27 +360,6 @@ def max_pool_grad(xp: Any, x: Any, y: Any, dy: Any, ksize: tuple, strides: tuple
     return dx
 
 
-def _scatter_taps(xp: Any, dst_shape: tuple, dtype: Any, src: Any, table: tuple[Tap, ...],
-                  to_input: bool) -> Any:
-    """Sum src[..., t, :] over the taps into a new array of dst_shape: into the input grid
-    (col2im, to_input) or into the output grid (forward on the output side). A tap that fills the
-    whole destination is copied first, which saves a zero fill and one addition pass."""
-    full = next((tap for tap in table if tap[6 if to_input else 5]), None)
-    if full is not None:
-        t, r, c, ir, ic = full[:5]
-        dst = xp.array(src[:, r, c, t] if to_input else src[:, ir, ic, t], dtype=dtype)
-    else:
-        dst = xp.zeros(dst_shape, dtype=dtype)
-    for t, r, c, ir, ic, _, _ in table:
-        if full is not None and t == full[0]:
-            continue
-        if to_input:
-            dst[:, ir, ic] += src[:, r, c, t]
-        else:
-            dst[:, r, c] += src[:, ir, ic, t]
-    return dst
-
-
 def _avg_counts(xp: Any, table: tuple[Tap, ...], y_shape: tuple, dtype: Any) -> Any:
     """How many unpadded inputs each window holds (TensorFlow's AvgPool divisor), shape (Ho, Wo, 1)."""
     counts = xp.zeros(y_shape[1:3], dtype=dtype)
@@ -389,28 +368,47 @@ def _avg_counts(xp: Any, table: tuple[Tap, ...], y_shape: tuple, dtype: Any) -> 
     return counts[:, :, None]
 
 
-class _TapView:
-    """x seen as a (N, H, W, taps, C) source whose every tap is x itself, so pooling shares
-    `_scatter_taps` with the convolution (src[:, rows, cols, t] is x[:, rows, cols])."""
+def _along(axis: int, sl: slice) -> tuple:
+    return (slice(None),) * axis + (sl,)
 
-    def __init__(self, x: Any) -> None:
-        self.x = x
 
-    def __getitem__(self, key: tuple) -> Any:
-        return self.x[key[:3]]
+def _window_sums(xp: Any, x: Any, axis: int, k: int, s: int, p: int, out: int, to_input: bool,
+                 size: int) -> Any:
+    """Window sums along one spatial axis (1 or 2) of x, clipped to the unpadded input: from the
+    input grid to `out` outputs, or (to_input) the transpose, from outputs back onto `size` inputs.
+    A window sum over kh x kw is the two one-axis sums in turn: kh + kw slice additions instead
+    of kh * kw. A tap that fills the whole destination is copied first (no zero fill)."""
+    dst_size = size if to_input else out
+    table = [t for t in (_axis(i, s, p, size, out) for i in range(k)) if t is not None]
+    shape = list(x.shape)
+    shape[axis] = dst_size
+    # (source slice, destination slice) of each tap: outputs -> inputs when going back.
+    pairs = [((o, i) if to_input else (i, o), full_in if to_input else full_out)
+             for o, i, full_out, full_in in table]
+    full = next((sd for sd, whole in pairs if whole), None)
+    dst = xp.array(x[_along(axis, full[0])]) if full is not None else xp.zeros(shape, dtype=x.dtype)
+    for sd, _ in pairs:
+        if sd is not full:
+            dst[_along(axis, sd[1])] += x[_along(axis, sd[0])]
+    return dst
 
 
 def avg_pool(xp: Any, x: Any, ksize: tuple, strides: tuple, padding: str) -> Any:
     table, y_shape = _pool_table(x.shape, ksize, strides, padding)
-    total = _scatter_taps(xp, y_shape, x.dtype, _TapView(x), table, to_input=False)
-    return total / _avg_counts(xp, table, y_shape, x.dtype)
+    sh, sw, ph, pw, h, w, ho, wo = _geometry(x.shape, ksize[0], ksize[1], strides, padding)
+    rows = _window_sums(xp, x, 1, ksize[0], sh, ph, ho, False, h)
+    total = _window_sums(xp, rows, 2, ksize[1], sw, pw, wo, False, w)
+    total /= _avg_counts(xp, table, y_shape, x.dtype)
+    return total
 
 
 def avg_pool_grad(xp: Any, dy: Any, x_shape: tuple, ksize: tuple, strides: tuple, padding: str) -> Any:
     x_shape = (dy.shape[0],) + tuple(x_shape[1:])
     table, y_shape = _pool_table(x_shape, ksize, strides, padding)
+    sh, sw, ph, pw, h, w, ho, wo = _geometry(x_shape, ksize[0], ksize[1], strides, padding)
     g = dy / _avg_counts(xp, table, y_shape, dy.dtype)
-    return _scatter_taps(xp, x_shape, dy.dtype, _TapView(g), table, to_input=True)
+    cols = _window_sums(xp, g, 2, ksize[1], sw, pw, wo, True, w)
+    return _window_sums(xp, cols, 1, ksize[0], sh, ph, ho, True, h)
 
 
 @kernel("MaxPool")
