@@ -19,7 +19,8 @@ def _whole_and_pieces(fn):
 
 @pytest.mark.parametrize("strides, padding", [((1, 1), "SAME"), ((1, 1), "VALID"), ((2, 2), "SAME"),
                                               ((2, 1), "VALID")])
-@pytest.mark.parametrize("kernel, channels", [((3, 3), (3, 2)), ((2, 3), (2, 4)), ((3, 1), (2, 2))])
+@pytest.mark.parametrize("kernel, channels", [((3, 3), (3, 2)), ((3, 3), (2, 3)), ((2, 3), (2, 4)),
+                                              ((3, 1), (2, 2))])
 def test_convolution_pieces_match_whole_batch_and_reference(strides, padding, kernel, channels, rng):
     c, co = channels
     x = rng.standard_normal((3, 7, 6, c))

@@ -9,10 +9,11 @@ output and over the kh*kw taps of the window, never over pixels.
   (written in place, `out=`), or accumulated into the filter gradient. On CPU a piece is about
   GEMM_ROWS output positions, so the gathered columns are still in cache when the GEMM reads them;
   on GPU the whole batch is one piece.
-- k x k input gradient: at stride 1 with Co <= C, the transposed convolution as a convolution
-  (windows of zero-padded dy against the flipped filter, through the same buffer); otherwise
-  (strided, or Co > C where the flipped filter's k*Co columns would be the wider side) col2im: one
-  GEMM per piece into per-tap columns, each tap added onto its window of the input.
+- k x k input gradient: at stride 1 with Co not much above C (`_output_side`), the transposed
+  convolution as a convolution (windows of zero-padded dy against the flipped filter, through the
+  same buffer); otherwise (strided, or Co well above C, where the flipped filter's k*Co columns
+  would be the wider side) col2im: one GEMM per piece into per-tap columns, each tap added onto
+  its window of the input.
 
 Windows are views (`as_strided`), so the gathered copy is the only pass over k*C per position.
 Pools clip their windows to the unpadded input by `taps` instead of padding.
@@ -199,12 +200,14 @@ def _col2im(xp: Any, dy: Any, wt: Any, kh: int, kw: int, sh: int, sw: int, dst: 
 
 
 # ---------------------------------------------------------------------------- convolution
-def _output_side(sh: int, sw: int, c: int, co: int) -> bool:
+def _output_side(sh: int, sw: int, kh: int, kw: int, c: int, co: int) -> bool:
     """Compute the input gradient on dy's side, as a convolution of padded dy with the flipped
     filter (k*Co columns), rather than by col2im (a GEMM into k*C columns, then k additions)?
-    Only at stride 1, and only when Co <= C. Measured, one thread, batch 8, pieces in cache:
-    73x73x80 -> 192 3x3 the convolution took 1.29x a same-FLOP GEMM, col2im 0.99x."""
-    return sh == sw == 1 and co <= c
+    Only at stride 1: when Co <= C, or for a 2-D window with Co <= 1.5 C, where col2im's k
+    additions cost more than the wider GEMM. Measured, one thread, batch 8, time / same-FLOP
+    GEMM, col2im -> convolution: 73x73x80 -> 192 3x3 0.99 -> 1.29; 35x35x48 -> 64 5x5 1.34 ->
+    1.03; 35x35x64 -> 96 3x3 1.08 -> 0.99; 17x17x128 -> 192 1x7 1.08 -> 1.18."""
+    return sh == sw == 1 and (co <= c or (kh > 1 and kw > 1 and 2 * co <= 3 * c))
 
 
 def conv2d_forward(xp: Any, x: Any, f: Any, strides: tuple, padding: str, rows: int | None = None) -> Any:
@@ -233,7 +236,7 @@ def conv2d_backprop_input(xp: Any, dy: Any, f: Any, x_shape: tuple, strides: tup
         dx = xp.zeros(x_shape, dtype=dy.dtype)
         dx[:, ::sh, ::sw] = g
         return dx
-    if _output_side(sh, sw, c, co):
+    if _output_side(sh, sw, kh, kw, c, co):
         # The transposed convolution is a convolution: the windows of dy, zero-padded so each input
         # position sees every output that read it, against the flipped filter with in and out swapped.
         src = _pad(xp, dy, kh - 1 - ph, h - ho + ph, kw - 1 - pw, w - wo + pw)
