@@ -2,7 +2,8 @@
 
 Every figure is a ratio or a difference taken in the same run, so a noisy machine moves both sides:
 dispatch overhead is the step time minus the same numpy calls made in a bare Python loop; Conv2D and
-LSTM are timed against plain matmuls of the same FLOPs.
+LSTM are timed against plain matmuls of the same FLOPs, and each Conv2D kernel (forward, input
+gradient, filter gradient) of Inception-v3's heaviest shapes against the matmul of its own FLOPs.
 """
 from __future__ import annotations
 
@@ -116,6 +117,61 @@ def conv2d_vs_matmul(batch: int = 8, repeat: int = 5) -> list[dict[str, Any]]:
     return results
 
 
+# Inception-v3's heaviest convolutions at batch 8 (and a few of each other kind): (label, H, W,
+# Cin, Cout, kh, kw, stride, padding).
+PASS_SHAPES = [
+    ("147x147x32->64 3x3", 147, 147, 32, 64, 3, 3, 1, "SAME"),
+    ("149x149x32->32 3x3 valid", 149, 149, 32, 32, 3, 3, 1, "VALID"),
+    ("73x73x80->192 3x3 valid", 73, 73, 80, 192, 3, 3, 1, "VALID"),
+    ("35x35x64->96 3x3", 35, 35, 64, 96, 3, 3, 1, "SAME"),
+    ("35x35x48->64 5x5", 35, 35, 48, 64, 5, 5, 1, "SAME"),
+    ("35x35x288->384 3x3/2 valid", 35, 35, 288, 384, 3, 3, 2, "VALID"),
+    ("17x17x160->160 1x7", 17, 17, 160, 160, 1, 7, 1, "SAME"),
+    ("17x17x160->160 7x1", 17, 17, 160, 160, 7, 1, 1, "SAME"),
+    ("17x17x768->192 1x1", 17, 17, 768, 192, 1, 1, 1, "SAME"),
+    ("8x8x448->384 3x3", 8, 8, 448, 384, 3, 3, 1, "SAME"),
+]
+
+
+def conv2d_passes_vs_matmul(batch: int = 8, repeat: int = 5, shapes: list | None = None) -> list[dict[str, Any]]:
+    """Each convolution kernel on its own (forward, input gradient, filter gradient), float32,
+    against the matmul its FLOPs make: (N*Ho*Wo, kh*kw*Cin) @ (kh*kw*Cin, Cout), the GEMM an
+    im2col of the whole batch would run. The passes and the matmul are timed in turns."""
+    rng = np.random.default_rng(0)
+    results = []
+    for label, h, w, cin, cout, kh, kw, stride, padding in shapes or PASS_SHAPES:
+        g = fc.Graph()
+        with g.as_default():
+            x = fc.placeholder("float32", (batch, h, w, cin), name="x")
+            f = fc.placeholder("float32", (kh, kw, cin, cout), name="f")
+            y = fc.conv2d(x, f, strides=stride, padding=padding, name="conv")
+            dy = fc.placeholder("float32", y.shape, name="dy")
+            gx, gf = fc.gradients(y, [x, f], grad_ys=[dy])
+        s = fc.Session(g, store=fc.ContainerStore())
+        feeds = {x: rng.standard_normal(x.shape, dtype=np.float32),
+                 f: rng.standard_normal(f.shape, dtype=np.float32) * 0.05,
+                 dy: rng.standard_normal(y.shape, dtype=np.float32)}
+        m, k = int(np.prod(y.shape[:3])), kh * kw * cin
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, cout), dtype=np.float32)
+        runs = {"matmul": lambda: a @ b, "forward": lambda: s.run(y, feeds),
+                "input_grad": lambda: s.run(gx, feeds), "filter_grad": lambda: s.run(gf, feeds)}
+        for fn in runs.values():
+            fn()  # warm-up: plans, allocator
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(repeat):  # in turns, so drift on a shared machine falls on all four
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        row: dict[str, Any] = {"shape": label, "batch": batch, "matmul_same_flops_s": best["matmul"],
+                               "gflops": 2.0 * m * k * cout / 1e9}
+        for name in ("forward", "input_grad", "filter_grad"):
+            row[name] = {"s": best[name], "ratio_to_matmul": best[name] / best["matmul"]}
+        results.append(row)
+    return results
+
+
 def lstm_cell_vs_matmul(batch: int = 20, hidden: int = 650, repeat: int = 20) -> dict[str, Any]:
     """One LSTM cell step (input = hidden = 650), forward + backward w.r.t. weights, bias, input and
     state, against its three raw matmuls (forward gates, weight gradient, input gradient)."""
@@ -167,6 +223,9 @@ def run_engine_suite(quick: bool = False, progress: Callable[[str], None] | None
     out["dispatch_wide"] = dispatch_wide(n, rep)
     say("Conv2D forward+backward vs matmul")
     out["conv2d"] = conv2d_vs_matmul(batch=2 if quick else 8, repeat=2 if quick else 5)
+    say("Conv2D kernels one by one vs matmul")
+    out["conv2d_passes"] = conv2d_passes_vs_matmul(batch=2 if quick else 8, repeat=2 if quick else 5,
+                                                   shapes=PASS_SHAPES[:3] if quick else None)
     say("LSTM cell forward+backward vs matmul")
     out["lstm_cell"] = lstm_cell_vs_matmul(repeat=5 if quick else 20)
     return out

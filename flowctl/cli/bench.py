@@ -214,6 +214,13 @@ def _render(console: Console, r: dict[str, Any]) -> None:
                       [Col("shape")] + [Col(c, "right", True)
                                         for c in ("batch", "ms", "matmul ms", "ratio", "GFLOP/s")],
                       rows, console.width))
+    rows = [[d["shape"], str(d["batch"]), f"{d['gflops']:.2f}", f"{d['matmul_same_flops_s'] * 1e3:.1f}",
+             *(f"{d[p]['ratio_to_matmul']:.2f}" for p in ("forward", "input_grad", "filter_grad"))]
+            for d in r.get("conv2d_passes", [])]
+    console.print(fit("Conv2D kernels vs the matmul of their FLOPs (kernel time / matmul time)",
+                      [Col("shape")] + [Col(c, "right", True) for c in ("batch", "GFLOP", "matmul ms", "forward",
+                                                                          "input grad", "filter grad")],
+                      rows, console.width))
     d = r["lstm_cell"]
     console.print(f"LSTM cell (batch {d['batch']}, hidden {d['hidden']}, {d['nodes']} nodes) forward+backward: "
                   f"{d['fwd_bwd_s'] * 1e3:.2f} ms, {d['ratio_to_matmuls']:.2f}x its raw matmuls "

@@ -76,12 +76,12 @@ class _Builder:
         return v
 
     def batch_norm(self, x: Tensor, gamma: Tensor | None, beta: Tensor, mean: Tensor, var: Tensor,
-                   epsilon: float, momentum: float) -> Tensor:
+                   epsilon: float, momentum: float, activation: str = "none") -> Tensor:
         # Keras' Inception-v3 uses BatchNormalization(scale=False): a constant 1, not a variable,
         # which is why its parameter count has no gammas.
         scale = gamma if gamma is not None else fc.ones((x.shape[-1],), self.dtype, name="bn/unit_scale")
         y, updates = fc.batch_norm(x, scale, beta, mean, var, training=self.training, momentum=momentum,
-                                   epsilon=epsilon, name="bn")
+                                   epsilon=epsilon, activation=activation, name="bn")
         self.updates.extend(updates)
         return y
 

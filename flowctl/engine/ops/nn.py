@@ -13,7 +13,7 @@ from flowctl.engine.dtypes import INTS, is_float
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import constant, graph_of, make, make1
-from flowctl.engine.ops.elementwise import neg, rsqrt
+from flowctl.engine.ops.elementwise import neg, relu, rsqrt
 from flowctl.engine.ops.registry import NN, REQUIRED, CostFn, memory_bytes, register_op
 from flowctl.engine.ops.state import assign_sub
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal, merge_dim, normalize_axis
@@ -106,8 +106,19 @@ def _bias_add_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[T
     return [TensorSpec((ins[0].shape[-1],), ins[0].dtype)]
 
 
+_BN_ACTIVATIONS = ("none", "relu")
+
+
+def _bn_activation(attrs: dict[str, Any]) -> bool:
+    """Whether a ReLU is fused into the batch norm (and its gradient)."""
+    if attrs["activation"] not in _BN_ACTIVATIONS:
+        raise InferError(f"activation must be one of {', '.join(_BN_ACTIVATIONS)}, got {attrs['activation']!r}")
+    return attrs["activation"] == "relu"
+
+
 def _bn_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     x, scale, offset = ins
+    _bn_activation(attrs)
     _float(x, "x")
     if len(x.shape) < 2:
         raise InferError(f"x must be (N, C) or NHWC, got shape {x.shape}")
@@ -117,12 +128,18 @@ def _bn_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
 
 
 def _bn_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
-    if len(ins) not in (5, 7):
-        raise InferError(f"takes (dy, x, scale, mean, var) and optionally (dmean, dvar), got {len(ins)} inputs")
+    fused = _bn_activation(attrs)
+    first = "(dy, x, scale, mean, var, y)" if fused else "(dy, x, scale, mean, var)"
+    if len(ins) - fused not in (5, 7):
+        raise InferError(f"takes {first} and optionally (dmean, dvar), got {len(ins)} inputs")
     dy, x, scale = ins[:3]
     _float(x, "x")
     _same_dtype(dy, x)
-    for v in ins[2:]:
+    if fused:
+        _same_dtype(ins[5], x)
+        if not all(dims_equal(a, b) for a, b in zip(ins[5].shape, x.shape)) or len(ins[5].shape) != len(x.shape):
+            raise InferError(f"y must be shaped like x {x.shape}, got {ins[5].shape}")
+    for v in ins[2:5] + ins[5 + fused:]:
         _channels(x, v, "per-channel inputs")
     vec = TensorSpec((x.shape[-1],), x.dtype)
     return [x, vec, vec]
@@ -199,13 +216,15 @@ def _g_bias_add(op: Any, dy: list[Tensor]) -> list[Tensor]:
 
 def _g_fused_bn(op: Any, dy: list[Tensor]) -> list[Tensor]:
     x, scale, _ = op.inputs
-    _, mean, var = op.outputs
+    y, mean, var = op.outputs
     ins = [dy[0], x, scale, mean, var]
+    if op.attrs["activation"] == "relu":
+        ins.append(y)  # where the output is 0 the ReLU clipped it: its gradient is masked there
     # The batch statistics usually feed only the (non-differentiable) moving-average updates, so
     # their gradients are zeros and the kernel can skip that term; otherwise it adds it exactly.
     if not (_is_zero(dy[1]) and _is_zero(dy[2])):
         ins += [dy[1], dy[2]]
-    return make("FusedBatchNormGrad", ins, {"epsilon": op.attrs["epsilon"]})
+    return make("FusedBatchNormGrad", ins, {"epsilon": op.attrs["epsilon"], "activation": op.attrs["activation"]})
 
 
 def _g_dropout(op: Any, dy: list[Tensor]) -> list[Tensor]:
@@ -237,11 +256,15 @@ register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add
 register_op("BiasAddGrad", _bias_add_grad_infer, num_inputs=1, group=NN,
             grad=lambda op, dy: [make1("BroadcastLike", [dy[0], op.inputs[0]])], cost=_per_element(1))
 
-# FusedBatchNorm(x, scale, offset) -> (y, batch mean, biased batch variance), over all axes but the last.
-register_op("FusedBatchNorm", _bn_infer, num_inputs=3, attrs={"epsilon": ("float", 1e-3)}, group=NN,
+# FusedBatchNorm(x, scale, offset) -> (y, batch mean, biased batch variance), over all axes but the
+# last; activation "relu" makes y = max(0, normalised x) in the same pass (the statistics are the
+# input's), which saves the separate ReLU's and ReluGrad's passes and buffers.
+_BN_ATTRS = {"epsilon": ("float", 1e-3), "activation": ("str", "none")}
+register_op("FusedBatchNorm", _bn_infer, num_inputs=3, attrs=dict(_BN_ATTRS), group=NN,
             grad=_g_fused_bn, cost=_BN_COST)
-# FusedBatchNormGrad(dy, x, scale, mean, var[, dmean, dvar]) -> (dx, dscale, doffset).
-register_op("FusedBatchNormGrad", _bn_grad_infer, min_inputs=5, attrs={"epsilon": ("float", 1e-3)},
+# FusedBatchNormGrad(dy, x, scale, mean, var[, y][, dmean, dvar]) -> (dx, dscale, doffset); y, the
+# forward output, comes only with activation "relu".
+register_op("FusedBatchNormGrad", _bn_grad_infer, min_inputs=5, attrs=dict(_BN_ATTRS),
             group=NN, cost=_BN_GRAD_COST)
 
 # Dropout(x) -> (x * mask, mask), mask = keep / (1 - rate) drawn afresh each step at x's runtime
@@ -280,11 +303,13 @@ def bias_add(x: Any, bias: Any, name: str | None = None) -> Tensor:
     return make1("BiasAdd", [x, bias], name=name)
 
 
-def fused_batch_norm(x: Any, scale: Any, offset: Any, epsilon: float = 1e-3,
+def fused_batch_norm(x: Any, scale: Any, offset: Any, epsilon: float = 1e-3, activation: str = "none",
                      name: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(y, batch_mean, batch_variance): x normalised with its own statistics over every axis but
-    the last (biased variance), then scaled and shifted per channel."""
-    y, mean, var = make("FusedBatchNorm", [x, scale, offset], {"epsilon": epsilon}, name=name)
+    the last (biased variance), then scaled and shifted per channel, then passed through
+    `activation` ("none" or "relu") in the same kernel."""
+    y, mean, var = make("FusedBatchNorm", [x, scale, offset], {"epsilon": epsilon, "activation": activation},
+                        name=name)
     return y, mean, var
 
 
@@ -294,7 +319,7 @@ def _scope(g: Graph, name: str) -> str:
 
 
 def batch_norm(x: Tensor, scale: Tensor, offset: Tensor, moving_mean: Tensor, moving_variance: Tensor,
-               training: bool, momentum: float = 0.99, epsilon: float = 1e-3,
+               training: bool, momentum: float = 0.99, epsilon: float = 1e-3, activation: str = "none",
                name: str | None = None) -> tuple[Tensor, list[Tensor]]:
     """Batch normalisation over every axis but the last (x is (N, C) or NHWC).
 
@@ -305,7 +330,8 @@ def batch_norm(x: Tensor, scale: Tensor, offset: Tensor, moving_mean: Tensor, mo
     i.e. moving = momentum * moving + (1 - momentum) * batch. Run them with the train step. Inference
     normalises with the moving statistics, in plain differentiable arithmetic, and returns no updates.
     `moving_mean` and `moving_variance` are Variables the caller creates (`fc.variable`, usually
-    trainable=False, initialised to 0 and 1).
+    trainable=False, initialised to 0 and 1). `activation` "relu" applies a ReLU to the result: in
+    training inside the fused op (forward and gradient), in inference as a Relu node.
     """
     g = graph_of(x)
     if not 0.0 <= momentum <= 1.0:
@@ -314,8 +340,10 @@ def batch_norm(x: Tensor, scale: Tensor, offset: Tensor, moving_mean: Tensor, mo
         if not training:
             inv = rsqrt(moving_variance + epsilon, name="rsqrt") * scale
             # x * inv + (offset - mean * inv): two passes over x, the rest on per-channel vectors.
-            return x * inv + (offset - moving_mean * inv), []
-        y, mean, var = fused_batch_norm(x, scale, offset, epsilon=epsilon, name="FusedBatchNorm")
+            y = x * inv + (offset - moving_mean * inv)
+            return (relu(y, name="relu") if activation == "relu" else y), []
+        y, mean, var = fused_batch_norm(x, scale, offset, epsilon=epsilon, activation=activation,
+                                        name="FusedBatchNorm")
         updates = []
         for moving, batch, what in ((moving_mean, mean, "mean"), (moving_variance, var, "variance")):
             with g.colocate_with(moving):  # an assignment runs where its Variable lives (§4.7)

@@ -78,8 +78,12 @@ class Conv2D(Layer):
         if self.bias:
             y = fc.bias_add(y, ws["bias"], name="bias_add")
         if self.batch_norm:
+            # A ReLU goes into the batch norm's kernel (one pass, one buffer, forward and backward).
+            fused = "relu" if self.activation == "relu" else "none"
             y = b.batch_norm(y, ws.get("bn/gamma"), ws["bn/beta"], ws["bn/moving_mean"],
-                             ws["bn/moving_variance"], self.bn_epsilon, self.bn_momentum)
+                             ws["bn/moving_variance"], self.bn_epsilon, self.bn_momentum, fused)
+            if fused == "relu":
+                return y
         return activate(y, self.activation)
 
 
