@@ -135,6 +135,9 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]
                                                            forget_bias=0.5), fc.lstm_block_cell(xw)[1],
                                         fc.transpose_copy(w) * 0.5],
                   {"xw": arr(2, 8), "h": arr(2, 3), "w": arr(3, 8), "c": arr(2, 2)}, {}),
+    # the training ops' differentiable one (L2Loss), over a matrix and over more than one block
+    "training": (lambda x, v: [fc.l2_loss(x), fc.l2_loss(v) * 0.25],
+                 {"x": arr(2, 3), "v": arr(70000)}, {}),
     "conv": (_conv, {"x": arr(2, 6, 5, 2), "f": arr(3, 2, 2, 3)}, {"rtol": 1e-4}),
     # unknown dimensions take the run-time-shape gradient ops (ReshapeLike, SplitLike, SliceGrad, ...)
     "unknown_dims": (lambda x, y: [fc.reshape(x, [-1]) * 1.0,

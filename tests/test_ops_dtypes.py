@@ -39,6 +39,7 @@ LEFT_OUT = {
     "Assign": "writes a Variable (tests/test_session.py)",
     "AssignAdd": "writes a Variable (tests/test_session.py)",
     "AssignSub": "writes a Variable (tests/test_session.py)",
+    "ApplyGradientDescent": "writes a Variable (tests/test_optimizers.py)",
     "FIFOQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "RandomShuffleQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "Enqueue": "needs a queue resource (tests/test_queues.py)",
