@@ -40,6 +40,8 @@ LEFT_OUT = {
     "AssignAdd": "writes a Variable (tests/test_session.py)",
     "AssignSub": "writes a Variable (tests/test_session.py)",
     "ApplyGradientDescent": "writes a Variable (tests/test_optimizers.py)",
+    "SparseApplyGradientDescent": "writes a Variable (tests/test_train_step_kernels.py)",
+    "GatherGradRows": "made by the optimizer from a GatherGrad, not by a template (tests/test_train_step_kernels.py)",
     "FIFOQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "RandomShuffleQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "Enqueue": "needs a queue resource (tests/test_queues.py)",

@@ -27,7 +27,9 @@ from flowctl.engine.ops.api import constant
 from flowctl.engine.ops.control import group
 from flowctl.engine.ops.elementwise import add_n, cast, maximum, sqrt, square
 from flowctl.engine.ops.state import assign, assign_add, assign_sub, trainable_variables, variable
-from flowctl.engine.ops.training import apply_gradient_descent, l2_loss
+from flowctl.engine.ops.training import (
+    apply_gradient_descent, gather_grad_rows, l2_loss, sparse_apply_gradient_descent,
+)
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "clip_by_global_norm"]
 
@@ -143,7 +145,8 @@ class Optimizer:
 class SGD(Optimizer):
     """var -= lr * g, one ApplyGradientDescent node per variable. A gradient that is a product
     with a scalar (clip_by_global_norm's g * scale) has the scalar moved into the step size,
-    lr * scale, so the update reads g itself: one pass over the parameter fewer."""
+    lr * scale, so the update reads g itself: one pass over the parameter fewer. An embedding
+    table's gradient (a GatherGrad) is applied sparsely, to the rows the batch read."""
 
     def __init__(self, learning_rate: float | Tensor, name: str = "SGD") -> None:
         super().__init__(learning_rate, name)
@@ -153,7 +156,10 @@ class SGD(Optimizer):
         delta, scale = _scaled(grad)
         if scale is not None:
             alpha = alpha * scale
+        sparse = gather_grad_rows(delta)
         with var.graph.control_dependencies([var]):  # as _update_var: after the read the gradients used
+            if sparse is not None:
+                return sparse_apply_gradient_descent(var, alpha, *sparse, name="update")
             return apply_gradient_descent(var, alpha, delta, name="update")
 
 
@@ -249,7 +255,8 @@ def clip_by_global_norm(grads: Sequence[Tensor | None], clip_norm: float | Tenso
     with graph.as_default(), graph.name_scope(name):
         sums = []
         for t in present:
-            s = l2_loss(t)
+            sparse = gather_grad_rows(t)  # an embedding's gradient: the rows it touches hold its norm
+            s = l2_loss(t if sparse is None else sparse[1])
             sums.append(s if s.dtype == dtype else cast(s, dtype))
         global_norm = sqrt((sums[0] if len(sums) == 1 else add_n(sums)) * 2.0, name="global_norm")
         limit = _scalar(clip_norm, dtype, "clip_norm")

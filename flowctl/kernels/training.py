@@ -42,3 +42,57 @@ def apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
         return new
 
     return run
+
+
+def _flat_rows(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
+    """The indices as one non-negative vector (numpy's take counts a negative one from the end,
+    so its adjoint must), and dy as one row per index."""
+    idx = indices.reshape(-1)
+    idx = idx + like.shape[0] * (idx < 0)
+    inner = 1
+    for d in like.shape[1:]:
+        inner *= int(d)
+    return idx, dy.reshape(idx.size, inner)
+
+
+@kernel("GatherGradRows")
+def gather_grad_rows(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
+        idx, d2 = _flat_rows(dy, indices, like)
+        ids, inverse = xp.unique(idx, return_inverse=True)
+        rows = xp.zeros((ids.size, d2.shape[1]), dtype=dy.dtype)
+        xp.add.at(rows, inverse.reshape(-1), d2)
+        return ids.astype("int64"), rows.reshape((ids.size, *like.shape[1:]))
+
+    return run
+
+
+@kernel("GatherGradRows", device_types=("cpu",))
+def gather_grad_rows_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Sort the indices and sum each run of equal ones with add.reduceat: GatherGrad's CPU kernel
+    without the scatter into zeros, so the rows are its rows to the bit."""
+    def run(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
+        idx, d2 = _flat_rows(dy, indices, like)
+        if not idx.size:
+            return xp.zeros(0, dtype="int64"), xp.zeros((0, *like.shape[1:]), dtype=dy.dtype)
+        order = xp.argsort(idx, kind="stable")
+        ids = idx[order]
+        starts = xp.flatnonzero(xp.concatenate(([True], ids[1:] != ids[:-1])))
+        rows = xp.add.reduceat(d2[order], starts, axis=0)
+        return ids[starts].astype("int64"), rows.reshape((starts.size, *like.shape[1:]))
+
+    return run
+
+
+@kernel("SparseApplyGradientDescent")
+def sparse_apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
+    slot = attrs["_resource"]
+
+    def run(alpha: Any, ids: Any, rows: Any) -> Any:
+        # A copy for the slot, as ApplyGradientDescent makes, then only the touched rows change.
+        new = xp.array(_resident(xp, slot), copy=True)
+        new[ids] -= rows * alpha
+        slot.value = new
+        return new
+
+    return run
