@@ -108,3 +108,24 @@ def test_sparse_embedding_update_matches_the_dense_one_and_float64_numpy():
         table, w = table - 0.05 * s * gt, w - 0.05 * s * gw
     np.testing.assert_allclose(t_sparse, table, rtol=1e-12)
     np.testing.assert_allclose(w_sparse, w, rtol=1e-12)
+
+
+@pytest.mark.gpu
+def test_gpu_training_kernels_match_cpu(rng):
+    import cupy as cp  # type: ignore[import-not-found]
+
+    x = rng.standard_normal((300, 700)).astype(np.float32)
+    half_cpu = bind("L2Loss", "cpu", {})(x)
+    np.testing.assert_allclose(cp.asnumpy(bind("L2Loss", "gpu", {})(cp.asarray(x))), half_cpu, rtol=1e-5)
+    params = np.zeros((40, 6), np.float32)
+    idx = np.array([3, 9, 3, -1, 0], np.int32)
+    dy = rng.standard_normal((5, 6)).astype(np.float32)
+    ids_c, rows_c = bind("GatherGradRows", "cpu", {})(dy, idx, params)
+    ids_g, rows_g = bind("GatherGradRows", "gpu", {})(cp.asarray(dy), cp.asarray(idx), cp.asarray(params))
+    np.testing.assert_array_equal(cp.asnumpy(ids_g), ids_c)
+    np.testing.assert_allclose(cp.asnumpy(rows_g), rows_c, rtol=1e-6)
+    logits = rng.standard_normal((8, 30)).astype(np.float32)
+    labels = rng.integers(0, 30, 8).astype(np.int32)
+    for got, want in zip(bind("SparseSoftmaxCrossEntropyWithLogits", "gpu", {})(cp.asarray(logits), cp.asarray(labels)),
+                         bind("SparseSoftmaxCrossEntropyWithLogits", "cpu", {})(logits, labels)):
+        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-6)

@@ -57,11 +57,17 @@ def _flat_rows(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
 
 @kernel("GatherGradRows")
 def gather_grad_rows(xp: Any, attrs: dict[str, Any]) -> Fn:
+    add_at = getattr(xp.add, "at", None)
+    if add_at is None:  # cupy before ufunc.at: cupyx.scatter_add is the same operation
+        import cupyx  # type: ignore[import-not-found]
+
+        add_at = cupyx.scatter_add
+
     def run(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
         idx, d2 = _flat_rows(dy, indices, like)
         ids, inverse = xp.unique(idx, return_inverse=True)
         rows = xp.zeros((ids.size, d2.shape[1]), dtype=dy.dtype)
-        xp.add.at(rows, inverse.reshape(-1), d2)
+        add_at(rows, inverse.reshape(-1), d2)
         return ids.astype("int64"), rows.reshape((ids.size, *like.shape[1:]))
 
     return run
