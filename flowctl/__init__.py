@@ -39,6 +39,7 @@ from flowctl.engine.ops.state import (
     assign, assign_add, assign_sub, global_variables_initializer, placeholder, trainable_variables,
     variable, variables,
 )
+from flowctl.engine.ops.training import apply_gradient_descent, l2_loss
 from flowctl.engine.saved_model import LoadedModel, load_model
 from flowctl.engine.session import Session
 from flowctl.version import __version__

@@ -130,11 +130,14 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]
                  "offset": arr(3), "bias": arr(3)}, {"rtol": 1e-4}),
     "control_flow": (_control, {"x": arr(2, 3), "w": arr(3, 3)}, {}),  # Switch, Merge; loops as units
     # the LSTM step ops: both LSTMBlockCell forms (from a state; the first step, zero state),
-    # RecurrentMatMul and TransposeCopy
+    # RecurrentMatMul in both forms (dh transposed; dh from w's given transpose) and TransposeCopy
     "recurrent": (lambda xw, h, w, c: [*fc.lstm_block_cell(xw, fc.recurrent_matmul(h, w, fc.transpose(w)), c,
                                                            forget_bias=0.5), fc.lstm_block_cell(xw)[1],
-                                        fc.transpose_copy(w) * 0.5],
+                                        fc.transpose_copy(w) * 0.5, fc.recurrent_matmul(h * 0.5, w) * 0.25],
                   {"xw": arr(2, 8), "h": arr(2, 3), "w": arr(3, 8), "c": arr(2, 2)}, {}),
+    # the training ops' differentiable one (L2Loss), over a matrix and over more than one block
+    "training": (lambda x, v: [fc.l2_loss(x), fc.l2_loss(v) * 0.25],
+                 {"x": arr(2, 3), "v": arr(70000)}, {}),
     "conv": (_conv, {"x": arr(2, 6, 5, 2), "f": arr(3, 2, 2, 3)}, {"rtol": 1e-4}),
     # unknown dimensions take the run-time-shape gradient ops (ReshapeLike, SplitLike, SliceGrad, ...)
     "unknown_dims": (lambda x, y: [fc.reshape(x, [-1]) * 1.0,

@@ -230,3 +230,50 @@ def test_variables_without_gradient_are_skipped_and_none_at_all_is_an_error():
     vals = sess.variable_values()
     np.testing.assert_array_equal(vals["w"], [0.0, 0.0])  # 1 - 0.5 * 2
     np.testing.assert_array_equal(vals["unused"], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_l2_loss_against_float64(dtype, rng):
+    # 200,000 values: several of the kernel's dot-product blocks, summed in float64 between them
+    # (scaled so that float16's half-norm, about 9,000, stays within its range)
+    x = (0.3 * rng.normal(size=(400, 500))).astype(dtype)
+    g = fc.Graph()
+    with g.as_default():
+        t = fc.placeholder(dtype, (400, 500), name="t")
+        half = fc.l2_loss(t)
+    got = fc.Session(g, store=fc.ContainerStore()).run(half, {t: x})
+    assert got.dtype == np.dtype(dtype) and got.shape == ()
+    want = 0.5 * (x.astype(np.float64) ** 2).sum()
+    np.testing.assert_allclose(float(got), want, rtol={"float16": 1e-3, "float32": 1e-6, "float64": 1e-13}[dtype])
+
+
+def test_sgd_is_one_update_node_per_variable_with_the_clip_scale_in_its_step_size():
+    p = problem()
+    g, sess, t = build(p, lambda lr: SGD(0.05), clip_norm=0.5)
+    updates = [n for n in g.nodes.values() if n.op == "ApplyGradientDescent"]
+    assert sorted(n.inputs[0] for n in updates) == ["dense/b:0", "dense/w:0"]
+    assert not [n for n in g.nodes.values() if n.op == "AssignSub"]
+    # delta is the unclipped gradient; the clip's scale multiplies the learning rate instead
+    for n in updates:
+        assert g.nodes[n.inputs[2].split(":")[0]].op != "Mul"
+
+
+def test_apply_gradient_descent_leaves_a_value_read_before_it_untouched():
+    w0 = np.arange(6.0).reshape(2, 3)
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(w0, name="w")
+        d = fc.placeholder("float64", (2, 3), name="d")
+        step = fc.apply_gradient_descent(w, 0.5, d)
+        init = fc.global_variables_initializer()
+    sess = fc.Session(g, store=fc.ContainerStore())
+    sess.run(init)
+    before = sess.run(w)
+    delta = np.full((2, 3), 2.0)
+    new = sess.run(step, {d: delta})
+    np.testing.assert_array_equal(new, w0 - 1.0)
+    np.testing.assert_array_equal(before, w0)  # a new array for the slot, not a write into the old
+    np.testing.assert_array_equal(sess.run(w), w0 - 1.0)
+    with pytest.raises(fc.GraphError, match="does not fit"):
+        with g.as_default():
+            fc.apply_gradient_descent(w, 0.5, fc.placeholder("float64", (3, 2)))

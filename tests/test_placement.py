@@ -255,7 +255,7 @@ def test_every_placer_respects_constraints_and_colocation() -> None:
         assert pl["b/mm1"] == GPU1 and pl["a/w0"] == GPU0, alg
         # a Variable, its initializer and its update run together
         assert pl["a/w0/init"] == pl["a/w0"], alg
-        updates = [n for n in g.nodes.values() if n.op == "AssignSub" and n.inputs[0] == "a/w0:0"]
+        updates = [n for n in g.nodes.values() if n.opdef.ref_inputs and n.inputs[0] == "a/w0:0" and n.op != "Assign"]
         assert updates and all(pl[u.name] == GPU0 for u in updates), alg
         assert set(pl.assignment) == set(g.nodes), alg
 

@@ -9,8 +9,9 @@ their variable (§4.3), as in TensorFlow.
 
 Each update reads every variable's value once, from the Variable node the forward pass also reads:
 a slot's new value is the output of its Assign, never a second read. A parameter's update is an
-AssignSub (so concurrent replicas' updates add up, §7 asynchronous training) with a control edge
-from the Variable node, so the read the gradients used always happens before the write.
+AssignSub, or for SGD the fused ApplyGradientDescent (both subtract from the value the slot holds
+when they run, so concurrent replicas' updates add up, §7 asynchronous training), with a control
+edge from the Variable node, so the read the gradients used always happens before the write.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import constant
 from flowctl.engine.ops.control import group
 from flowctl.engine.ops.elementwise import add_n, cast, maximum, sqrt, square
-from flowctl.engine.ops.reduction import reduce_sum
 from flowctl.engine.ops.state import assign, assign_add, assign_sub, trainable_variables, variable
+from flowctl.engine.ops.training import (
+    apply_gradient_descent, gather_grad_rows, l2_loss, sparse_apply_gradient_descent,
+)
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "clip_by_global_norm"]
 
@@ -140,13 +143,36 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """var -= lr * g."""
+    """var -= lr * g, one ApplyGradientDescent node per variable. A gradient that is a product
+    with a scalar (clip_by_global_norm's g * scale) has the scalar moved into the step size,
+    lr * scale, so the update reads g itself: one pass over the parameter fewer. An embedding
+    table's gradient (a GatherGrad) is applied sparsely, to the rows the batch read."""
 
     def __init__(self, learning_rate: float | Tensor, name: str = "SGD") -> None:
         super().__init__(learning_rate, name)
 
     def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
-        return self._update_var(var, self._lr(var.dtype) * grad)
+        alpha = self._lr(var.dtype)
+        delta, scale = _scaled(grad)
+        if scale is not None:
+            alpha = alpha * scale
+        sparse = gather_grad_rows(delta)
+        with var.graph.control_dependencies([var]):  # as _update_var: after the read the gradients used
+            if sparse is not None:
+                return sparse_apply_gradient_descent(var, alpha, *sparse, name="update")
+            return apply_gradient_descent(var, alpha, delta, name="update")
+
+
+def _scaled(grad: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(g, s) where `grad` is Mul(g, s) with s a scalar of g's dtype, else (grad, None)."""
+    node = grad.op
+    if node.op != "Mul" or grad.port != 0:
+        return grad, None
+    a, b = (grad.graph.tensor(r) for r in node.inputs)
+    for g, s in ((a, b), (b, a)):
+        if s.shape == () and s.dtype == g.dtype and g.shape == grad.shape:
+            return g, s
+    return grad, None
 
 
 class Momentum(Optimizer):
@@ -217,7 +243,8 @@ class Adam(Optimizer):
 
 def clip_by_global_norm(grads: Sequence[Tensor | None], clip_norm: float | Tensor,
                         name: str = "clip_by_global_norm") -> tuple[list[Tensor | None], Tensor]:
-    """TensorFlow's clip_by_global_norm: global_norm = sqrt(sum of every |t|^2), and each t becomes
+    """TensorFlow's clip_by_global_norm: global_norm = sqrt(sum of every |t|^2) (as TensorFlow, from
+    one L2Loss per tensor: 2 * sum of the halves), and each t becomes
     t * clip_norm / max(global_norm, clip_norm), so nothing changes unless the norm exceeds
     clip_norm. None entries pass through. Returns (clipped, global_norm)."""
     present = [g for g in grads if g is not None]
@@ -228,9 +255,10 @@ def clip_by_global_norm(grads: Sequence[Tensor | None], clip_norm: float | Tenso
     with graph.as_default(), graph.name_scope(name):
         sums = []
         for t in present:
-            s = reduce_sum(square(t))
+            sparse = gather_grad_rows(t)  # an embedding's gradient: the rows it touches hold its norm
+            s = l2_loss(t if sparse is None else sparse[1])
             sums.append(s if s.dtype == dtype else cast(s, dtype))
-        global_norm = sqrt(sums[0] if len(sums) == 1 else add_n(sums), name="global_norm")
+        global_norm = sqrt((sums[0] if len(sums) == 1 else add_n(sums)) * 2.0, name="global_norm")
         limit = _scalar(clip_norm, dtype, "clip_norm")
         scale = limit / maximum(global_norm, limit)
         scales = {dtype: scale}

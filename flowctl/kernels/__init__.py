@@ -2,4 +2,5 @@
 Importing the package imports every kernel module, which fills the table in `registry`."""
 from flowctl.kernels import (  # noqa: F401
     array, communication, control, conv, elementwise, indexing, matrix, nn, queues, random, recurrent, reduction, state,
+    training,
 )

@@ -66,13 +66,7 @@ def softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
 def sparse_softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
     def run(logits: Any, labels: Any) -> tuple[Any, Any]:
         n, c = logits.shape
-        bad = (labels < 0) | (labels >= c)
-        # A bad label would index out of bounds (or wrap, for -1): say which one. On a GPU this
-        # check costs one device-to-host sync per step, a price worth a clear error.
-        if bool(bad.any()):
-            i = int(xp.argmax(bad))
-            raise ValueError(f"label {int(labels[i])} (example {i}) is out of range for {c} classes: "
-                             f"labels must be in [0, {c})")
+        _check_labels(xp, labels, c)
         # Four passes over the (n, c) logits (shift, exp, sum, scale), all in one buffer: the loss
         # needs log p only at the labels, and the one-hot is n scattered subtractions. The label
         # entries get the same float operations as the full log-softmax would give them.
@@ -85,6 +79,49 @@ def sparse_softmax_xent(xp: Any, attrs: dict[str, Any]) -> Fn:
         loss = -(shifted - xp.log(z)[:, 0])
         e /= z
         e[rows, idx] -= 1.0
+        return loss, e
+
+    return run
+
+
+def _check_labels(xp: Any, labels: Any, c: int) -> None:
+    bad = (labels < 0) | (labels >= c)
+    # A bad label would index out of bounds (or wrap, for -1): say which one. On a GPU this
+    # check costs one device-to-host sync per step, a price worth a clear error.
+    if bool(bad.any()):
+        i = int(xp.argmax(bad))
+        raise ValueError(f"label {int(labels[i])} (example {i}) is out of range for {c} classes: "
+                         f"labels must be in [0, {c})")
+
+
+# Elements per block of rows in the CPU softmax cross-entropy: the block's max, shift, exp, sum
+# and scale run while it sits in the core's L2 cache (1 MiB), so the [n, c] logits cross memory
+# twice (read, and the backprop written) instead of once per pass (measured, lstm_lm's
+# [700, 10000] logits on this 2-core VM: 8-10 ms against 57 ms in whole-array passes).
+_XENT_BLOCK = 1 << 18
+
+
+@kernel("SparseSoftmaxCrossEntropyWithLogits", device_types=("cpu",))
+def sparse_softmax_xent_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(logits: Any, labels: Any) -> tuple[Any, Any]:
+        n, c = logits.shape
+        _check_labels(xp, labels, c)
+        e = xp.empty_like(logits)
+        m = xp.empty((n, 1), dtype=logits.dtype)
+        z = xp.empty((n, 1), dtype=logits.dtype)
+        step = max(1, _XENT_BLOCK // max(c, 1))
+        for s in range(0, n, step):
+            rows = slice(s, s + step)
+            b = e[rows]
+            xp.max(logits[rows], axis=1, keepdims=True, out=m[rows])
+            xp.subtract(logits[rows], m[rows], out=b)
+            xp.exp(b, out=b)
+            xp.sum(b, axis=1, keepdims=True, out=z[rows])
+            b /= z[rows]
+        # The same float operations per element as the whole-array kernel below, so the same bits.
+        at = (xp.arange(n), labels.astype("int64"))
+        loss = -((logits[at] - m[:, 0]) - xp.log(z)[:, 0])
+        e[at] -= 1.0
         return loss, e
 
     return run

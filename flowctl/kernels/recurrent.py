@@ -21,7 +21,7 @@ def _sigmoid_(xp: Any, x: Any) -> None:
 @kernel("RecurrentMatMul")
 def recurrent_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
     mm = xp.matmul
-    return lambda h, w, w_t: mm(h, w)
+    return lambda h, w, w_t=None: mm(h, w)
 
 
 @kernel("TransposeCopy")

@@ -100,7 +100,7 @@ def _emit(b: _Builder, node: Node) -> None:
         b.add("Gather", ins, outs, axis=int(a["axis"]))
     elif node.op == "TransposeCopy":
         b.add("Transpose", ins, outs, perm=[1, 0])
-    elif node.op == "RecurrentMatMul":  # h @ w (its third input, w's transpose, serves the gradient)
+    elif node.op == "RecurrentMatMul":  # h @ w (a third input, w's transpose, serves the gradient)
         b.add("MatMul", ins[:2], outs)
     elif node.op == "LSTMBlockCell":
         _lstm_cell(b, node, ins, outs)

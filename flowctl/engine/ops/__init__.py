@@ -13,4 +13,5 @@ from flowctl.engine.ops import (  # noqa: F401
     recurrent,
     reduction,
     state,
+    training,
 )

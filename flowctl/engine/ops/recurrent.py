@@ -7,8 +7,12 @@ time step is one product over all T*B rows, only the recurrent product h_{t-1} W
 and the weight gradients come out of autodiff as one product over all steps. What the cell fuses
 is the per-element work between them: z = xw + hw, four gate nonlinearities, c = f c' + i g and
 h = o tanh(c) (about ten passes over [B, 4U] as separate nodes, one here). RecurrentMatMul is the
-loop's product h_{t-1} W_h carrying a contiguous W_h^T (TransposeCopy, made once per step) for its
-gradient's dh = dz W_h^T.
+loop's product h_{t-1} W_h. Its gradient's dh = dz W_h^T is computed transposed, as
+(W_h dz^T)^T: the same product with the long [U, 4U] operand in front, which OpenBLAS splits
+between threads along its 650 rows instead of the batch's 20 (measured, lstm_lm's shapes on this
+2-core VM, 2 threads: 0.49 against 0.73 ms per step, 0.83 for dz @ W_h.T; at 1 thread all but
+the last equal), and which reads W_h itself, so no transposed copy of it is made. The older
+three-input form (h, W_h, W_h^T from TransposeCopy) computes dh = dz W_h^T from the copy.
 """
 from __future__ import annotations
 
@@ -99,12 +103,15 @@ def _g_cell(op: Any, dy: list[Tensor]) -> list[Tensor]:
 
 
 def _recurrent_matmul_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
-    h, w, w_t = ins
+    if len(ins) not in (2, 3):
+        raise InferError(f"takes (h, w) or (h, w, w_t), got {len(ins)} inputs")
+    h, w = ins[:2]
     if len(h.shape) != 2 or len(w.shape) != 2:
         raise InferError(f"needs matrices h and w, got shapes {h.shape} and {w.shape}")
     if not dims_equal(h.shape[1], w.shape[0]):
         raise InferError(f"inner dimensions differ: h {h.shape}, w {w.shape}")
-    _same(TensorSpec((w.shape[1], w.shape[0]), w.dtype), w_t, "w_t and the transpose of w")
+    if len(ins) == 3:
+        _same(TensorSpec((w.shape[1], w.shape[0]), w.dtype), ins[2], "w_t and the transpose of w")
     if h.dtype != w.dtype:
         raise InferError(f"dtypes differ: {h.dtype}, {w.dtype} (insert a Cast)")
     return [TensorSpec((h.shape[0], w.shape[1]), h.dtype)]
@@ -116,12 +123,17 @@ def _recurrent_matmul_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...
 
 
 def _g_recurrent_matmul(op: Any, dy: list[Tensor]) -> list[Tensor | None]:
+    from flowctl.engine.ops.array import transpose
     from flowctl.engine.ops.matrix import matmul
 
-    h, _, w_t = op.inputs
-    # dh = dy W^T from the contiguous copy (a plain product, not a transposed-operand one), and dW
-    # as a product autodiff stacks over all steps with the other steps' ones.
-    return [matmul(dy[0], w_t, name="matmul_grad"), matmul(h, dy[0], transpose_a=True, name="matmul_grad"), None]
+    h, w = op.inputs[:2]
+    # dW as a product autodiff stacks over all steps with the other steps' ones
+    dw = matmul(h, dy[0], transpose_a=True, name="matmul_grad")
+    if len(op.inputs) == 3:  # dh = dy W^T from the contiguous copy
+        return [matmul(dy[0], op.inputs[2], name="matmul_grad"), dw, None]
+    # dh = (W dy^T)^T: the product transposed (see the module doc); the Transpose is a view
+    dh_t = matmul(w, dy[0], transpose_b=True, name="matmul_grad_t")
+    return [transpose(dh_t, [1, 0], name="matmul_grad"), dw]
 
 
 def _transpose_copy_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
@@ -134,11 +146,9 @@ def _transpose_copy_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[
 register_op("TransposeCopy", _transpose_copy_infer, num_inputs=1, group=MOVEMENT, cost=movement_cost,
             grad=lambda op, dy: [make("TransposeCopy", [dy[0]], name="transpose_grad")[0]])
 
-# RecurrentMatMul(h, w, w_t) = h @ w, where w_t is w's transpose (made once per step): the product
-# of the per-step loop. Its gradient reads w_t, since on OpenBLAS dy @ w_t runs ~1.2x faster than
-# dy @ w.T with a transposed operand for the [batch, 4U] x [4U, U] shape of the loop (measured
-# 2-core VM, one thread, 35 steps of lstm_lm's layer: 186 vs 220 ms with the copy included).
-register_op("RecurrentMatMul", _recurrent_matmul_infer, num_inputs=3, group=MATRIX,
+# RecurrentMatMul(h, w[, w_t]) = h @ w: the product of the per-step loop. Its gradient computes dh
+# as (w dy^T)^T, or, given w_t (w's transpose, a contiguous copy), as dy @ w_t.
+register_op("RecurrentMatMul", _recurrent_matmul_infer, min_inputs=2, group=MATRIX,
             grad=_g_recurrent_matmul, cost=_recurrent_matmul_cost)
 
 
@@ -162,10 +172,11 @@ def lstm_block_cell(xw: Any, hw: Any = None, c_prev: Any = None, forget_bias: fl
     return h, c
 
 
-def recurrent_matmul(h: Any, w: Any, w_t: Any, name: str | None = None) -> Tensor:
-    """h @ w, with `w_t` (w's transpose, a contiguous copy: `transpose_copy(w)`) used by the
-    gradient for dh."""
-    return make("RecurrentMatMul", [h, w, w_t], name=name or "RecurrentMatMul")[0]
+def recurrent_matmul(h: Any, w: Any, w_t: Any = None, name: str | None = None) -> Tensor:
+    """h @ w. The gradient's dh is (w dy^T)^T, or dy @ w_t where `w_t` (w's transpose as a
+    contiguous copy: `transpose_copy(w)`) is given."""
+    ins = [h, w] if w_t is None else [h, w, w_t]
+    return make("RecurrentMatMul", ins, name=name or "RecurrentMatMul")[0]
 
 
 def transpose_copy(w: Any, name: str | None = None) -> Tensor:

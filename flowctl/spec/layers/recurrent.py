@@ -99,7 +99,6 @@ class LSTM(Layer):
             return self._build_dynamic(x, kernel, bias, w_in, ins[1] if len(ins) == 2 else None)
         # Row blocks of the one kernel (views): checkpoints and parameter counts keep its layout.
         w_x, w_h = fc.split(kernel, [d, u], axis=0, name="kernel_rows")
-        w_h_t = fc.transpose_copy(w_h, name="kernel_rows_t")  # for the gradient's dh = dz W_h^T
         h: Tensor | None = None
         c: Tensor | None = None
         outs: list[Tensor] = []
@@ -107,7 +106,7 @@ class LSTM(Layer):
             with b.graph.name_scope(f"t{t}"):
                 # At t = 0 the state is zero: the cell takes x's projection alone, so no zero state
                 # (whose batch size is unknown until run time) is materialised.
-                hw = None if h is None else fc.recurrent_matmul(h, w_h, w_h_t, name="matmul")
+                hw = None if h is None else fc.recurrent_matmul(h, w_h, name="matmul")
                 h, c = fc.lstm_block_cell(xw, hw, c, forget_bias=self.forget_bias, name="cell")
                 outs.append(h)
         if not self.return_sequences:
