@@ -15,6 +15,8 @@ edge from the Variable node, so the read the gradients used always happens befor
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Sequence
 
 import numpy as np
@@ -255,8 +257,12 @@ def clip_by_global_norm(grads: Sequence[Tensor | None], clip_norm: float | Tenso
     with graph.as_default(), graph.name_scope(name):
         sums = []
         for t in present:
-            sparse = gather_grad_rows(t)  # an embedding's gradient: the rows it touches hold its norm
-            s = l2_loss(t if sparse is None else sparse[1])
+            # A gradient's norm is taken where the gradient is (it follows the same forward node):
+            # a scalar crosses devices, not the tensor.
+            fwd = graph.nodes[t.node].follows
+            with graph.following(fwd) if fwd else contextlib.nullcontext():
+                sparse = gather_grad_rows(t)  # an embedding's gradient: the rows it touches hold its norm
+                s = l2_loss(t if sparse is None else sparse[1])
             sums.append(s if s.dtype == dtype else cast(s, dtype))
         global_norm = sqrt((sums[0] if len(sums) == 1 else add_n(sums)) * 2.0, name="global_norm")
         limit = _scalar(clip_norm, dtype, "clip_norm")
