@@ -138,13 +138,14 @@ class _Loops:
     which is after every use of their values."""
 
     def __init__(self, graph: Graph, relevant: set[str], y: str, before: set[str]) -> None:
-        from flowctl.engine.frames import ancestors, assign_frames, has_control_flow
+        from flowctl.engine.executor import needed_nodes
+        from flowctl.engine.frames import assign_frames, has_control_flow
 
         self.graph = graph
         self.before = before  # the nodes that were there before this gradients() call
         # Frames of what the walk can meet only: in a nested loop's gradient the graph also holds the
         # outer backward loop, half built.
-        self.frames = (assign_frames(graph, ancestors(graph, relevant))
+        self.frames = (assign_frames(graph, needed_nodes(graph, list(relevant), set()))
                        if has_control_flow(graph.nodes.values()) else None)
         self.here = self.frames.out_frame[y] if self.frames else ""
         self.waiting: dict[str, int] = {}

@@ -129,11 +129,12 @@ def while_gradient(graph: Graph, frame: str, exit_grads: dict[str, Tensor], name
     caller sums them.
     `gradients` is autodiff's own (§4.1), for the loop body: passed in, as autodiff calls this."""
     from flowctl.engine.control_flow import _no_outer_control
-    from flowctl.engine.frames import ancestors, assign_frames
+    from flowctl.engine.executor import needed_nodes
+    from flowctl.engine.frames import assign_frames
 
     loop = find_loop(graph, frame)
     # The forward graph only: when this loop is nested, the graph also holds the outer backward loop.
-    forward = assign_frames(graph, ancestors(graph, [v.exit.name for v in loop.vars]))
+    forward = assign_frames(graph, needed_nodes(graph, [v.exit.name for v in loop.vars], set()))
     with graph.name_scope(graph.unique_name(name)) as bframe, _no_outer_control(graph):
         back = _Backward(graph, loop, bframe, forward.out_frame, forward.parent.get(frame, ""), gradients)
         return back.build(exit_grads)

@@ -54,23 +54,6 @@ def run_counts(graph: Graph) -> dict[str, float]:
     return {n: fr.weight(n) for n in graph.nodes if fr.exec_frame[n] != ROOT}
 
 
-def ancestors(graph: Graph, roots: Iterable[str]) -> set[str]:
-    """`roots` and every node they depend on (data, back and control edges): a subset whose frames
-    `assign_frames` computes exactly as over the whole graph. Used while a gradient is being built,
-    when the graph also holds a backward loop whose inputs are not yet rewired."""
-    seen: set[str] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        node = graph.nodes[n]
-        stack.extend(parse_ref(r)[0] for r in node.inputs)
-        stack.extend(node.control_inputs)
-    return seen
-
-
 def assign_frames(graph: Graph, names: Iterable[str] | None = None) -> Frames:
     """Frames of the given nodes (default all), checked: every data input of a node comes from
     its own frame, except an Enter's (from the parent) and a Merge's back edge (same frame)."""
