@@ -179,10 +179,10 @@ checkpoint: {every_steps: 100, keep: 3}
 """
 
 
-def _corpus(path: Path) -> None:
+def _corpus(path: Path, lines: int = 24) -> None:
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat dog ran far".split()
-    path.write_text("\n".join(" ".join(rng.choice(words, size=rng.integers(1, 11))) for _ in range(24)) + "\n")
+    path.write_text("\n".join(" ".join(rng.choice(words, size=rng.integers(1, 11))) for _ in range(lines)) + "\n")
 
 
 def test_sentences_with_lengths_and_buckets_from_a_text_file(tmp_path: Path) -> None:

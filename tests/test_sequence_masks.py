@@ -12,6 +12,7 @@ import flowctl as fc
 from flowctl.engine.errors import SpecError
 from flowctl.spec.loader import load_text
 from flowctl.spec.model import build_model
+from test_dynamic_rnn import SENTENCES as _DYNAMIC_SENTENCES, _corpus
 
 V, T, B = 7, 5, 4
 
@@ -93,31 +94,16 @@ def test_attention_with_memory_lengths_never_looks_at_the_padding() -> None:
     np.testing.assert_array_equal(sess.run(model.outputs["attention"], {q: queries, m: padded, n: lengths}), out)
 
 
-SENTENCES = """\
-version: 1
-name: lm_sentences
-model:
-  layers:
-    - {name: tokens, type: input, shape: [8], dtype: int32, classes: 12}
-    - {name: lengths, type: input, shape: [], dtype: int32, classes: 9}
-    - {name: targets, type: input, shape: [8], dtype: int32, classes: 12}
-    - {name: embedding, type: embedding, vocab: 12, dim: 6, init_scale: 0.1, inputs: [tokens]}
-    - {name: lstm_1, type: lstm, units: 8, init_scale: 0.1, unroll: dynamic, inputs: [embedding, lengths]}
-    - {name: softmax, type: dense, units: 12}
-    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets, lengths]}
-data: {source: text, path: corpus.txt, vocab_size: 12, lengths: lengths, validation_fraction: 0.25, seed: 3}
-training: {optimizer: {type: adam}, learning_rate: 0.05, batch_size: 4, steps: 3, seed: 1,
-           metrics: [loss, accuracy, perplexity]}
-"""
+# The dynamic-LSTM sentence model of test_dynamic_rnn, held out a quarter and evaluated.
+SENTENCES = (_DYNAMIC_SENTENCES
+             .replace("bucket: true, seed: 3}", "validation_fraction: 0.25, seed: 3}")
+             .replace("steps: 10, seed: 1}", "steps: 3, seed: 1,\n           metrics: [loss, accuracy, perplexity]}"))
 
 
 def test_evaluation_of_sentences_reads_held_out_lines_and_counts_real_tokens(tmp_path: Path) -> None:
     from flowctl.training.evaluate import Evaluator
 
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat dog ran far".split()
-    lines = [" ".join(rng.choice(words, size=rng.integers(1, 11))) for _ in range(32)]
-    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    _corpus(tmp_path / "corpus.txt", 32)
     (tmp_path / "lm.yaml").write_text(SENTENCES)
     loaded = load_text(SENTENCES, str(tmp_path / "lm.yaml"), base_dir=tmp_path)
     store = fc.ContainerStore()
@@ -157,10 +143,7 @@ def test_predict_continues_a_sentence_after_its_last_word(tmp_path: Path) -> Non
     from flowctl.cli.main import cli
     from flowctl.training.inference import open_run
 
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat dog ran far".split()
-    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=rng.integers(1, 11)))
-                                                   for _ in range(32)) + "\n")
+    _corpus(tmp_path / "corpus.txt", 32)
     (tmp_path / "lm.yaml").write_text(SENTENCES)
     r = CliRunner().invoke(cli, ["train", str(tmp_path / "lm.yaml"), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 0, r.output
