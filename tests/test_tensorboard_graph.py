@@ -13,29 +13,12 @@ from flowctl.cli.main import cli
 from flowctl.engine.graph import parse_ref
 from flowctl.spec.loader import load_spec
 from flowctl.training.program import plan
+from test_trace_and_graph import SPEC as _TRACE_SPEC
 
 pytest.importorskip("tensorboard")
 
-SPEC = """\
-version: 1
-name: lstm2
-model:
-  layers:
-    - {name: tokens, type: input, shape: [8], dtype: int32, classes: 200}
-    - {name: embedding, type: embedding, vocab: 200, dim: 32}
-    - {name: lstm_1, type: lstm, units: 48}
-    - {name: lstm_2, type: lstm, units: 48}
-    - {name: softmax, type: dense, units: 200}
-    - {name: targets, type: input, shape: [8], dtype: int32, classes: 200}
-    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
-devices: [cpu:0, cpu:1]
-parallelism:
-  strategy: model_parallel
-  groups:
-    - {layers: [embedding, lstm_1], device: cpu:0}
-    - {layers: [lstm_2, softmax, loss], device: cpu:1}
-training: {optimizer: {type: sgd}, learning_rate: 0.5, batch_size: 8, steps: 2}
-"""
+# test_trace_and_graph's two LSTM layers on two devices, for two steps.
+SPEC = _TRACE_SPEC.replace("steps: 3}", "steps: 2}")
 
 
 def _graph_from_events(directory: Path):

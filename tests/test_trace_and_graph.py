@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from flowctl.cli.main import cli
 from flowctl.training.trace import busy_ms
+from test_place_cli import TWO_TOWERS
 
 ROOT = Path(__file__).resolve().parents[1]
 LM = ROOT / "specs" / "lstm_lm.yaml"
@@ -116,25 +117,8 @@ def test_a_tiny_models_trace_is_well_formed_too(tmp_path):
         assert 0 < ops[f"{device} compute"] <= executor[device]["busy_ms"] <= executor[device]["wall_ms"]
 
 
-TOWERS = """\
-version: 1
-name: towers
-model:
-  layers:
-    - {name: x, type: input, shape: [64]}
-    - {name: left, type: dense, units: 256, activation: relu, inputs: [x]}
-    - {name: right, type: dense, units: 256, activation: relu, inputs: [x]}
-    - {name: join, type: concat, inputs: [left, right]}
-    - {name: logits, type: dense, units: 4}
-    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
-    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
-devices: [cpu:0, cpu:1]
-placement:
-  constraints:
-    - {match: "left*", device: cpu:0}
-    - {match: "right*", device: cpu:1}
-training: {batch_size: 16, steps: 5}
-"""
+# test_place_cli's two towers, the constraints deciding (no placer named).
+TOWERS = TWO_TOWERS.replace("  algorithm: greedy\n", "")
 
 
 def test_bench_trace_writes_a_step_of_each_placement(tmp_path):

@@ -18,25 +18,13 @@ from flowctl.cli.tables import Col, abbreviate, fit
 from flowctl.spec.loader import load_spec
 from flowctl.spec.summary import summarize
 from flowctl.training.program import plan
+from test_place_cli import TWO_TOWERS
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 NARROW = {"COLUMNS": "80"}
-TOWERS = """\
-version: 1
-name: towers
-model:
-  layers:
-    - {name: x, type: input, shape: [64]}
-    - {name: left, type: dense, units: 256, activation: relu, inputs: [x]}
-    - {name: right, type: dense, units: 256, activation: relu, inputs: [x]}
-    - {name: join, type: concat, inputs: [left, right]}
-    - {name: logits, type: dense, units: 4}
-    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
-    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
-devices: [cpu:0, cpu:1]
-training: {batch_size: 16, steps: 5}
-"""
+# test_place_cli's two towers, without placement rules.
+TOWERS = TWO_TOWERS[:TWO_TOWERS.index("placement:")] + "training: {batch_size: 16, steps: 5}\n"
 
 
 def _run(*args: str) -> str:
