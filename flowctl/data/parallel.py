@@ -18,19 +18,16 @@ from typing import Mapping
 import numpy as np
 
 from flowctl.data.base import DataSource, InputSpec
-from flowctl.data.text import EOS, Vocabulary, read_words
+from flowctl.data.text import EOS, Vocabulary, read_lines, read_words
 from flowctl.engine.errors import SpecError
 
 FEEDS = ("source", "source_lengths", "target_in", "target_out", "target_lengths")
 
 
-def read_lines(path: Path) -> list[list[str]]:
-    try:
-        return [line.split() for line in path.read_text(encoding="utf-8").splitlines()]
-    except FileNotFoundError:
-        raise SpecError(f"text file {path} does not exist") from None
-    except UnicodeDecodeError as e:
-        raise SpecError(f"text file {path} is not UTF-8 text: {e}") from None
+def vocabularies(source_path: Path, target_path: Path, sizes: tuple[int | None, int | None] = (None, None)
+                 ) -> tuple[Vocabulary, Vocabulary]:
+    """Each side's vocabulary, from that side's training file."""
+    return (Vocabulary.build(read_words(source_path), sizes[0]), Vocabulary.build(read_words(target_path), sizes[1]))
 
 
 class ParallelTextSource(DataSource):
@@ -65,9 +62,7 @@ class ParallelTextSource(DataSource):
         if self.batches_per_epoch < 1:
             raise SpecError(f"{self.paths[0]}: {len(pairs)} sentence pairs (of the part read) are too few for "
                             f"one batch of {batch_size}")
-        vp = vocab_paths or self.paths
-        self.vocabs = (Vocabulary.build(read_words(vp[0]), vocab_sizes[0]),
-                       Vocabulary.build(read_words(vp[1]), vocab_sizes[1]))
+        self.vocabs = vocabularies(*(vocab_paths or self.paths), vocab_sizes)
         ts, tt = (self._steps(by_name[self.feeds[k]], k) for k in ("source", "target_in"))
         if by_name[self.feeds["target_out"]].shape != (tt,):
             raise SpecError(f"target_in and target_out inputs differ in length: {tt} and "

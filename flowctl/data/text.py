@@ -20,16 +20,21 @@ EOS = "<eos>"
 UNK = "<unk>"
 
 
-def read_words(path: Path) -> list[str]:
+def read_lines(path: Path) -> list[list[str]]:
+    """The words of each line of a UTF-8 text file; one clear error where it is missing or not text."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecError(f"text corpus {path} does not exist") from None
     except UnicodeDecodeError as e:
         raise SpecError(f"text corpus {path} is not UTF-8 text: {e}") from None
+    return [line.split() for line in text.splitlines()]
+
+
+def read_words(path: Path) -> list[str]:
     words: list[str] = []
-    for line in text.splitlines():
-        words.extend(line.split())
+    for line in read_lines(path):
+        words.extend(line)
         words.append(EOS)
     return words
 
@@ -132,7 +137,7 @@ class SentenceSource(DataSource):
         self.bucket = bool(bucket)
         self.shuffle = bool(shuffle)
         self.vocab = Vocabulary.build(read_words(Path(vocab_path or self.path)), vocab_size)
-        lines = [line.split() for line in self.path.read_text(encoding="utf-8").splitlines()]
+        lines = read_lines(self.path)
         lines = [words for words in lines if words]
         lines = lines[round(part[0] * len(lines)):round(part[1] * len(lines))]
         self.batches_per_epoch = len(lines) // batch_size

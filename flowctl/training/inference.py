@@ -193,15 +193,16 @@ def _translate(m: RunModel, path: Path) -> dict[str, Any]:
     sentence; the decoder starts from `<eos>` and is run once per target position, each time fed
     the words chosen so far (the argmax at the previous position), until every sentence has
     produced `<eos>` or the target input is full."""
-    from flowctl.data.parallel import read_lines
+    from flowctl.data.parallel import vocabularies
+    from flowctl.data.text import read_lines
 
     data = m.loaded.spec.data.model_dump()
     lines = [words for words in read_lines(path) if words]
     if not lines:
         raise SpecError(f"{path}: no sentence to translate")
     base, feeds = m.loaded.base_dir, data["feeds"]
-    src_vocab = Vocabulary.build(read_words(base / data["path"]), data.get("vocab_size"))
-    tgt_vocab = Vocabulary.build(read_words(base / data["target_path"]), data.get("target_vocab_size"))
+    src_vocab, tgt_vocab = vocabularies(base / data["path"], base / data["target_path"],
+                                        (data.get("vocab_size"), data.get("target_vocab_size")))
     inputs = m.evaluator.model.inputs
     ts, tt = int(inputs[feeds["source"]].shape[1]), int(inputs[feeds["target_in"]].shape[1])
     n, eos = len(lines), tgt_vocab.ids["<eos>"]
