@@ -198,3 +198,25 @@ def test_the_graph_page_and_the_trace_load_in_a_real_browser(traced, tmp_path):
             assert abs(got["sums"][f"{device} compute"] - busy) <= 0.10 * busy
         browser.close()
     assert not errors, errors
+
+
+def test_a_loop_nodes_every_iteration_is_its_own_span_in_the_trace():
+    """A node in a while loop runs once per iteration: each run is a span of its own, from its start
+    to its finish (pairing each finish with the node's last start made all but one negative)."""
+    import numpy as np
+
+    import flowctl as fc
+    from flowctl.engine.control_flow import while_loop
+    from flowctl.training.trace import step_trace
+
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (4, 8), name="x")
+        w = fc.constant(np.eye(8, dtype=np.float32), name="w")
+        out = while_loop(lambda i, h: fc.less(i, fc.constant(np.int32(10))),
+                         lambda i, h: (i + 1, fc.tanh(fc.matmul(h, w, name="mm"))), [fc.constant(np.int32(0)), x])
+    stats = fc.RunStats()
+    fc.Session(g).run(out, {x: np.ones((4, 8), np.float32)}, stats=stats)
+    spans = [e for e in step_trace(stats, {"cpu:0": g}, {})["traceEvents"] if e.get("name") == "while/mm"]
+    assert len(spans) == 10 and all(e["dur"] >= 0 for e in spans)
+    assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)

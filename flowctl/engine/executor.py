@@ -80,6 +80,19 @@ class RunStats:
     # A multi-device step: each device's own stats (the fields above then aggregate them).
     devices: dict[str, "RunStats"] = field(default_factory=dict)
 
+    def runs(self) -> list[tuple[str, float, float]]:
+        """(node, start, finish) of every kernel run, in finishing order. A node in a loop runs
+        once per iteration: each finish is paired with that node's earliest unfinished start."""
+        pending: dict[str, deque[float]] = {}
+        for name, t in self.starts:
+            pending.setdefault(name, deque()).append(t)
+        out = []
+        for name, t in self.finishes:
+            began = pending.get(name)
+            if began:
+                out.append((name, began.popleft(), t))
+        return out
+
     @property
     def busy_s(self) -> float:
         """The seconds the executor's thread worked on the step: kernels and its own bookkeeping."""

@@ -41,10 +41,9 @@ def step_trace(stats: RunStats, graphs: Mapping[str, Graph], layers: Mapping[str
     arrivals: dict[tuple[str, str, str], tuple[int, float]] = {}
     for device, s in per_device.items():
         graph = graphs[device]
-        began = dict(s.starts)
-        for name, finished in s.finishes:
+        for name, started, finished in s.runs():
             node = graph.nodes.get(name)
-            if node is None or name not in began:
+            if node is None:
                 continue
             lane = node.opdef.is_async
             key = (device, lane)
@@ -53,7 +52,7 @@ def step_trace(stats: RunStats, graphs: Mapping[str, Graph], layers: Mapping[str
                 label = f"{_short(device)} {'async (Recv, queues)' if lane else 'compute'}"
                 events.append(_meta("thread_name", MEASURED, tids[key], label))
             tid = tids[key]
-            start_us, end_us = (began[name] - t0) * 1e6, (finished - t0) * 1e6
+            start_us, end_us = (started - t0) * 1e6, (finished - t0) * 1e6
             events.append({"ph": "X", "pid": MEASURED, "tid": tid, "ts": start_us, "dur": end_us - start_us,
                            "name": name, "cat": node.op,
                            "args": {"op": node.op, "layer": layers.get(name, ""), "device": device,

@@ -84,14 +84,9 @@ def _profile_frames(model: MeasuredCostModel, session: Any, plan: Any, fetches: 
         for _ in range(max(1, repeat)):
             stats = RunStats()
             session.run(fetches, feeds, stats=stats)
-            open_at: dict[str, list[float]] = {}
             total: dict[str, list[float]] = {}
-            for name, t in stats.starts:
-                open_at.setdefault(name, []).append(t)
-            for name, t in stats.finishes:
-                started = open_at.get(name)
-                if started:
-                    total.setdefault(name, []).append(t - started.pop(0))
+            for name, started, finished in stats.runs():
+                total.setdefault(name, []).append(finished - started)
             for name, runs in total.items():
                 mean = sum(runs) / len(runs)
                 best[name] = min(best.get(name, float("inf")), mean)
