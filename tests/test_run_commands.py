@@ -175,3 +175,26 @@ def test_an_op_onnx_lacks_here_is_one_line(tmp_path, monkeypatch):
                                     "--steps", "2"]).exit_code == 0
     r = CliRunner().invoke(cli, ["export", str(run), "--out", str(tmp_path / "o"), "--format", "onnx"])
     assert r.exit_code == 2 and "(Relu) has no ONNX form" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_resumed_run_that_did_not_evaluate_says_when_its_evaluation_ran(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("""\
+version: 1
+name: s
+model:
+  layers:
+    - {name: x, type: input, shape: [4]}
+    - {name: logits, type: dense, units: 3}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 3}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+data: {source: synthetic, task: learnable, validation_batches: 2}
+training: {batch_size: 8, steps: 4, eval_every_steps: 4, metrics: [loss, accuracy]}
+""")
+    run = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", str(spec), "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    assert "val/accuracy" in r.output and "evaluated at step" not in r.output
+    r = CliRunner().invoke(cli, ["resume", str(run), "--steps", "6"])
+    assert r.exit_code == 0, r.output
+    assert "(evaluated at step 4)" in " ".join(r.output.split())

@@ -78,6 +78,8 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
     else:
         stopped = " (stopped early: no improvement)" if summary.early_stopped else ""
         evals = "".join(f"; {k} {v:.4f}" for k, v in (summary.evaluation or {}).items())
+        if evals and summary.evaluation_step not in (None, summary.last_step):
+            evals += f" (evaluated at step {summary.evaluation_step})"
         console.print(f"trained steps {summary.first_step + 1}-{summary.last_step}{stopped} in {summary.seconds:.1f} s"
                       f"{rate}; final loss {summary.final_loss:.4f}{evals}; checkpoint {summary.checkpoint}")
         if summary.best:

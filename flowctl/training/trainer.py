@@ -82,6 +82,7 @@ class Summary:
     warnings: list[str] = field(default_factory=list)
     staleness: dict[str, Any] | None = None  # async_data_parallel: mean and max over the updates run
     evaluation: dict[str, float] | None = None  # the last evaluation's val/<metric> values
+    evaluation_step: int | None = None  # the step it ran at (a resumed run may not have evaluated)
     best: dict[str, Any] | None = None  # the best evaluation so far: metric, value, step, checkpoint
     early_stopped: bool = False
     exit_code: int = 0  # interrupted: 128 + the signal that stopped it (130 Ctrl-C, 143 SIGTERM)
@@ -249,7 +250,7 @@ class Trainer:
         """After an evaluation: keep the best checkpoint (checkpoint.keep_best) and count
         evaluations without improvement (training.early_stopping)."""
         tr = self.tracking
-        tr["last"] = values
+        tr["last"], tr["last_step"] = values, self.step
         keep = self.spec.checkpoint.keep_best if self.spec.checkpoint else None
         if keep is not None and improved(values[keep.metric], tr["best"], keep.mode):
             tr["best"], tr["best_step"] = values[keep.metric], self.step
@@ -311,7 +312,7 @@ class Trainer:
                     "checkpoint": str(self.best_checkpoints.path_for(tr["best_step"]))}
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
-                       evaluation=tr["last"], best=best, early_stopped=self.early_stopped,
+                       evaluation=tr["last"], evaluation_step=tr.get("last_step"), best=best, early_stopped=self.early_stopped,
                        exit_code=stop.exit_code if interrupted else 0)
 
     def _loop(self, stop: Stop, metrics: MetricsLog, writer: Any,
