@@ -23,6 +23,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Callable
 
+from flowctl.kernels import intra
 from flowctl.kernels.registry import kernel
 
 Fn = Callable[..., Any]
@@ -150,53 +151,99 @@ class _Columns:
 def _window_gemm(xp: Any, src: Any, wmat: Any, kh: int, kw: int, sh: int, sw: int, out: Any,
                  rows: int | None) -> Any:
     """out (N, Ho, Wo, Co) = the windows of the padded `src` times wmat (kh*kw*C, Co), piece by
-    piece: each piece's windows gathered once into the reused buffer, one GEMM into out."""
+    piece: each piece's windows gathered once into a reused buffer, one GEMM into out. Runs of
+    pieces go to the intra-op threads, each with its own buffer (they write disjoint rows)."""
     n, ho, wo, co = out.shape
     flat = out.reshape(n * ho * wo, co)
     pieces = bands(n, ho, wo, rows)
-    cols = _Columns(xp, pieces, wo, wmat.shape[0], src.dtype)
-    for piece in pieces:
-        xp.matmul(cols.gather(_windows(xp, src, piece, kh, kw, sh, sw, wo)), wmat, out=flat[_span(piece, ho, wo)])
+
+    def part(run: range) -> None:
+        mine = pieces[run.start:run.stop]
+        cols = _Columns(xp, mine, wo, wmat.shape[0], src.dtype)
+        for piece in mine:
+            xp.matmul(cols.gather(_windows(xp, src, piece, kh, kw, sh, sw, wo)), wmat,
+                      out=flat[_span(piece, ho, wo)])
+
+    intra.for_chunks(len(pieces), part, xp=xp, least=PARALLEL_PIECES)
     return out
+
+
+# Pieces of one pass below which it runs on the calling thread with BLAS's own threads.
+PARALLEL_PIECES = 16
+PARALLEL_POOL_CHUNKS = 4
+# The filter gradient sums over every piece: its pieces are summed in this many fixed groups (each
+# in order, then the groups in order), whatever the thread count, so the bits never depend on it.
+FILTER_GROUPS = 4
 
 
 def _window_gemm_t(xp: Any, src: Any, dy: Any, kh: int, kw: int, sh: int, sw: int,
                    rows: int | None) -> Any:
     """sum over output positions of window^T dy, (kh*kw*C, Co): the filter gradient as one GEMM per
-    piece over the same reused window buffer, accumulated in place."""
+    piece over a reused window buffer, accumulated in place within each of FILTER_GROUPS groups
+    of pieces (the groups are what the intra-op threads share)."""
     n, ho, wo, co = dy.shape
     flat = xp.ascontiguousarray(dy).reshape(n * ho * wo, co)
     pieces = bands(n, ho, wo, rows)
-    cols = _Columns(xp, pieces, wo, kh * kw * src.shape[3], src.dtype)
-    dw = part = None
-    for piece in pieces:
-        c = cols.gather(_windows(xp, src, piece, kh, kw, sh, sw, wo))
-        if dw is None:
-            dw = xp.matmul(c.T, flat[_span(piece, ho, wo)])
-        else:
-            part = xp.matmul(c.T, flat[_span(piece, ho, wo)], out=part)
-            dw += part
-    return dw
+
+    def group(run: range) -> Any:
+        mine = pieces[run.start:run.stop]
+        cols = _Columns(xp, mine, wo, kh * kw * src.shape[3], src.dtype)
+        dw = part = None
+        for piece in mine:
+            c = cols.gather(_windows(xp, src, piece, kh, kw, sh, sw, wo))
+            if dw is None:
+                dw = xp.matmul(c.T, flat[_span(piece, ho, wo)])
+            else:
+                part = xp.matmul(c.T, flat[_span(piece, ho, wo)], out=part)
+                dw += part
+        return dw
+
+    sums = intra.for_chunks(len(pieces), group, FILTER_GROUPS, xp=xp, least=PARALLEL_PIECES)
+    total = sums[0]
+    for more in sums[1:]:
+        total += more
+    return total
 
 
 def _col2im(xp: Any, dy: Any, wt: Any, kh: int, kw: int, sh: int, sw: int, dst: Any,
             rows: int | None) -> Any:
     """Add each output position's dy @ wt (Co, kh*kw*C) back onto its window of the padded `dst`
-    (the strided convolution's input gradient), piece by piece through one buffer; windows of
-    neighbouring pieces overlap, which the additions handle."""
+    (the strided convolution's input gradient), piece by piece through a reused buffer. Windows
+    of neighbouring pieces of one image overlap, which the additions handle in order; the intra-op
+    threads take whole images, whose windows never meet."""
     n, ho, wo, co = dy.shape
     c = dst.shape[3]
     flat = xp.ascontiguousarray(dy).reshape(n * ho * wo, co)
     pieces = bands(n, ho, wo, rows)
-    cols = _Columns(xp, pieces, wo, kh * kw * c, dy.dtype)
-    for piece in pieces:
-        b0, b1, r0, r1 = piece
-        m = (b1 - b0) * (r1 - r0) * wo
-        z = xp.matmul(flat[_span(piece, ho, wo)], wt, out=cols.buf[:m]).reshape(b1 - b0, r1 - r0, wo, kh, kw, c)
-        for i in range(kh):
-            for j in range(kw):
-                dst[b0:b1, r0 * sh + i:(r1 - 1) * sh + i + 1:sh, j:(wo - 1) * sw + j + 1:sw] += z[:, :, :, i, j]
+    images = _by_image(pieces)
+
+    def part(run: range) -> None:
+        mine = [p for i in run for p in images[i]]
+        cols = _Columns(xp, tuple(mine), wo, kh * kw * c, dy.dtype)
+        for piece in mine:
+            b0, b1, r0, r1 = piece
+            m = (b1 - b0) * (r1 - r0) * wo
+            z = xp.matmul(flat[_span(piece, ho, wo)], wt, out=cols.buf[:m]).reshape(b1 - b0, r1 - r0, wo, kh, kw, c)
+            for i in range(kh):
+                for j in range(kw):
+                    dst[b0:b1, r0 * sh + i:(r1 - 1) * sh + i + 1:sh, j:(wo - 1) * sw + j + 1:sw] += z[:, :, :, i, j]
+
+    if len(pieces) < PARALLEL_PIECES:
+        part(range(len(images)))
+    else:
+        intra.for_chunks(len(images), part, xp=xp)
     return dst
+
+
+def _by_image(pieces: tuple[tuple[int, int, int, int], ...]) -> list[list[tuple[int, int, int, int]]]:
+    """The pieces in runs that share no image (a piece of whole images is a run of its own)."""
+    out: list[list[tuple[int, int, int, int]]] = []
+    for p in pieces:
+        if out and out[-1][-1][1] > p[0]:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
 
 
 # ---------------------------------------------------------------------------- convolution
@@ -294,16 +341,21 @@ POOL_ELEMENTS = 1 << 18
 
 
 def _by_images(xp: Any, n: int, step: int, part: Callable[[slice], Any]) -> Any:
-    """part(images) for consecutive chunks of `step` images, stacked along the batch."""
+    """part(images) for consecutive chunks of `step` images, stacked along the batch; the chunks
+    after the first (which fixes the output's shape) go to the intra-op threads."""
     if step >= n:
         return part(slice(0, n))
-    out = None
-    for b in range(0, n, step):
-        sl = slice(b, min(b + step, n))
-        y = part(sl)
-        if out is None:
-            out = xp.empty((n,) + tuple(y.shape[1:]), dtype=y.dtype)
-        out[sl] = y
+    first = part(slice(0, step))
+    out = xp.empty((n,) + tuple(first.shape[1:]), dtype=first.dtype)
+    out[:step] = first
+    starts = range(step, n, step)
+
+    def fill(run: range) -> None:
+        for i in run:
+            sl = slice(starts[i], min(starts[i] + step, n))
+            out[sl] = part(sl)
+
+    intra.for_chunks(len(starts), fill, xp=xp, least=PARALLEL_POOL_CHUNKS)
     return out
 
 
