@@ -82,9 +82,9 @@ def threads() -> int:
     OpenBLAS."""
     if getattr(_local, "inside", False):
         return 1
-    forced = _state.get("fixed") or os.environ.get("FLOWCTL_INTRA_OP")
+    forced = _state.get("fixed") or _from_environment()
     if forced:
-        return max(1, int(forced)) if _blas() is not None else 1
+        return max(1, forced) if _blas() is not None else 1
     blas = _blas()
     if blas is None:
         return 1
@@ -92,6 +92,11 @@ def threads() -> int:
         if _state["active"]:  # another kernel's tasks hold BLAS at one thread: it had this many
             return _state["saved"]
     return blas.get()
+
+
+def _from_environment() -> int | None:
+    text = os.environ.get("FLOWCTL_INTRA_OP", "").strip()
+    return int(text) if text.isdigit() else None  # anything but a count: as if unset
 
 
 @contextmanager
