@@ -125,9 +125,11 @@ def test_bench_trace_writes_a_step_of_each_placement(tmp_path):
     spec = tmp_path / "towers.yaml"
     spec.write_text(TOWERS)
     r = CliRunner().invoke(cli, ["bench", str(spec), "--algorithms", "single,expert", "--steps", "1", "--rounds", "1",
+                                 "--devices", "cpu:0,cpu:1,cpu:2",
                                  "--out", str(tmp_path / "b.json"), "--trace", str(tmp_path / "traces")])
     assert r.exit_code == 0, r.output
     data = json.loads((tmp_path / "b.json").read_text())
+    assert [d["name"].split("/")[-1][-5:] for d in data["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]  # --devices
     assert set(data["traces"]) == {"single", "expert"}
     for alg, path in data["traces"].items():
         assert f"trace of one {alg} step" in " ".join(r.output.split())
@@ -141,8 +143,9 @@ def test_bench_trace_writes_a_step_of_each_placement(tmp_path):
         for device, ex in trace["otherData"]["executor"].items():
             assert 0 < ops[f"{device} compute"] <= ex["busy_ms"] <= ex["wall_ms"]
         assert trace["otherData"]["predicted_step_ms"] > 0
-    r = CliRunner().invoke(cli, ["bench", "prefetch", "--quick", "--trace", str(tmp_path / "t")])
-    assert r.exit_code == 1 and "built-in suite" in r.output and "Traceback" not in r.output
+    for flag in (["--trace", str(tmp_path / "t")], ["--devices", "cpu:0"]):
+        r = CliRunner().invoke(cli, ["bench", "prefetch", "--quick", *flag])
+        assert r.exit_code == 1 and "built-in suite" in r.output and "Traceback" not in r.output
 
 
 def test_graph_page_has_a_box_per_layer_coloured_by_device(tmp_path):

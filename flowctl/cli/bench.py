@@ -33,13 +33,14 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32). placement: models "
               "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40.")
+@click.option("--devices", help="A spec target: measure on these devices instead of the spec's (e.g. cpu:0,cpu:1).")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A spec target: trace one more step of each placement into this directory "
                    "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, rows: str | None,
-          threads: int | None, trace_dir: Path | None) -> None:
+          devices: str | None, threads: int | None, trace_dir: Path | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -47,6 +48,8 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     err = Console(stderr=True, soft_wrap=True)
     if trace_dir is not None and target in SUITES:
         raise FlowctlError(f"--trace traces a spec's placements; '{target}' is a built-in suite")
+    if devices is not None and target in SUITES:
+        raise FlowctlError(f"--devices chooses a spec's devices; '{target}' is a built-in suite")
     if target == "engine":
         from flowctl.bench.engine import run_engine_suite
 
@@ -78,11 +81,17 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
 
+        from flowctl.spec.overrides import device_names
+
+        names = device_names(devices) if devices else None
+        if names:  # the spec's own kind of devices, named: as `train --devices` and `place --devices`
+            overrides += (f"devices=[{', '.join(names)}]",)
         loaded = load_spec(target, overrides)
         algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
         with err.status("benchmarking") as status:
             results = bench_spec(loaded, algs, steps=2 if quick else steps, rounds=1 if quick else rounds,
-                                 progress=lambda m: status.update(m), trace=trace_dir)
+                                 devices=None if names else devices, progress=lambda m: status.update(m),
+                                 trace=trace_dir)
         out = out or Path("runs") / f"bench-{results['spec']}.json"
         render = _render_spec
     else:
