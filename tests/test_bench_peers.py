@@ -71,6 +71,32 @@ def test_a_small_run_measures_both_and_the_counts_agree():
     json.dumps(r)  # plain data all the way down
 
 
+def test_flowctl_profile_accounts_for_the_step_by_op():
+    from flowctl.bench.peers import _batch, _load, flowctl_step
+
+    row = Row("tiny_lm", TINY, 4)
+    loaded = _load(row)
+    step = flowctl_step(loaded, _batch(loaded, 4), train=True)
+    before = step.session.executor
+    prof = step.profile(steps=2)
+    assert step.session.executor == before  # the timed steps keep their executor
+    ops = {e["op"]: e for e in prof["ops"]}
+    assert {"MatMul", "LSTMBlockCell", "LSTMBlockCellGrad"} <= set(ops)
+    assert ops["LSTMBlockCell"]["calls"] == 2 * 6  # two layers, six steps: calls per step, not in all
+    total = sum(e["ms"] for e in prof["ops"])
+    assert 0 < total <= prof["step_ms"]  # kernels inside the step they were timed in
+
+
+def test_peers_profile_lists_both_frameworks_ops():
+    pytest.importorskip("torch")
+    r = run_peers([Row("tiny_lm", TINY, 4)], steps=1, rounds=1, blas_n=128, memory=False, profile=True)
+    prof = r["rows"]["tiny_lm"]["profile"]
+    assert prof["flowctl"]["ops"] and prof["pytorch"]["ops"]
+    assert any(e["op"].startswith("aten::") for e in prof["pytorch"]["ops"])
+    r = CliRunner().invoke(cli, ["bench", "peers", "--rows", "lstm_lm", "--profile", "--help"])
+    assert r.exit_code == 0 and "--profile" in r.output
+
+
 def test_the_inception_and_lstm_twins_have_the_specs_parameter_counts():
     pytest.importorskip("torch")
     from flowctl.bench.peers import ROWS, _load

@@ -87,7 +87,50 @@ def _logits(loaded: Any) -> str:
     return loaded.layers[loaded.loss].inputs[0]
 
 
-def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> Callable[[], Any]:
+class FlowctlStep:
+    """One flowctl step on fixed arrays, callable; `profile` says where a step's time goes."""
+
+    def __init__(self, session: Any, fetch: Any, feeds: dict[Any, Any]) -> None:
+        self.session, self.fetch, self.feeds = session, fetch, feeds
+
+    def __call__(self) -> Any:
+        return self.session.run(self.fetch, self.feeds)
+
+    def profile(self, steps: int = 2) -> dict[str, Any]:
+        """Milliseconds per step by op type, from the executor's own start and finish times (the
+        dataflow executor records them; the straight-line one that the timed steps use does not,
+        and costs ~0.5 us less per node)."""
+        import flowctl as fc
+
+        nodes = self.session.graph.nodes
+        before = self.session.executor
+        self.session.executor = "dataflow"
+        by_op: dict[str, list[float]] = {}
+        wall = 0.0
+        try:
+            for _ in range(steps):
+                stats = fc.RunStats()
+                self.session.run(self.fetch, self.feeds, stats=stats)
+                wall += stats.wall_s
+                for name, t0, t1 in stats.runs():
+                    entry = by_op.setdefault(nodes[name].op, [0.0, 0])
+                    entry[0] += t1 - t0
+                    entry[1] += 1
+        finally:
+            self.session.executor = before
+        return _ranked({op: (t / steps, n // steps) for op, (t, n) in by_op.items()}, wall / steps)
+
+
+def _ranked(table: dict[str, tuple[float, int]], step_s: float, top: int = 12) -> dict[str, Any]:
+    ops = sorted(table.items(), key=lambda kv: -kv[1][0])
+    rest = sum(t for _, (t, _n) in ops[top:])
+    out = [{"op": op, "ms": t * 1e3, "calls": n} for op, (t, n) in ops[:top]]
+    if rest:
+        out.append({"op": f"{len(ops) - top} other ops", "ms": rest * 1e3, "calls": 0})
+    return {"step_ms": step_s * 1e3, "ops": out}
+
+
+def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> FlowctlStep:
     """A callable that runs one flowctl step on `arrays`."""
     import flowctl as fc
     from flowctl.engine.container import ContainerStore
@@ -103,7 +146,21 @@ def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> Cal
     feeds.update({model.inputs[k]: v for k, v in arrays.items() if k in model.inputs})
     session = fc.Session(model.graph, store=ContainerStore())
     session.run(model.initializer())
-    return lambda: session.run(fetch, feeds)
+    return FlowctlStep(session, fetch, feeds)
+
+
+def torch_profile(torch: Any, step: Callable[[], Any], steps: int = 2) -> dict[str, Any]:
+    """Milliseconds per step by ATen op (self time: an op's children counted once, where they run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - t0) / steps
+    table = {e.key: (e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in prof.key_averages()
+             if e.self_cpu_time_total > 0}
+    return _ranked(table, wall)
 
 
 def torch_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> tuple[Callable[[], Any], int]:
@@ -237,7 +294,7 @@ def peak_memory(row: Row, threads: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> dict[str, Any]:
+def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool = False) -> dict[str, Any]:
     loaded = _load(row)
     arrays = _batch(loaded, row.batch)
     say(f"{row.name}: building flowctl's step and PyTorch's")
@@ -253,6 +310,10 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> di
             runners[name]()  # after the other framework ran, caches and threads are its
             times[name] += [_timed(runners[name]) for _ in range(steps)]
     out = summarize(times["flowctl"], times["pytorch"])
+    if profile:  # after the timed steps, so the profilers cost them nothing
+        say(f"{row.name}: profiling a step of each")
+        out["profile"] = {"flowctl": runners["flowctl"].profile(),  # type: ignore[attr-defined]
+                          "pytorch": torch_profile(import_torch(), runners["pytorch"])}
     out.update({"spec": loaded.spec.name or loaded.spec.model.name, "batch": row.batch,
                 "mode": "train" if row.train else "inference",
                 "params": {"spec": sum(loaded.params()), "pytorch": twin_params}})
@@ -261,11 +322,12 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None]) -> di
 
 def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
               progress: Callable[[str], None] | None = None, blas_n: int = 2048,
-              threads: int | None = None, memory: bool = True) -> dict[str, Any]:
+              threads: int | None = None, memory: bool = True, profile: bool = False) -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
     `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
     count both frameworks compute with (default: every CPU). `memory`: also each framework's
-    resident memory, from a fresh process per framework and row."""
+    resident memory, from a fresh process per framework and row. `profile`: also where each
+    framework's step time goes, by op (one profiled step pair after the timed ones)."""
     torch = import_torch()
     from threadpoolctl import threadpool_limits
 
@@ -276,13 +338,13 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     torch.set_num_threads(n)
     try:
         with threadpool_limits(n):
-            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory)
+            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
-         blas_n: int, memory: bool) -> dict[str, Any]:
+         blas_n: int, memory: bool, profile: bool = False) -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -299,7 +361,7 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
                     "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n)},
         "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:
-        results["rows"][row.name] = run_row(row, steps, rounds, say)
+        results["rows"][row.name] = run_row(row, steps, rounds, say, profile)
         if memory:
             say(f"{row.name}: resident memory, each framework in a fresh process")
             results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads())

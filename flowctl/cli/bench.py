@@ -34,13 +34,14 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32). placement: models "
               "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40.")
 @click.option("--devices", help="A spec target: measure on these devices instead of the spec's (e.g. cpu:0,cpu:1).")
+@click.option("--profile", is_flag=True, help="peers: also where each framework's step time goes, by op.")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A spec target: trace one more step of each placement into this directory "
                    "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, rows: str | None,
-          devices: str | None, threads: int | None, trace_dir: Path | None) -> None:
+          devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching) or a spec file (placements measured on its devices beside the simulator's
@@ -76,7 +77,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
                                       progress=lambda m: status.update(m))
         render = _render_placement
     elif target == "peers":
-        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads)
+        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -120,13 +121,15 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
                       cols, rows, console.width))
 
 
-def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None) -> tuple[dict[str, Any], Any]:
+def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None,
+           profile: bool = False) -> tuple[dict[str, Any], Any]:
     """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
     from flowctl.bench.peers import run_peers
 
     picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
     with err.status("benchmarking against PyTorch") as status:
-        results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads)
+        results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads,
+                            profile=profile)
     return results, _render_peers
 
 
@@ -150,6 +153,25 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
     console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
                   f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['threads']} threads on "
                   f"{r['machine']['cpus']} CPUs")
+    for name, row in r["rows"].items():
+        if "profile" in row:
+            _render_profile(console, name, row["profile"])
+
+
+def _render_profile(console: Console, name: str, prof: dict[str, Any]) -> None:
+    """Where each framework's step goes, its costliest ops side by side."""
+    f, p = prof["flowctl"], prof["pytorch"]
+    cells = []
+    for i in range(max(len(f["ops"]), len(p["ops"]))):
+        row = []
+        for side in (f, p):
+            e = side["ops"][i] if i < len(side["ops"]) else None
+            row += [e["op"], f"{e['ms']:,.1f}"] if e else ["", ""]
+        cells.append(row)
+    console.print(fit(f"{name}: ms per profiled step by op (flowctl {f['step_ms']:,.0f} ms, "
+                      f"PyTorch {p['step_ms']:,.0f} ms under its profiler)",
+                      [Col("flowctl op"), Col("ms", "right"), Col("PyTorch op"), Col("ms ", "right")],
+                      cells, console.width))
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:
