@@ -277,3 +277,57 @@ def test_apply_gradient_descent_leaves_a_value_read_before_it_untouched():
     with pytest.raises(fc.GraphError, match="does not fit"):
         with g.as_default():
             fc.apply_gradient_descent(w, 0.5, fc.placeholder("float64", (3, 2)))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "assign_sub", "sparse"])
+def test_an_update_writes_in_place_only_when_nothing_else_holds_the_value(kind):
+    """The fast path of the updates (no new array per step) must never show: a value fetched or
+    viewed before an update keeps its bits, and the bits are those of the out-of-place update."""
+    import weakref
+
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal((40, 3)).astype(np.float32)
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(w0, name="w")
+        d = fc.placeholder("float32", (40, 3), name="d")
+        ids = fc.placeholder("int32", (5,), name="ids")
+        if kind == "sgd":
+            step = fc.apply_gradient_descent(w, np.float32(0.1), d)
+        elif kind == "assign_sub":
+            step = fc.assign_sub(w, d * np.float32(0.1))
+        else:  # an embedding's sparse update through the gradient of a gather
+            loss = fc.reduce_sum(fc.gather(w, ids) * fc.gather(d, ids))
+            step = SGD(0.1).minimize(loss)
+            assert [n for n in g.nodes.values() if n.op == "SparseApplyGradientDescent"]
+        init = fc.global_variables_initializer()
+    store = fc.ContainerStore()
+    sess = fc.Session(g, store=store)
+    sess.run(init)
+    slot = store.get().slot("w")
+    feeds = {d: rng.standard_normal((40, 3)).astype(np.float32), ids: np.array([1, 7, 7, 30, 2], np.int32)}
+    expect = sess.run(w).copy()  # a fetched array: the first update must not write into it
+    held = sess.run(w)
+    sess.run(step, feeds)
+    np.testing.assert_array_equal(held, expect)
+    assert slot.value is not held
+    del held
+    out_of_place = []
+    for _ in range(3):  # nothing holds the value now: the same array is updated ...
+        before = weakref.ref(slot.value)
+        sess.run(step, feeds)
+        assert slot.value is before()
+        out_of_place.append(slot.value.copy())
+    # ... to the same bits as a fresh session whose every update copies (a caller holds each value)
+    sess2 = fc.Session(g, store=fc.ContainerStore())
+    sess2.run(init)
+    sess2.run(step, feeds)
+    for expected in out_of_place:
+        keep = sess2.run(w)
+        sess2.run(step, feeds)
+        assert sess2.run(w) is not keep
+        np.testing.assert_array_equal(sess2.run(w), expected)
+    view = slot.value[3:]  # a view of the value is a holder too
+    snapshot = view.copy()
+    sess.run(step, feeds)
+    np.testing.assert_array_equal(view, snapshot)

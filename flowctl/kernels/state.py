@@ -2,6 +2,7 @@
 bound in `attrs["_resource"]`; they are duck-typed objects with a `.value` attribute."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -44,6 +45,39 @@ def _resident(xp: Any, slot: Any) -> Any:
     return v
 
 
+def _held(slot: Any) -> int:
+    v = slot.value
+    return sys.getrefcount(v)
+
+
+class _Probe:
+    value: Any = None
+
+
+def _alone() -> int:
+    probe = _Probe()
+    probe.value = np.empty(1)
+    return _held(probe)
+
+
+# The references a variable's array has when its slot is the only holder, as this interpreter
+# counts them through `_held` (measured, not assumed: the count differs between Python versions).
+_ALONE = _alone()
+
+
+def updatable_in_place(slot: Any) -> bool:
+    """May an update write into the slot's numpy array instead of replacing it? Only when nothing
+    else can see it: no fetched copy held by a caller, no reader of this step still waiting for
+    it (the executor drops a value after its last reader), no view of it or its base, nor an
+    array that is not its own (a Const's, a fed one, a read-only restored one). Otherwise the
+    update makes a new array, so a value read before the update keeps its bits (§4.7)."""
+    v = slot.value
+    if type(v) is not np.ndarray or v.base is not None or not v.flags.writeable:
+        return False
+    del v
+    return _held(slot) <= _ALONE
+
+
 @kernel("Variable")
 def variable(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
     slot = attrs["_resource"]
@@ -59,7 +93,8 @@ def variable(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
 
 
 # Assignments replace the slot's array rather than writing into it, so a value fetched earlier
-# never changes under the caller, and a read in the same step sees a consistent array.
+# never changes under the caller, and a read in the same step sees a consistent array; AssignAdd
+# and AssignSub write into it only when nothing else can see it (`updatable_in_place`).
 @kernel("Assign")
 def assign(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     slot = attrs["_resource"]
@@ -71,28 +106,28 @@ def assign(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     return run
 
 
+def _assign_op(xp: Any, slot: Any, value: Any, op: Any) -> Any:
+    _resident(xp, slot)
+    alone = xp is np and updatable_in_place(slot)  # asked before any local name holds the array
+    current = slot.value
+    if alone and np.result_type(current, value) == current.dtype \
+            and np.broadcast_shapes(current.shape, np.shape(value)) == current.shape:
+        return op(current, value, out=current)  # the same bits as op(current, value), no new array
+    new = op(current, value)
+    slot.value = new
+    return new
+
+
 @kernel("AssignAdd")
 def assign_add(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     slot = attrs["_resource"]
-
-    def run(value: Any) -> Any:
-        new = _resident(xp, slot) + value
-        slot.value = new
-        return new
-
-    return run
+    return lambda value: _assign_op(xp, slot, value, xp.add)
 
 
 @kernel("AssignSub")
 def assign_sub(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     slot = attrs["_resource"]
-
-    def run(value: Any) -> Any:
-        new = _resident(xp, slot) - value
-        slot.value = new
-        return new
-
-    return run
+    return lambda value: _assign_op(xp, slot, value, xp.subtract)
 
 
 @kernel("NoOp")

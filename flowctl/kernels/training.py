@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from flowctl.kernels.registry import kernel
-from flowctl.kernels.state import _resident
+from flowctl.kernels.state import _resident, updatable_in_place
 
 Fn = Callable[..., Any]
 
@@ -29,19 +31,40 @@ def l2_loss(xp: Any, attrs: dict[str, Any]) -> Fn:
     return run
 
 
+# In-place updates go through the parameter in runs of this many values, the step times the
+# gradient held in a cache-sized scratch buffer between its two passes.
+_RUN = 1 << 16
+
+
 @kernel("ApplyGradientDescent")
 def apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
     slot = attrs["_resource"]
 
     def run(alpha: Any, delta: Any) -> Any:
+        _resident(xp, slot)
+        if xp is np and updatable_in_place(slot) and delta.shape == slot.value.shape \
+                and np.result_type(delta, alpha) == slot.value.dtype:
+            return _subtract_scaled(slot.value, delta, alpha)
         # A new array, as AssignSub makes (§4.7: a value read before the update keeps its bits):
         # alpha * delta in it, then the subtraction in place, two passes and one buffer.
         new = xp.multiply(delta, alpha)
-        xp.subtract(_resident(xp, slot), new, out=new)
+        xp.subtract(slot.value, new, out=new)
         slot.value = new
         return new
 
     return run
+
+
+def _subtract_scaled(var: Any, delta: Any, alpha: Any) -> Any:
+    """var -= delta * alpha in place, run by run: each product rounded to var's dtype first, so the
+    bits are those of the out-of-place update."""
+    flat, d = var.reshape(-1), np.ascontiguousarray(delta).reshape(-1)
+    scratch = np.empty(min(_RUN, flat.size), dtype=var.dtype)
+    for s in range(0, flat.size, _RUN):
+        n = min(_RUN, flat.size - s)
+        np.multiply(d[s:s + n], alpha, out=scratch[:n])
+        np.subtract(flat[s:s + n], scratch[:n], out=flat[s:s + n])
+    return var
 
 
 def _flat_rows(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
@@ -95,8 +118,12 @@ def sparse_apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
     slot = attrs["_resource"]
 
     def run(alpha: Any, ids: Any, rows: Any) -> Any:
+        _resident(xp, slot)
+        if xp is np and updatable_in_place(slot):
+            slot.value[ids] -= rows * alpha  # only the touched rows are read or written
+            return slot.value
         # A copy for the slot, as ApplyGradientDescent makes, then only the touched rows change.
-        new = xp.array(_resident(xp, slot), copy=True)
+        new = xp.array(slot.value, copy=True)
         new[ids] -= rows * alpha
         slot.value = new
         return new
