@@ -127,3 +127,19 @@ def test_blas_is_one_thread_per_caller_while_tasks_run_and_restored_after():
         inside = intra.run([blas.get, blas.get, blas.get])
     assert inside == [1, 1, 1]
     assert blas.get() == before
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_makes_its_own_pool():
+    import multiprocessing as mp
+
+    with intra.fixed(2):
+        intra.run([lambda: 1, lambda: 2])  # the parent's pool exists now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_run_two_in_child).get(timeout=30) == [1, 2]  # hangs without the fork hook
+
+
+def _run_two_in_child():
+    with intra.fixed(2):
+        return intra.run([lambda: 1, lambda: 2])

@@ -110,6 +110,15 @@ def fixed(n: int) -> Iterator[None]:
         _state["fixed"] = before
 
 
+def _forget_pool_in_child() -> None:
+    """A forked child has the pool object but none of its threads: it makes its own."""
+    _state.update(pool=None, workers=0, active=0)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     with _lock:
         if _state["workers"] < workers:
