@@ -41,6 +41,8 @@ LEFT_OUT = {
     "AssignSub": "writes a Variable (tests/test_session.py)",
     "ApplyGradientDescent": "writes a Variable (tests/test_optimizers.py)",
     "SparseApplyGradientDescent": "writes a Variable (tests/test_train_step_kernels.py)",
+    "ApplyMomentum": "writes a Variable and its slot (tests/test_optimizers.py)",
+    "ApplyAdam": "writes a Variable and its slots (tests/test_optimizers.py)",
     "GatherGradRows": "made by the optimizer from a GatherGrad, not by a template (tests/test_train_step_kernels.py)",
     "FIFOQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "RandomShuffleQueue": "a queue resource, no tensor output (tests/test_queues.py)",

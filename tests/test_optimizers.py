@@ -331,3 +331,54 @@ def test_an_update_writes_in_place_only_when_nothing_else_holds_the_value(kind):
     snapshot = view.copy()
     sess.run(step, feeds)
     np.testing.assert_array_equal(view, snapshot)
+
+
+@pytest.mark.parametrize("kind", ["momentum", "nesterov", "adam"])
+@pytest.mark.parametrize("hold", [False, True])
+def test_fused_updates_equal_the_chains_they_replace_bitwise(kind, hold):
+    """ApplyMomentum and ApplyAdam against the elementwise chains they replaced, float32, over more
+    than one of the kernel's runs; `hold` keeps every fetched value, so the kernel takes its new-array
+    path instead of writing in place."""
+    from flowctl.engine.ops.training import apply_adam, apply_momentum
+
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal((300, 250)).astype(np.float32)
+    grads = [rng.standard_normal(w0.shape).astype(np.float32) for _ in range(3)]
+    mom, b1, b2, eps, lr = 0.8, 0.85, 0.99, 1e-6, np.float32(0.01)
+
+    def run(fused: bool) -> list[np.ndarray]:
+        g = fc.Graph()
+        with g.as_default():
+            w = fc.variable(w0, name="w")
+            s1 = fc.variable(np.zeros_like(w0), name="s1")
+            s2 = fc.variable(np.full_like(w0, 0.5), name="s2")
+            d = fc.placeholder("float32", w0.shape, name="d")
+            if kind == "adam" and fused:
+                step = apply_adam(w, s1, s2, lr, d, b1, b2, eps)
+            elif kind == "adam":
+                new_m = fc.assign(s1, s1 * b1 + d * (1.0 - b1))
+                new_v = fc.assign(s2, s2 * b2 + fc.square(d) * (1.0 - b2))
+                step = fc.assign_sub(w, lr * new_m / (fc.sqrt(new_v) + eps))
+            elif fused:
+                step = apply_momentum(w, s1, lr, d, mom, nesterov=kind == "nesterov")
+            else:
+                new_acc = fc.assign(s1, s1 * mom + d)
+                step = fc.assign_sub(w, lr * (d + new_acc * mom if kind == "nesterov" else new_acc))
+            init = fc.global_variables_initializer()
+        sess = fc.Session(g, store=fc.ContainerStore())
+        sess.run(init)
+        held = []
+        for gr in grads:
+            sess.run(step, {d: gr})
+            if hold:
+                held.append(sess.run([w, s1, s2]))
+        if hold:  # every value fetched along the way kept its bits
+            for k, (a, b, c) in enumerate(held[:-1]):
+                assert not np.array_equal(a, held[k + 1][0])
+        return sess.run([w, s1, s2])
+
+    fused, chain = run(True), run(False)
+    for a, b in zip(fused, chain):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(fused[0], w0)

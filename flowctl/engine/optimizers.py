@@ -30,7 +30,7 @@ from flowctl.engine.ops.control import group
 from flowctl.engine.ops.elementwise import add_n, cast, maximum, sqrt, square
 from flowctl.engine.ops.state import assign, assign_add, assign_sub, trainable_variables, variable
 from flowctl.engine.ops.training import (
-    apply_gradient_descent, gather_grad_rows, l2_loss, sparse_apply_gradient_descent,
+    apply_adam, apply_gradient_descent, apply_momentum, gather_grad_rows, l2_loss, sparse_apply_gradient_descent,
 )
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adam", "clip_by_global_norm"]
@@ -189,9 +189,9 @@ class Momentum(Optimizer):
 
     def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
         accum = self._slot(var, "momentum")
-        new_accum = assign(accum, accum * self.momentum + grad, name="update_momentum")
-        step = grad + new_accum * self.momentum if self.nesterov else new_accum
-        return self._update_var(var, self._lr(var.dtype) * step)
+        with var.graph.control_dependencies([var]):  # as _update_var: after the read the gradients used
+            return apply_momentum(var, accum, self._lr(var.dtype), grad, self.momentum, self.nesterov,
+                                  name="update")
 
 
 class Adam(Optimizer):
@@ -230,9 +230,8 @@ class Adam(Optimizer):
     def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
         lr_t = self._step_size(var.dtype)
         m, v = self._slot(var, "m"), self._slot(var, "v")
-        new_m = assign(m, m * self.beta1 + grad * (1.0 - self.beta1), name="update_m")
-        new_v = assign(v, v * self.beta2 + square(grad) * (1.0 - self.beta2), name="update_v")
-        return self._update_var(var, lr_t * new_m / (sqrt(new_v) + self.epsilon))
+        with var.graph.control_dependencies([var]):  # as _update_var: after the read the gradients used
+            return apply_adam(var, m, v, lr_t, grad, self.beta1, self.beta2, self.epsilon, name="update")
 
     def _finish(self, graph: Graph, updates: list[Tensor]) -> list[Tensor]:
         # The powers advance only after every variable's step has been taken (TF orders it the same

@@ -173,11 +173,9 @@ class Session:
         if kind == "variable":
             return self.store.get(node.attrs["container"]).slot(node.attrs["shared_name"] or node.name)
         if kind == "variable_input":
-            src = self.graph.nodes[parse_ref(node.inputs[0])[0]]
-            if src.op != "Variable":
-                raise GraphError(f"node '{node.name}' ({node.op}) must take a Variable as its first input, "
-                                 f"not '{src.name}' ({src.op})")
-            return self._resource(src)
+            return self._input_variable(node, 0)
+        if kind == "variable_inputs":  # one slot per ref input, in order (an update of a parameter and its slots)
+            return tuple(self._input_variable(node, i) for i in node.opdef.ref_inputs)
         if kind == "rng":
             st = self.rng.get(node.name)
             if st is None:
@@ -187,6 +185,14 @@ class Session:
         if kind == "queue":  # §4.6/§4.7: in the store like a Variable, so sessions and threads share it
             return queue_resource(self.graph, node, self.store)
         raise GraphError(f"node '{node.name}': unknown resource kind {kind!r}")
+
+    def _input_variable(self, node: Node, i: int) -> Any:
+        src = self.graph.nodes[parse_ref(node.inputs[i])[0]]
+        if src.op != "Variable":
+            which = "first input" if i == 0 else f"input {i}"
+            raise GraphError(f"node '{node.name}' ({node.op}) must take a Variable as its {which}, "
+                             f"not '{src.name}' ({src.op})")
+        return self._resource(src)
 
     def variable_values(self) -> dict[str, np.ndarray]:
         """Current value of every initialized Variable in the graph, by node name (host arrays)."""

@@ -1,4 +1,5 @@
-"""Kernels for the training ops (L2Loss, ApplyGradientDescent), written once against `xp`."""
+"""Kernels for the training ops (L2Loss, the fused optimizer updates, the sparse embedding path),
+written once against `xp`."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -65,6 +66,91 @@ def _subtract_scaled(var: Any, delta: Any, alpha: Any) -> Any:
         np.multiply(d[s:s + n], alpha, out=scratch[:n])
         np.subtract(flat[s:s + n], scratch[:n], out=flat[s:s + n])
     return var
+
+
+def _alone(xp: Any, slots: tuple[Any, ...]) -> bool:
+    """Can every slot's array be updated in place? (Each moved to this device first; asked before
+    any local name holds an array, which would count as a holder.)"""
+    for slot in slots:
+        _resident(xp, slot)
+    return xp is np and all(updatable_in_place(slot) for slot in slots)
+
+
+def _runs(size: int) -> list[slice]:
+    return [slice(s, min(size, s + _RUN)) for s in range(0, size, _RUN)]
+
+
+@kernel("ApplyMomentum")
+def apply_momentum(xp: Any, attrs: dict[str, Any]) -> Fn:
+    slots = attrs["_resource"]
+    momentum, nesterov = attrs["momentum"], attrs["nesterov"]
+
+    def run(lr: Any, grad: Any) -> Any:
+        alone = _alone(xp, slots) and np.result_type(grad, lr) == slots[0].value.dtype \
+            and grad.shape == slots[0].value.shape
+        var, accum = (slot.value for slot in slots)
+        m = xp.asarray(momentum, dtype=var.dtype)
+        if not alone:  # new arrays, the ops in the order ApplyMomentum's chain had them
+            new_accum = accum * m + grad
+            step = grad + new_accum * m if nesterov else new_accum
+            new = var - lr * step
+            slots[1].value, slots[0].value = new_accum, new
+            return new
+        v, a, g = var.reshape(-1), accum.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
+        t = np.empty(min(_RUN, v.size), dtype=var.dtype)
+        for r in _runs(v.size):
+            tr = t[:r.stop - r.start]
+            np.multiply(a[r], m, out=a[r])
+            np.add(a[r], g[r], out=a[r])
+            if nesterov:
+                np.multiply(a[r], m, out=tr)
+                np.add(g[r], tr, out=tr)
+                np.multiply(lr, tr, out=tr)
+            else:
+                np.multiply(lr, a[r], out=tr)
+            np.subtract(v[r], tr, out=v[r])
+        return var
+
+    return run
+
+
+@kernel("ApplyAdam")
+def apply_adam(xp: Any, attrs: dict[str, Any]) -> Fn:
+    slots = attrs["_resource"]
+
+    def run(lr_t: Any, grad: Any) -> Any:
+        alone = _alone(xp, slots) and np.result_type(grad, lr_t) == slots[0].value.dtype \
+            and grad.shape == slots[0].value.shape
+        var, m, v = (slot.value for slot in slots)
+        b1, c1, b2, c2, eps = (xp.asarray(c, dtype=var.dtype) for c in (
+            attrs["beta1"], 1.0 - attrs["beta1"], attrs["beta2"], 1.0 - attrs["beta2"], attrs["epsilon"]))
+        if not alone:  # new arrays, the ops in the order Adam's chain had them
+            new_m = m * b1 + grad * c1
+            new_v = v * b2 + xp.square(grad) * c2
+            new = var - lr_t * new_m / (xp.sqrt(new_v) + eps)
+            slots[1].value, slots[2].value, slots[0].value = new_m, new_v, new
+            return new
+        w, mf, vf = var.reshape(-1), m.reshape(-1), v.reshape(-1)
+        g = np.ascontiguousarray(grad).reshape(-1)
+        t = np.empty(min(_RUN, w.size), dtype=var.dtype)
+        u = np.empty_like(t)
+        for r in _runs(w.size):
+            tr, ur = t[:r.stop - r.start], u[:r.stop - r.start]
+            np.multiply(g[r], c1, out=tr)
+            np.multiply(mf[r], b1, out=mf[r])
+            np.add(mf[r], tr, out=mf[r])
+            np.square(g[r], out=tr)
+            np.multiply(tr, c2, out=tr)
+            np.multiply(vf[r], b2, out=vf[r])
+            np.add(vf[r], tr, out=vf[r])
+            np.sqrt(vf[r], out=tr)
+            np.add(tr, eps, out=tr)
+            np.multiply(lr_t, mf[r], out=ur)
+            np.divide(ur, tr, out=tr)
+            np.subtract(w[r], tr, out=w[r])
+        return var
+
+    return run
 
 
 def _flat_rows(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:

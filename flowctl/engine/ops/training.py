@@ -3,11 +3,16 @@ built on it), ApplyGradientDescent, SGD's update as one node (TensorFlow's train
 the sparse path of an embedding's gradient: GatherGradRows, the rows a Gather read with their
 gradients summed (TensorFlow's IndexedSlices, deduplicated), and SparseApplyGradientDescent.
 
-Both replace chains of elementwise nodes over every parameter (§4.1's argument for fused nodes,
+ApplyMomentum and ApplyAdam are the momentum and Adam updates as one node each, updating the
+parameter and its slots together (TensorFlow's ApplyMomentum and ApplyAdam).
+
+All replace chains of elementwise nodes over every parameter (§4.1's argument for fused nodes,
 here for the optimizer): Square, Sum become one pass that allocates nothing, and the clip's Mul,
-SGD's Mul by the learning rate and the AssignSub become one kernel that writes the new value into
-one fresh buffer. The update keeps AssignSub's semantics: the Variable's slot takes a new array,
-so a value read or fetched before the update never changes under its reader (§4.7).
+SGD's Mul by the learning rate and the AssignSub become one kernel; Adam's eleven elementwise
+nodes and three assignments become one. The updates keep AssignSub's semantics: a value read or
+fetched before the update never changes under its reader (§4.7); the kernels write into the
+variables' arrays only when nothing else can see them, and compute the same bits either way,
+in the same order of operations as the chains they replace.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from flowctl.engine.ops.api import convert, make1
 from flowctl.engine.ops.registry import MOVEMENT, REDUCTION, STATE, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal
 
-__all__ = ["apply_gradient_descent", "gather_grad_rows", "l2_loss", "sparse_apply_gradient_descent"]
+__all__ = ["apply_adam", "apply_gradient_descent", "apply_momentum", "gather_grad_rows", "l2_loss",
+           "sparse_apply_gradient_descent"]
 
 
 def _l2_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
@@ -67,6 +73,44 @@ def _apply_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes:
 # Input 0 names the Variable by reference (colocated with it, §4.3, as AssignSub is).
 register_op("ApplyGradientDescent", _apply_infer, num_inputs=3, group=STATE, stateful=True,
             cost=_apply_cost, differentiable=False, resource="variable_input", ref_inputs=(0,))
+
+
+def _fits(t: TensorSpec, var: TensorSpec) -> bool:
+    return t.dtype == var.dtype and len(t.shape) == len(var.shape) and all(map(dims_equal, t.shape, var.shape))
+
+
+def _slots_infer(slots: int) -> Any:
+    """(var, slot_1..slot_k, step size, grad) -> var's value: the slots and grad are var's shape."""
+    def infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+        var, grad = ins[0], ins[-1]
+        _apply_infer([var, ins[slots + 1], grad], attrs)
+        for k, slot in enumerate(ins[1:slots + 1], start=1):
+            if not _fits(slot, var):
+                raise InferError(f"slot input {k} {slot.dtype} {slot.shape} does not fit the variable "
+                                 f"{var.dtype} {var.shape}")
+        return [var]
+    return infer
+
+
+def _slots_cost(flops: float, reads: int) -> Any:
+    def cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+             attrs: dict[str, Any]) -> tuple[float, float]:
+        n = float(np.prod(ins[0]))
+        # reads the variable, its slots and the gradient; writes the variable and its slots
+        return flops * n, memory_bytes([ins[0]] * reads, [outs[0]] * (reads - 1), dtypes[:1] * reads)
+    return cost
+
+
+# ApplyMomentum(var, accum, lr, grad): accum <- momentum * accum + grad; var <- var - lr * accum,
+# or with `nesterov` var <- var - lr * (grad + momentum * accum). Inputs 0 and 1 name Variables.
+register_op("ApplyMomentum", _slots_infer(1), num_inputs=4, group=STATE, stateful=True,
+            attrs={"momentum": ("float", 0.9), "nesterov": ("bool", False)}, cost=_slots_cost(5.0, 3),
+            differentiable=False, resource="variable_inputs", ref_inputs=(0, 1))
+# ApplyAdam(var, m, v, lr_t, grad): m <- beta1*m + (1-beta1)*grad; v <- beta2*v + (1-beta2)*grad^2;
+# var <- var - lr_t * m / (sqrt(v) + epsilon) (lr_t already holds the bias corrections).
+register_op("ApplyAdam", _slots_infer(2), num_inputs=5, group=STATE, stateful=True,
+            attrs={"beta1": ("float", 0.9), "beta2": ("float", 0.999), "epsilon": ("float", 1e-8)},
+            cost=_slots_cost(12.0, 4), differentiable=False, resource="variable_inputs", ref_inputs=(0, 1, 2))
 
 
 def _rows_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
@@ -129,6 +173,20 @@ def apply_gradient_descent(var: Tensor, alpha: Any, delta: Any, name: str | None
     """var <- var - alpha * delta, as one node; the Variable's new value."""
     return make1("ApplyGradientDescent", [var, convert(alpha, var.graph, var.dtype),
                                           convert(delta, var.graph, var.dtype)], name=name)
+
+
+def apply_momentum(var: Tensor, accum: Tensor, lr: Any, grad: Any, momentum: float = 0.9,
+                   nesterov: bool = False, name: str | None = None) -> Tensor:
+    """The momentum update of `var` and its accumulator as one node; the Variable's new value."""
+    return make1("ApplyMomentum", [var, accum, convert(lr, var.graph, var.dtype), convert(grad, var.graph, var.dtype)],
+                 {"momentum": float(momentum), "nesterov": bool(nesterov)}, name=name)
+
+
+def apply_adam(var: Tensor, m: Tensor, v: Tensor, lr_t: Any, grad: Any, beta1: float = 0.9, beta2: float = 0.999,
+               epsilon: float = 1e-8, name: str | None = None) -> Tensor:
+    """The Adam update of `var` and its two moments as one node; the Variable's new value."""
+    return make1("ApplyAdam", [var, m, v, convert(lr_t, var.graph, var.dtype), convert(grad, var.graph, var.dtype)],
+                 {"beta1": float(beta1), "beta2": float(beta2), "epsilon": float(epsilon)}, name=name)
 
 
 def gather_grad_rows(grad: Tensor) -> tuple[Tensor, Tensor] | None:
