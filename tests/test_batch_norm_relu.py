@@ -79,7 +79,7 @@ def test_unknown_activation_is_a_graph_error():
             fc.fused_batch_norm(x, np.ones(4, np.float32), np.zeros(4, np.float32), activation="gelu")
 
 
-def test_spec_conv_layer_fuses_its_relu_when_training():
+def test_spec_conv_layer_fuses_its_relu_when_training_and_in_inference():
     from flowctl.spec import load_text
     from flowctl.spec.model import build_model
 
@@ -98,4 +98,6 @@ model:
     assert sorted(bns.values()) == ["none", "relu"]
     assert not any(n.op == "Relu" for n in train.nodes.values())
     infer = build_model(loaded, training=False).graph
-    assert sum(n.op == "Relu" for n in infer.nodes.values()) == 1
+    affine = {n.attrs["activation"] for n in infer.nodes.values() if n.op == "ChannelAffine"}
+    assert affine == {"none", "relu"}  # inference: the moving statistics' scale, shift and ReLU in one pass
+    assert not any(n.op in ("Relu", "FusedBatchNorm") for n in infer.nodes.values())

@@ -135,6 +135,13 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, np.ndarray], dict[str, Any]
                                                            forget_bias=0.5), fc.lstm_block_cell(xw)[1],
                                         fc.transpose_copy(w) * 0.5, fc.recurrent_matmul(h * 0.5, w) * 0.25],
                   {"xw": arr(2, 8), "h": arr(2, 3), "w": arr(3, 8), "c": arr(2, 2)}, {}),
+    # inference batch norm's one pass, with and without its ReLU (x chosen so x*s + b keeps clear of
+    # the ReLU's kink: outputs of either sign at least 0.2 from it)
+    "channel_affine": (lambda x, s, b: [make1("ChannelAffine", [x, s, b], {"activation": "relu"}),
+                                        make1("ChannelAffine", [x, s, b]) * 0.5],
+                       {"x": (np.where(R.random((2, 3, 3)) < 0.5, -1.0, 1.0) * R.uniform(0.2, 1.5, (2, 3, 3))
+                              - np.array([0.3, -0.2, 0.1])) / np.array([0.8, 1.3, 0.6]),
+                        "s": np.array([0.8, 1.3, 0.6]), "b": np.array([0.3, -0.2, 0.1])}, {}),
     # the training ops' differentiable one (L2Loss), over a matrix and over more than one block
     "training": (lambda x, v: [fc.l2_loss(x), fc.l2_loss(v) * 0.25],
                  {"x": arr(2, 3), "v": arr(70000)}, {}),

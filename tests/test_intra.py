@@ -143,3 +143,13 @@ def test_a_forked_child_makes_its_own_pool():
 def _run_two_in_child():
     with intra.fixed(2):
         return intra.run([lambda: 1, lambda: 2])
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_inference_batch_norm_is_the_chains_bits_on_any_number_of_threads(relu):
+    x = RNG.standard_normal((4, 20, 20, 16), dtype=np.float32)
+    s, b = RNG.standard_normal(16, dtype=np.float32), RNG.standard_normal(16, dtype=np.float32)
+    one, many = _both(lambda: nn.channel_affine(np, x, s, b, relu, elements=1000))
+    _same(one, many)
+    chain = x * s + b
+    _same(one, np.maximum(chain, 0) if relu else chain)

@@ -315,6 +315,37 @@ def fused_batch_norm_grad_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     return run
 
 
+def channel_affine(xp: Any, x: Any, scale: Any, shift: Any, relu: bool, elements: int | None = None) -> Any:
+    """relu?(x * scale + shift) over the last axis, one run of rows at a time into the output."""
+    c = x.shape[-1]
+    x2 = x.reshape(-1, c)
+    y = xp.empty(x.shape, dtype=x.dtype)
+    y2 = y.reshape(-1, c)
+    pieces = _pieces(x2.shape[0], c, elements)
+
+    def apply(run: range) -> None:
+        for p in pieces[run.start:run.stop]:
+            t = xp.multiply(x2[p], scale, out=y2[p])
+            t += shift
+            if relu:
+                xp.maximum(t, 0, out=t)
+
+    intra.for_chunks(len(pieces), apply, xp=xp, least=PARALLEL_BN_PIECES)
+    return y
+
+
+@kernel("ChannelAffine")
+def channel_affine_kernel(xp: Any, attrs: dict[str, Any]) -> Fn:
+    relu = attrs["activation"] == "relu"
+    return lambda x, scale, shift: channel_affine(xp, x, scale, shift, relu)
+
+
+@kernel("ChannelAffine", device_types=("cpu",))
+def channel_affine_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    relu = attrs["activation"] == "relu"
+    return lambda x, scale, shift: channel_affine(xp, x, scale, shift, relu, BN_ELEMENTS)
+
+
 @kernel("Dropout")
 def dropout(xp: Any, attrs: dict[str, Any]) -> Fn:
     gen = attrs["_resource"].generator

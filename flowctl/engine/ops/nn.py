@@ -99,6 +99,16 @@ def _bias_add_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Tensor
     return [TensorSpec(tuple(x.shape[:-1]) + (c,), x.dtype)]
 
 
+def _affine_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    x, scale, shift = ins
+    _float(x, "x")
+    c = _channels(x, scale, "scale")
+    _channels(x, shift, "shift")
+    if attrs["activation"] not in ("none", "relu"):
+        raise InferError(f"activation must be 'none' or 'relu', got {attrs['activation']!r}")
+    return [TensorSpec(tuple(x.shape[:-1]) + (c,), x.dtype)]
+
+
 def _bias_add_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     _float(ins[0], "dy")
     if len(ins[0].shape) < 1:
@@ -214,6 +224,12 @@ def _g_bias_add(op: Any, dy: list[Tensor]) -> list[Tensor]:
     return [dy[0], make1("BiasAddGrad", [dy[0]])]
 
 
+def _g_affine(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    x, scale, _ = op.inputs
+    g = make1("ReluGrad", [dy[0], op.outputs[0]]) if op.attrs["activation"] == "relu" else dy[0]
+    return [g * scale, make1("BiasAddGrad", [g * x]), make1("BiasAddGrad", [g])]
+
+
 def _g_fused_bn(op: Any, dy: list[Tensor]) -> list[Tensor]:
     x, scale, _ = op.inputs
     y, mean, var = op.outputs
@@ -252,6 +268,11 @@ register_op("XentGrad", _xent_grad_infer, num_inputs=2, group=NN,
             cost=_one_per_output)
 
 register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add, cost=_one_per_output)
+# ChannelAffine(x, scale, shift) = activation(x * scale + shift), per channel (the last axis), in one
+# pass: batch norm in inference, whose scale and shift come from the moving statistics. The same
+# bits as the Mul, Add (and Relu) it replaces.
+register_op("ChannelAffine", _affine_infer, num_inputs=3, attrs={"activation": ("str", "none")}, group=NN,
+            grad=_g_affine, cost=_per_element(3.0))
 # BiasAddGrad(dy): dy summed over every axis but the last.
 register_op("BiasAddGrad", _bias_add_grad_infer, num_inputs=1, group=NN,
             grad=lambda op, dy: [make1("BroadcastLike", [dy[0], op.inputs[0]])], cost=_per_element(1))
@@ -328,10 +349,10 @@ def batch_norm(x: Tensor, scale: Tensor, offset: Tensor, moving_mean: Tensor, mo
     (one fused op whose gradient is the full analytic one w.r.t. x, scale and offset) and returns,
     as `update_ops`, the AssignSubs that move the averages: moving -= (moving - batch) * (1 - momentum),
     i.e. moving = momentum * moving + (1 - momentum) * batch. Run them with the train step. Inference
-    normalises with the moving statistics, in plain differentiable arithmetic, and returns no updates.
+    normalises with the moving statistics (a differentiable ChannelAffine) and returns no updates.
     `moving_mean` and `moving_variance` are Variables the caller creates (`fc.variable`, usually
     trainable=False, initialised to 0 and 1). `activation` "relu" applies a ReLU to the result: in
-    training inside the fused op (forward and gradient), in inference as a Relu node.
+    training inside the fused op (forward and gradient), in inference inside ChannelAffine.
     """
     g = graph_of(x)
     if not 0.0 <= momentum <= 1.0:
@@ -339,9 +360,10 @@ def batch_norm(x: Tensor, scale: Tensor, offset: Tensor, moving_mean: Tensor, mo
     with g.name_scope(_scope(g, name or "BatchNorm")):
         if not training:
             inv = rsqrt(moving_variance + epsilon, name="rsqrt") * scale
-            # x * inv + (offset - mean * inv): two passes over x, the rest on per-channel vectors.
-            y = x * inv + (offset - moving_mean * inv)
-            return (relu(y, name="relu") if activation == "relu" else y), []
+            # x * inv + (offset - mean * inv) (and the ReLU): one pass over x, the rest on
+            # per-channel vectors.
+            shift = offset - moving_mean * inv
+            return make1("ChannelAffine", [x, inv, shift], {"activation": activation}, name="affine"), []
         y, mean, var = fused_batch_norm(x, scale, offset, epsilon=epsilon, activation=activation,
                                         name="FusedBatchNorm")
         updates = []
