@@ -8,10 +8,14 @@ core. These kernels already work in pieces so each piece stays in cache; `run` h
 a small pool of threads (numpy releases the GIL inside its loops and BLAS calls), and while they
 run, BLAS is one thread per caller so the cores are not asked for twice.
 
-Why not leave the GEMMs to BLAS's own threads and parallelise only the copies: a piece's GEMM is
-small (about 2048 rows), and OpenBLAS's two threads on it reach ~100-125 GFLOP/s where two
-one-thread GEMMs on two pieces reach ~140-190 together; and OpenBLAS's threads spin and degrade
-badly when another process takes a core, where one-thread calls only slow down by their share.
+Measured on a 2-core VM, batch 8, one thread against two: the large passes (Inception-v3's
+147x147 and 73x73 layers, 20-85 pieces each) run 1.1-1.35x faster with two one-thread GEMMs on two
+runs of pieces than with OpenBLAS's two threads on each piece, batch norm's gradient at
+147x147x64 1.36x; a pass of fewer than ~16 pieces ran 0.6x, so it stays on the calling thread
+with BLAS's own threads (`least` in `for_chunks`). The whole Inception-v3 step gained ~4%, about
+the machine's noise. With another process on the machine the difference grows: OpenBLAS's
+threads spin waiting for each other, and one such run took 612 ms for the 147x147 convolution
+that the pieces on two threads did in 83.
 
 The thread count is the BLAS pool's (one knob for a device's `threads`: `runtime.blas_limits`,
 the profiler and the Ray workers already set it per device). Results never depend on it: a
