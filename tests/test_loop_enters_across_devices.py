@@ -50,8 +50,9 @@ def _enters(g: fc.Graph, constant: bool | None) -> set[str]:
 
 
 def _run_placed(g: fc.Graph, placement: dict[str, str], cluster: Cluster, fetches: list[fc.Tensor],
-                feeds: dict[fc.Tensor, np.ndarray]) -> list[np.ndarray]:
-    with DistributedSession(g, cluster, placement, store=fc.ContainerStore(), step_timeout=STEP_TIMEOUT_S) as s:
+                feeds: dict[fc.Tensor, np.ndarray], recv_schedule: str = "asap") -> list[np.ndarray]:
+    with DistributedSession(g, cluster, placement, store=fc.ContainerStore(), step_timeout=STEP_TIMEOUT_S,
+                            recv_schedule=recv_schedule) as s:
         return s.run(fetches, feeds)
 
 
@@ -64,9 +65,10 @@ CASES: dict[str, Callable[[fc.Graph], set[str]]] = {
 }
 
 
+@pytest.mark.parametrize("recv_schedule", ["asap", "alap"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("n", [1, 4])
-def test_enters_on_another_device_than_the_loop_equal_one_device(case: str, n: int) -> None:
+def test_enters_on_another_device_than_the_loop_equal_one_device(case: str, n: int, recv_schedule: str) -> None:
     g, inputs, fetches = _rnn()
     feeds = _feeds(inputs, n)
     want = fc.Session(g).run(fetches, feeds)
@@ -75,7 +77,7 @@ def test_enters_on_another_device_than_the_loop_equal_one_device(case: str, n: i
     moved = CASES[case](g)
     assert moved and any(name.startswith("gradients/") for name in moved)  # forward and backward loops
     placement = {name: d1 if name in moved else d0 for name in g.nodes}
-    got = _run_placed(g, placement, cluster, fetches, feeds)
+    got = _run_placed(g, placement, cluster, fetches, feeds, recv_schedule)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
 
