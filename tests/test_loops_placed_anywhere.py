@@ -59,12 +59,14 @@ class _Model:
         self.cluster = Cluster.local(2)
         self.want = self.train(None)
 
-    def train(self, placement: dict[str, str] | None) -> tuple[list[Any], dict[str, np.ndarray]]:
+    def train(self, placement: dict[str, str] | None, recv_schedule: str = "asap"
+              ) -> tuple[list[Any], dict[str, np.ndarray]]:
         g, st = self.step.graph, self.step
         store = fc.ContainerStore()
         fc.Session(g, store=store).run(st.init.node)
         sess: Any = fc.Session(g, store=store) if placement is None else \
-            DistributedSession(g, self.cluster, placement, store=store, step_timeout=STEP_TIMEOUT_S)
+            DistributedSession(g, self.cluster, placement, store=store, step_timeout=STEP_TIMEOUT_S,
+                               recv_schedule=recv_schedule)
         try:
             losses = [sess.run([st.train.loss, st.train.train_op], self.feeds)[0] for _ in range(STEPS)]
         finally:
@@ -89,8 +91,8 @@ class _Model:
             pick[gid] = by_frame[inside[0]] if whole_loops and inside else feas.devices[int(rng.integers(2))]
         return {name: pick[feas.group_of[i]] for i, name in enumerate(feas.order)}
 
-    def check(self, placement: dict[str, str]) -> None:
-        losses, values = self.train(placement)
+    def check(self, placement: dict[str, str], recv_schedule: str = "asap") -> None:
+        losses, values = self.train(placement, recv_schedule)
         want_losses, want_values = self.want
         assert [float(x) for x in losses] == [float(x) for x in want_losses]
         assert values.keys() == want_values.keys()
@@ -121,6 +123,11 @@ def test_random_placements_run_and_equal_one_device(model: _Model, seed: int, wh
     placement = model.random_placement(seed, whole_loops)
     assert _spans_loops(model, placement)
     model.check(placement)
+
+
+@pytest.mark.parametrize("whole_loops", [True, False], ids=["whole-loops", "any-node"])
+def test_random_placements_with_alap_receives_equal_one_device(model: _Model, whole_loops: bool) -> None:
+    model.check(model.random_placement(0, whole_loops), recv_schedule="alap")
 
 
 @pytest.mark.slow
