@@ -168,3 +168,12 @@ def test_alap_never_delays_a_receive_behind_a_branch_that_may_not_run(taken: boo
         got = s.run([c, r], feeds)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_control_loops_of_two_tasks_with_the_same_local_device_get_distinct_names() -> None:
+    g, x, out = _loop(1)
+    owner, *others = [f"/job:worker/task:{k}/device:cpu:0" for k in range(3)]
+    placement = {n: others[0] if n.endswith("/a") else others[1] if n.endswith("/b") else owner for n in g.nodes}
+    parts = partition(g, placement)
+    for d, short in zip(others, ["worker1_cpu0", "worker2_cpu0"]):
+        assert f"_loop/while/{short}/merge" in parts[d].nodes

@@ -25,13 +25,12 @@ the user's node. Inserted nodes are named `_send/...`, `_recv/...`, `_ctrl/...` 
 from __future__ import annotations
 
 import bisect
-import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
 
-from flowctl.engine.devices import canonical, device_matches, parse_device
+from flowctl.engine.devices import canonical, device_matches, short_device
 from flowctl.engine.errors import GraphError, PlacementError
 from flowctl.engine.frames import ROOT, Frames
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
@@ -40,14 +39,6 @@ from flowctl.engine.ops.registry import COMMUNICATION, CONTROL, get_op
 from flowctl.engine.partition_loops import add_control_loops
 
 RECV_SCHEDULES = ("asap", "alap")
-
-
-@functools.lru_cache(maxsize=None)
-def short_device(device: str) -> str:
-    """`cpu1` for /job:localhost/task:0/device:cpu:1; `worker2_gpu0` for other jobs and tasks."""
-    d = parse_device(device)
-    base = f"{d.type}{d.index}"
-    return base if (d.job, d.task) == ("localhost", 0) else f"{d.job}{d.task}_{base}"
 
 
 def _link(src: str, dst: str) -> str:

@@ -10,7 +10,7 @@ executor's StepContext). A value that is dead on the sending side travels as a d
 Send and Recv of every iteration meet, the final one included.
 
 A value enters a loop on the device that reads it. An Enter read on another device gets a copy
-there (`_enter/<enter>/<device>`), fed in the parent frame, so the value crosses once, before the
+there (`_enter/<enter>/<device>`, the device as `short_device` writes it), fed in the parent frame, so the value crosses once, before the
 loop, and each device's Enter hands it to every iteration of its own frame instance. Sending the
 Enter's output would put the transfer *inside* the frame, where its Recv runs every iteration: a
 loop invariant's Enter alone on a device (the weights' Enters of a backward loop, placed with the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowctl.engine.devices import short_device
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.frames import ROOT, Frames, assign_frames, has_control_flow
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
@@ -88,7 +89,7 @@ def _enter_where_read(graph: Graph, members: list[str], where: dict[str, str]) -
     for enter, by_device in readers.items():
         e = graph.nodes[enter]
         for device, users in by_device.items():
-            name = f"_enter/{enter}/{_short(device)}"
+            name = f"_enter/{enter}/{short_device(device)}"
             if name in graph.nodes:
                 raise PlacementError(f"node name '{name}' is reserved for the copy of Enter '{enter}' on {device}")
             graph.nodes[name] = Node(name, "Enter", list(e.inputs), list(e.control_inputs), dict(e.attrs),
@@ -115,10 +116,6 @@ def _enter_where_read(graph: Graph, members: list[str], where: dict[str, str]) -
     return out
 
 
-def _short(device: str) -> str:
-    return device.rsplit("/", 1)[-1].replace(":", "")
-
-
 def _is_loop_control(graph: Graph, name: str) -> bool:
     node = graph.nodes[name]
     if node.op == "Merge":
@@ -131,7 +128,7 @@ def _is_loop_control(graph: Graph, name: str) -> bool:
 
 def _control_loop(graph: Graph, frame: str, parallel: int, pred: str, device: str) -> list[str]:
     """Const -> Enter -> Merge -> Switch(pred) -> Identity -> NextIteration -> Merge, on `device`."""
-    base = f"_loop/{frame}/{_short(device)}"
+    base = f"_loop/{frame}/{short_device(device)}"
     names = [f"{base}/{part}" for part in ("start", "enter", "merge", "switch", "pivot", "next")]
     start, enter, merge, switch, pivot, nxt = names
     specs: list[tuple[str, str, list[str], dict[str, object]]] = [
