@@ -10,7 +10,7 @@ executor's StepContext). A value that is dead on the sending side travels as a d
 Send and Recv of every iteration meet, the final one included.
 
 A value enters a loop on the device that reads it. An Enter read on another device gets a copy
-there (`_enter/<enter>/<device>`, the device as `short_device` writes it), fed in the parent frame, so the value crosses once, before the
+there (`_enter/<enter>/cpu1`), fed in the parent frame, so the value crosses once, before the
 loop, and each device's Enter hands it to every iteration of its own frame instance. Sending the
 Enter's output would put the transfer *inside* the frame, where its Recv runs every iteration: a
 loop invariant's Enter alone on a device (the weights' Enters of a backward loop, placed with the
