@@ -20,7 +20,8 @@ Options:
   see `_schedule_receives`.
 
 Each partition passes `Graph.check()`, and node names are kept, so an error inside a partition names
-the user's node. Inserted nodes are named `_send/...`, `_recv/...`, `_ctrl/...` and `_feed/...`.
+the user's node. Inserted nodes are named `_send/...`, `_recv/...`, `_ctrl/...` and `_feed/...`,
+and for loops (`partition_loops`) `_loop/...` and `_enter/...`.
 """
 from __future__ import annotations
 
@@ -270,7 +271,7 @@ def _devices(graph: Graph, members: list[str], placement: Mapping[str, str]) -> 
 def _add(g: Graph, node: Node, new: bool = False) -> None:
     if node.name in g.nodes:
         raise GraphError(f"partition: node name '{node.name}' is taken; rename the node "
-                         f"(names starting _send/, _recv/, _ctrl/, _feed/ are reserved)")
+                         f"(names starting _send/, _recv/, _ctrl/, _feed/, _loop/, _enter/ are reserved)")
     if new:  # (a copied node's attrs are normalised already; doing it again would copy tensors)
         node.attrs = get_op(node.op).normalize_attrs(node.attrs, node.name)
     g.nodes[node.name] = node
