@@ -142,4 +142,7 @@ def test_each_placer_runs_and_equals_one_device(model: _Model, alg: str) -> None
     st = model.step
     pl = place(st.graph, model.cluster, StaticCostModel(model.cluster, batch=st.batch), alg,
                targets=st.targets, rules=model.config.expert_rules(), layers=st.model.layer_of(), time_budget=2.0)
+    frames = assign_frames(st.graph)
+    for frame in frames.parent:  # coarsening places each loop as a unit (its Enters may go elsewhere)
+        assert len({pl.assignment[n] for n, f in frames.exec_frame.items() if f == frame}) == 1, frame
     model.check(pl.assignment)
