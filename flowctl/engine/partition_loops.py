@@ -102,7 +102,7 @@ def _enter_where_read(graph: Graph, members: list[str], where: dict[str, str]) -
                 node.inputs = [make_ref(name, parse_ref(r)[1]) if parse_ref(r)[0] == enter else r
                                for r in node.inputs]
                 node.control_inputs = list(dict.fromkeys(name if c == enter else c for c in node.control_inputs))
-    read_at_home = set()
+    read_at_home: set[str] = set()
     for n in members:
         node = graph.nodes[n]
         for src in [parse_ref(r)[0] for r in node.inputs] + node.control_inputs:
