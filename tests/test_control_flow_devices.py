@@ -133,3 +133,47 @@ def test_alap_receive_scheduling_leaves_loop_receives_to_their_frame() -> None:
     with DistributedSession(g, cluster, _split(g, cluster), store=fc.ContainerStore(), recv_schedule="alap") as s:
         got = s.run(out, {x: x0})
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_alap_never_delays_a_receive_behind_a_branch_that_may_not_run(taken: bool) -> None:
+    """§5.2 with §4.4: the node ALAP would pick to delay the Recv of `z` (it finishes just before
+    `c` needs `z`) is the last op of a cond branch; when that branch is not taken it is dead, and a
+    dead control input would make the Recv, and `c`, dead. Only nodes that are never dead qualify."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (3,), name="x")
+        p = fc.placeholder("bool", (), name="p")
+
+        def long() -> fc.Tensor:
+            h = x
+            for k in range(4):
+                h = fc.tanh(h, name=f"t{k}")
+            return h
+
+        r = cond(p, long, lambda: x * 3.0)
+        z = x
+        for k in range(5):  # finishes on device 1 as the long branch's last op does on device 0
+            z = fc.sin(z, name=f"z{k}")
+        c = fc.add(x, z, name="c")
+    cluster = Cluster.local(2)
+    d0, _ = cluster.names
+    placement = {n: cluster.names[1] if n.startswith("z") else d0 for n in g.nodes}
+    parts = partition(g, placement, recv_schedule="alap")
+    (recv,) = [n for n in parts[d0].nodes.values() if n.op == "Recv"]
+    assert recv.control_inputs and not any(c.startswith("cond/") for c in recv.control_inputs)
+    feeds = {x: np.array([0.5, -1.0, 2.0]), p: np.bool_(taken)}
+    want = fc.Session(g).run([c, r], feeds)
+    with DistributedSession(g, cluster, placement, store=fc.ContainerStore(), recv_schedule="alap") as s:
+        got = s.run([c, r], feeds)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_control_loops_of_two_tasks_with_the_same_local_device_get_distinct_names() -> None:
+    g, x, out = _loop(1)
+    owner, *others = [f"/job:worker/task:{k}/device:cpu:0" for k in range(3)]
+    placement = {n: others[0] if n.endswith("/a") else others[1] if n.endswith("/b") else owner for n in g.nodes}
+    parts = partition(g, placement)
+    for d, short in zip(others, ["worker1_cpu0", "worker2_cpu0"]):
+        assert f"_loop/while/{short}/merge" in parts[d].nodes

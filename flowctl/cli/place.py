@@ -180,7 +180,7 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
         rows = [[r["loop"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
                  str(r["iterations"]) if r["iterations"] else "unknown (1)", _ms(r["time"]),
                  _ms(r["time"] / max(r["iterations"], 1))] for r in loops]
-        console.print(fit("per loop (costed as an iteration's cost times the trip count)",
+        console.print(fit("per loop (placed and costed as a unit: an iteration's cost times the trip count)",
                           [Col("loop"), Col("nodes", "right", True), Col("devices"), Col("iterations", "right"),
                            Col("time ms", "right", True), Col("per iteration", "right", True)], rows, width))
     if by == "layer":

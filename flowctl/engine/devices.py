@@ -5,6 +5,7 @@ names. A partial constraint such as `gpu` or `/job:worker` matches many devices 
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -80,3 +81,12 @@ def parse_constraint(spec: str) -> dict[str, str | int]:
 def device_matches(constraint: str, device: str) -> bool:
     d = parse_device(device)
     return all(getattr(d, k) == v for k, v in parse_constraint(constraint).items())
+
+
+@functools.lru_cache(maxsize=None)
+def short_device(device: str) -> str:
+    """`cpu1` for /job:localhost/task:0/device:cpu:1; `worker2_gpu0` for other jobs and tasks: the
+    device's part of the names the partitioner gives the nodes it adds."""
+    d = parse_device(device)
+    base = f"{d.type}{d.index}"
+    return base if (d.job, d.task) == ("localhost", 0) else f"{d.job}{d.task}_{base}"

@@ -20,33 +20,26 @@ Options:
   see `_schedule_receives`.
 
 Each partition passes `Graph.check()`, and node names are kept, so an error inside a partition names
-the user's node. Inserted nodes are named `_send/...`, `_recv/...`, `_ctrl/...` and `_feed/...`.
+the user's node. Inserted nodes are named `_send/...`, `_recv/...`, `_ctrl/...` and `_feed/...`,
+and for loops (`partition_loops`) `_loop/...` and `_enter/...`.
 """
 from __future__ import annotations
 
 import bisect
-import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
 
-from flowctl.engine.devices import canonical, device_matches, parse_device
+from flowctl.engine.devices import canonical, device_matches, short_device
 from flowctl.engine.errors import GraphError, PlacementError
+from flowctl.engine.frames import ROOT, Frames
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.ops.communication import COMPRESSIBLE
 from flowctl.engine.ops.registry import COMMUNICATION, CONTROL, get_op
 from flowctl.engine.partition_loops import add_control_loops
 
 RECV_SCHEDULES = ("asap", "alap")
-
-
-@functools.lru_cache(maxsize=None)
-def short_device(device: str) -> str:
-    """`cpu1` for /job:localhost/task:0/device:cpu:1; `worker2_gpu0` for other jobs and tasks."""
-    d = parse_device(device)
-    base = f"{d.type}{d.index}"
-    return base if (d.job, d.task) == ("localhost", 0) else f"{d.job}{d.task}_{base}"
 
 
 def _link(src: str, dst: str) -> str:
@@ -119,7 +112,8 @@ def partition(graph: Graph, placement: Mapping[str, str], *, nodes: Iterable[str
             else:
                 scheduled[key] = t  # (ALAP places only Recvs of the root frame)
     if recv_schedule == "alap":
-        _schedule_receives(graph, members, where, parts, scheduled, durations or {})
+        anchors_ok = None if frames is None else _live_root_nodes(graph, members, frames)
+        _schedule_receives(graph, members, where, parts, scheduled, durations or {}, anchors_ok)
     for d, g in parts.items():
         try:
             g.check()
@@ -277,7 +271,7 @@ def _devices(graph: Graph, members: list[str], placement: Mapping[str, str]) -> 
 def _add(g: Graph, node: Node, new: bool = False) -> None:
     if node.name in g.nodes:
         raise GraphError(f"partition: node name '{node.name}' is taken; rename the node "
-                         f"(names starting _send/, _recv/, _ctrl/, _feed/ are reserved)")
+                         f"(names starting _send/, _recv/, _ctrl/, _feed/, _loop/, _enter/ are reserved)")
     if new:  # (a copied node's attrs are normalised already; doing it again would copy tensors)
         node.attrs = get_op(node.op).normalize_attrs(node.attrs, node.name)
     g.nodes[node.name] = node
@@ -310,8 +304,26 @@ def _recv_node(graph: Graph, t: _Transfer, compress: bool) -> Node:
     return Node(t.recv, "Recv", attrs=attrs, assigned_device=t.dst)
 
 
+def _live_root_nodes(graph: Graph, members: list[str], frames: Frames) -> set[str]:
+    """The nodes that may delay a root-frame Recv in a graph with control flow (§4.4): those whose
+    outputs live in the root frame (a control edge from inside a loop would pull the Recv into the
+    loop's frame) and that are never dead, i.e. downstream of no cond's Switch in the root frame
+    (a dead control input would make the Recv, and its consumer, dead)."""
+    users = graph.consumers()
+    member_set = set(members)
+    maybe_dead: set[str] = set()
+    todo = [n for n in members if graph.nodes[n].op == "Switch" and frames.exec_frame[n] == ROOT]
+    while todo:
+        n = todo.pop()
+        if n not in maybe_dead:
+            maybe_dead.add(n)
+            todo.extend(u for u in users[n] if u in member_set)
+    return {n for n in members if frames.out_frame[n] == ROOT and n not in maybe_dead}
+
+
 def _schedule_receives(graph: Graph, members: list[str], where: dict[str, str], parts: dict[str, Graph],
-                       transfers: dict[tuple[str, str], _Transfer], durations: Mapping[str, float]) -> None:
+                       transfers: dict[tuple[str, str], _Transfer], durations: Mapping[str, float],
+                       anchors_ok: set[str] | None = None) -> None:
     """§5.2 ASAP/ALAP: give each Recv a control input so it starts shortly before it is needed.
 
     An ASAP pass over the whole (unpartitioned) graph estimates each node's start and finish with
@@ -325,6 +337,8 @@ def _schedule_receives(graph: Graph, members: list[str], where: dict[str, str], 
     Every original edge, every Send (just after its producer) -> Recv (just before c) pair and every
     new u -> Recv edge then points forward in one total order, so the partitioned graph, with the
     rendezvous links, stays acyclic.
+
+    `anchors_ok`: the only nodes u may be (None: any); see `_live_root_nodes`.
     """
     member_set = set(members)
     # (A topological order of the whole graph, restricted to the members, is one of the members.)
@@ -348,7 +362,7 @@ def _schedule_receives(graph: Graph, members: list[str], where: dict[str, str], 
     for dev, qs in queries.items():
         qs.sort(key=lambda q: q[0])
         seen: list[tuple[float, int]] = []
-        mine = iter(n for n in order if where[n] == dev)
+        mine = iter(n for n in order if where[n] == dev and (anchors_ok is None or n in anchors_ok))
         nxt = next(mine, None)
         for pc, t in qs:
             while nxt is not None and pos[nxt] < pc:
@@ -361,6 +375,7 @@ def _schedule_receives(graph: Graph, members: list[str], where: dict[str, str], 
             best_finish, best_pos = seen[k - 1]
             cnode = graph.nodes[c]
             direct = [pos[p] for p in [parse_ref(r)[0] for r in cnode.inputs] + cnode.control_inputs
-                      if p in member_set and where[p] == dev and finish[p] == best_finish]
+                      if p in member_set and where[p] == dev and finish[p] == best_finish
+                      and (anchors_ok is None or p in anchors_ok)]
             chosen = order[max(direct) if direct else best_pos]
             parts[dev].nodes[t.recv].control_inputs.append(chosen)

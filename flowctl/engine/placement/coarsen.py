@@ -63,6 +63,7 @@ def coarsen(graph: Graph, feas: Feasibility, table: CostTable | None = None) -> 
     """Groups for the placers (module docstring). `table` supplies op times and tensor sizes for
     rule (c); without it rule (c) is off."""
     m = _Merging(feas, table)  # phase 1: the colocation groups
+    _merge_loops(graph, m)
     view = _ForwardView(graph, feas, table)
     cheapest_link = _cheapest_transfer(table) if table is not None and len(feas.devices) > 1 else None
     _merge_forward(m, view, graph.topo_order(), cheapest_link)
@@ -71,6 +72,30 @@ def coarsen(graph: Graph, feas: Feasibility, table: CostTable | None = None) -> 
         if nd.follows and nd.follows in feas.index:
             m.union(i, feas.index[nd.follows], f"gradients follow their forward node '{nd.follows}'")
     return m.result()
+
+
+def _merge_loops(graph: Graph, m: "_Merging") -> None:
+    """§4.4: a while loop is placed as a unit. Its body runs once per iteration, so a body split
+    over devices pays a transfer (and a control-loop message) per iteration for every value that
+    crosses; the cost model's loop weights make the unit cost its iterations. A nested loop joins
+    the loop around it. (Nodes a device constraint pins elsewhere stay apart: `union` keeps every
+    hard constraint.)"""
+    from flowctl.engine.frames import ROOT, assign_frames, has_control_flow
+
+    if not has_control_flow(graph.nodes.values()):
+        return
+    frames = assign_frames(graph)
+    anchor: dict[str, int] = {}
+    for name, frame in frames.exec_frame.items():
+        if frame == ROOT or name not in m.feas.index:
+            continue
+        while frames.parent.get(frame, ROOT) != ROOT:
+            frame = frames.parent[frame]
+        i = m.feas.index[name]
+        if frame not in anchor:
+            anchor[frame] = i
+        else:
+            m.union(anchor[frame], i, f"one while loop, '{frame}', is placed as a unit (§4.4)")
 
 
 class _Merging:
