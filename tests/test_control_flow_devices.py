@@ -177,3 +177,29 @@ def test_control_loops_of_two_tasks_with_the_same_local_device_get_distinct_name
     parts = partition(g, placement)
     for d, short in zip(others, ["worker1_cpu0", "worker2_cpu0"]):
         assert f"_loop/while/{short}/merge" in parts[d].nodes
+
+
+@pytest.mark.parametrize("trips", [1, 10])
+def test_the_simulator_charges_a_value_made_in_a_loop_once_per_iteration_it_crosses(trips: int) -> None:
+    """A loop body split over two devices sends its value every iteration (the runtime's Send and
+    Recv run in the frame); an invariant entering the loop crosses once, an Exit's value once."""
+    from flowctl.engine.placement import StaticCostModel
+    from flowctl.engine.placement.simulator import simulate
+
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (64, 64), name="x")
+        w = fc.constant(np.ones((64, 64), np.float32), name="w")
+        out = while_loop(lambda i, h: fc.less(i, fc.constant(np.int32(trips))),
+                         lambda i, h: (i + 1, fc.tanh(fc.matmul(h, w, name="mm"), name="act")),
+                         [fc.constant(np.int32(0)), x], expected_iterations=trips)
+        y = fc.reduce_sum(out[1], name="y")
+    cluster = Cluster.from_spec("2xgpu:k40")
+    a, b = cluster.names
+    placement = {n: a for n in g.nodes}
+    placement["while/act"] = b  # the body's matmul on one GPU, its tanh on the other
+    res = simulate(g, placement, cluster, StaticCostModel(cluster, batch=64), targets=[y.node])
+    moved = {(ls.src, ls.dst): ls.bytes for ls in res.links}
+    per = 64 * 64 * 4
+    assert moved[(a, b)] == trips * per  # mm's output, every iteration
+    assert moved[(b, a)] == trips * per  # act's output back to the loop's NextIteration/Merge

@@ -33,8 +33,11 @@ class Frames:
     def weight(self, node: str) -> float:
         """How many times the node runs per step, as far as stated: the product of the expected
         trip counts of its frame and the frames around it (an unknown count counts as 1)."""
+        return self.frame_weight(self.exec_frame.get(node, ROOT))
+
+    def frame_weight(self, frame: str) -> float:
+        """How many times per step an iteration of `frame` runs (1 for the root frame)."""
         w = 1.0
-        frame = self.exec_frame.get(node, ROOT)
         while frame != ROOT:
             w *= max(1, self.expected.get(frame, 0))
             frame = self.parent[frame]
@@ -52,6 +55,22 @@ def run_counts(graph: Graph) -> dict[str, float]:
         return {}
     fr = assign_frames(graph)
     return {n: fr.weight(n) for n in graph.nodes if fr.exec_frame[n] != ROOT}
+
+
+def output_counts(graph: Graph) -> dict[str, float]:
+    """node -> how many times per step its outputs are produced (1 where absent): a node's run
+    count, except an Exit's, whose value leaves the loop once per run of the frame around it (an
+    Enter's already runs in the frame it is read from). A tensor crossing devices crosses this
+    many times."""
+    if not has_control_flow(graph.nodes.values()):
+        return {}
+    fr = assign_frames(graph)
+    out = {}
+    for n, node in graph.nodes.items():
+        frame = fr.out_frame.get(n, ROOT) if node.op == "Exit" else fr.exec_frame[n]
+        if frame != ROOT:
+            out[n] = fr.frame_weight(frame)
+    return out
 
 
 def assign_frames(graph: Graph, names: Iterable[str] | None = None) -> Frames:

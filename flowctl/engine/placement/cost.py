@@ -27,7 +27,7 @@ from flowctl.engine.cluster import Cluster, Link
 from flowctl.engine.dtypes import itemsize
 from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
-from flowctl.engine.frames import run_counts
+from flowctl.engine.frames import output_counts, run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.registry import CONTROL, SOURCE
 from flowctl.engine.shapes import TensorSpec, concrete
@@ -360,6 +360,9 @@ class CostTable:
     contention: float = 1.0
     # The spread of one op's time around its cost (sd of its log): see simulator.expected_step_time.
     jitter: float = 0.0
+    # [node] how many times per step its outputs cross to another device when they do (a value
+    # made in a loop crosses once per iteration); empty: once each.
+    out_runs: list[float] = field(default_factory=list)
 
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
@@ -438,6 +441,8 @@ class CostTable:
             times = [[max(a, b) for a, b in zip(ri, rs)] for ri, rs in zip(issue, stream)]
         else:
             is_async = []
+        crossings = output_counts(graph)
+        out_runs = [float(crossings.get(n, 1.0)) for n in names] if crossings else []
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
                    host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
-                   float(getattr(model, "jitter", 0.0)))
+                   float(getattr(model, "jitter", 0.0)), out_runs)
