@@ -121,3 +121,37 @@ def test_the_expert_under_a_cap_moves_only_what_no_rule_placed() -> None:
             assert pl[name] == gpu1, name
     assert pl["projection/kernel"] != uncapped["projection/kernel"]
     assert any("what no rule placed was moved" in n for n in pl.notes)
+
+
+def test_nmt_on_two_capped_k40s_does_not_fit_by_its_rules_and_every_placer_says_so() -> None:
+    # NMT's rules pin the encoder to gpu:0 and the decoder to gpu:1; attention + projection (one
+    # colocation group) must join one of them, and either way that device is ~288 MiB over 60% of
+    # the one-device need, although the two devices' memory in all would hold the step.
+    from flowctl.bench.placement import _row, verdict
+
+    loaded = _variant("nmt.yaml", "own", 2)
+    results = _row(loaded, "2xgpu:k40:2135MiB", 64, ("single", "expert", "greedy", "heft"), 1.0, 0, lambda _m: None)
+    assert verdict(results) == "does not fit (rules)", {a: r.get("error", "")[:200] for a, r in results.items()}
+    for alg, r in results.items():
+        e = r["error"]
+        assert e.startswith(f"{alg}: does not fit under the placement rules"), e
+        assert "constraint device='gpu:0' pins" in e and "encoder/lstm_1" in e, e
+        assert "constraint device='gpu:1' pins" in e and "decoder/lstm_1" in e, e
+        assert "(attention, projection)" in e and "MiB over its 2.08 GiB" in e, e
+        assert "the rules, not the memory, keep it from fitting" in e, e
+    sg = build_step(build_model(loaded), step_config(loaded))
+    cluster = cluster_for(step_config(loaded), "2xgpu:k40:2135MiB")
+    with pytest.raises(PlacementError) as info:
+        place(sg.graph, cluster, StaticCostModel(cluster, batch=64), "greedy", targets=[sg.targets[0]])
+    d = info.value.details
+    assert d["kind"] == "rules_overflow" and d["total_capacity"] >= d["one_device_need"]
+    # Both choices for the free group overflow, and by what the message says.
+    assert len({o["devices"][0] for o in d["options"]}) == 2 and all(o["over"] > 0 for o in d["options"])
+    assert [p["device"] for p in d["pins"]] == list(cluster.names[:2])
+
+
+def test_a_placer_that_merely_fails_is_not_called_a_rules_verdict() -> None:
+    from flowctl.bench.placement import verdict
+
+    assert verdict({"single": {"step_ms": 1.0}, "greedy": {"error": "x", "kind": "out_of_memory"}}) == "placer failed"
+    assert verdict({"single": {"step_ms": 1.0}, "expert": {"error": "no expert rules for this model"}}) == "fits"

@@ -34,6 +34,7 @@ from flowctl.engine.placement.explain import Decision, Placement, with_largest
 from flowctl.engine.placement.learned import LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
 from flowctl.engine.placement.memfit import ORDERS, descend, fit_memory
+from flowctl.engine.placement.pinned import fit_under_rules
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
 Rules = Sequence[tuple[str, str]]
@@ -418,24 +419,56 @@ def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str 
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise PlacementError(f"unknown placement algorithm '{algorithm}'{hint} (known: {', '.join(ALGORITHMS)})")
     pb = problem or prepare(graph, cluster, cost_model, targets)
+    try:
+        if algorithm == "learned":
+            seed, alternatives = heuristic_seed(pb, rules, layers)
+            seed = seed if seed.valid else _under_rules(pb, seed, "learned", layers)
+            pl = place_learned(pb, seed, alternatives, layers, learned or LearnedOptions(budget_s=time_budget))
+        else:
+            pl = _one(pb, algorithm, rules, layers, time_budget)
+    except PlacementError as e:
+        if e.details.get("kind") != "out_of_memory":
+            raise
+        fit = fit_under_rules(pb, algorithm, layers)
+        if fit.error is not None:
+            raise fit.error from None
+        if fit.placement is None:
+            raise
+        pl = fit.placement
+    if not pl.valid:
+        pl = _under_rules(pb, pl, algorithm, layers)
+    return pl.check()
+
+
+def _one(pb: Problem, algorithm: str, rules: Rules | None, layers: Mapping[str, str] | None,
+         time_budget: float) -> Placement:
     if algorithm == "single":
-        pl = place_single(pb)
-    elif algorithm == "expert":
+        return place_single(pb)
+    if algorithm == "expert":
         if not rules:
             raise PlacementError("the expert placer needs rules: (glob over node or layer name, device) pairs")
-        pl = place_expert(pb, rules, layers)
-    elif algorithm == "greedy":
-        pl = place_greedy(pb)
-    elif algorithm == "heft":
-        pl = place_heft(pb)
-    elif algorithm == "mincut":
-        pl = place_mincut(pb)
-    elif algorithm == "learned":
-        seed, alternatives = heuristic_seed(pb, rules, layers)
-        pl = place_learned(pb, seed, alternatives, layers, learned or LearnedOptions(budget_s=time_budget))
-    else:
-        pl = place_auto(pb, rules, layers, time_budget)
-    return pl.check()
+        return place_expert(pb, rules, layers)
+    if algorithm == "greedy":
+        return place_greedy(pb)
+    if algorithm == "heft":
+        return place_heft(pb)
+    if algorithm == "mincut":
+        return place_mincut(pb)
+    return place_auto(pb, rules, layers, time_budget)
+
+
+def _under_rules(pb: Problem, pl: Placement, algorithm: str, layers: Mapping[str, str] | None) -> Placement:
+    """A placement that overflows: where device constraints pin part of the step, either a fit
+    the placer missed (pinned.py's search, with a note) or the verdict that the rules leave none
+    (raised); else `pl` as it was (its own check explains the overflow)."""
+    fit = fit_under_rules(pb, algorithm, layers)
+    if fit.error is not None:
+        raise fit.error
+    if fit.placement is None:
+        return pl
+    fit.placement.notes = [f"{algorithm}'s own placement overflows memory "
+                           f"({'; '.join(pl.simulation.problems)})"] + fit.placement.notes
+    return fit.placement
 
 
 def evaluate(graph: Graph, assignment: Mapping[str, str], cluster: Cluster, cost_model: CostModel,
