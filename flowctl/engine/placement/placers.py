@@ -377,13 +377,13 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
 
 def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
                    layers: Mapping[str, str] | None) -> tuple[Placement, dict[str, Any]]:
-    """The best valid placement of the fast placers (exact simulated step), and each one's step
+    """The best valid placement of the other placers (exact simulated step), and each one's step
     or why it failed. When none is valid (memory), the one overflowing least: the penalty on
     overflow then pushes the policy toward placements that fit."""
     best: Placement | None = None
     least: tuple[float, Placement] | None = None
     out: dict[str, Any] = {}
-    for name, fn in _heuristics(pb, rules, layers):
+    for name, fn in _heuristics(pb, rules, layers) + [("mincut", lambda: place_mincut(pb))]:
         pl = _attempt(name, fn, out)
         if pl is None:
             continue
