@@ -31,7 +31,7 @@ from flowctl.engine.placement.simulator import SimResult, fmt_bytes, simulate_ta
 ROUNDS = 12
 DESCENT_ROUNDS = 8  # single-group moves of the last resort
 DESCENT_CANDIDATES = 6  # groups tried per overflowing device and move
-REJOIN_TRIES = 8  # simulations spent rejoining groups split by the moves
+REJOIN_TRIES = 40  # simulations spent rejoining groups split by the moves
 
 
 def footprint(pb: Problem) -> dict[int, tuple[float, float]]:
@@ -120,33 +120,39 @@ def _overflow_of(sim: SimResult) -> float:
 def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: frozenset[int]) -> Placement:
     """After the moves: the largest tensors that now cross devices, each tried without its
     crossing (its consumer's group joins its producer's device, or the other way), kept where the
-    simulator says the step is faster and every device still fits. A group that left for memory
-    often leaves its cheap neighbour behind (a projection moved, its loss not: its logits cross
-    twice a step)."""
+    simulator says the step is faster and every device still fits; after each kept move the
+    crossings are counted again, until REJOIN_TRIES simulations are spent or none helps. A group
+    that left for memory often leaves its cheap neighbour behind (a projection moved, its loss
+    not: its logits cross twice a step)."""
     t, co = pb.table, pb.coarse
-    dev = list(pl.device_index)
-    crossing: dict[tuple[int, int], int] = {}
-    for i, ins in enumerate(t.inputs):
-        for j, p in ins:
-            if dev[j] != dev[i]:
-                a, b = pb.step_group[j], pb.step_group[i]
-                crossing[(a, b)] = crossing.get((a, b), 0) + t.out_bytes[j][p]
-    gd = {g: dev[i] for i, g in enumerate(pb.step_group)}
-    best, best_t = gd, pl.step_time
+    gd = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
+    best, best_t = dict(gd), pl.step_time
     tried = 0
-    for (a, b), _ in sorted(crossing.items(), key=lambda x: -x[1]):
-        if tried >= REJOIN_TRIES:
-            break
-        for g, x in ((b, best[a]), (a, best[b])):
-            if best[g] == x or x not in co.feasible_idx[g] or g in fixed:
-                continue
-            tried += 1
-            trial = {**best, g: x}
-            sim = simulate_table(t, [trial[k] for k in pb.step_group], pb.cluster)
-            if sim.valid and sim.step_time < best_t:
-                best, best_t = trial, sim.step_time
+    rejected: set[tuple[int, int]] = set()
+    improved = True
+    while improved and tried < REJOIN_TRIES:
+        improved = False
+        crossing: dict[tuple[int, int], int] = {}
+        for i, ins in enumerate(t.inputs):
+            b = pb.step_group[i]
+            for j, p in ins:
+                a = pb.step_group[j]
+                if best[a] != best[b]:
+                    crossing[(a, b)] = crossing.get((a, b), 0) + t.out_bytes[j][p]
+        for (a, b), _ in sorted(crossing.items(), key=lambda x: (-x[1], x[0])):
+            if tried >= REJOIN_TRIES or improved:
                 break
-    if best is gd:
+            for g, x in ((b, best[a]), (a, best[b])):
+                if best[g] == x or x not in co.feasible_idx[g] or g in fixed or (g, x) in rejected:
+                    continue
+                tried += 1
+                trial = {**best, g: x}
+                sim = simulate_table(t, [trial[k] for k in pb.step_group], pb.cluster)
+                if sim.valid and sim.step_time < best_t:
+                    best, best_t, improved = trial, sim.step_time, True
+                    break
+                rejected.add((g, x))
+    if best == gd:
         return pl
     moved = sum(1 for g in gd if gd[g] != best[g])
     notes = pl.notes + [f"memory: {moved} group(s) rejoined a neighbour across a large crossing tensor "

@@ -200,7 +200,14 @@ def _fit_expert(pb: Problem, pl: Placement, ruled: set[int], started: float) -> 
         if feas.group_of[i] in ruled:
             fixed.add(g)
     notes = ["memory: the rules' placement overflows; what no rule placed was moved"]
-    return fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
+    fit = fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
+    if fit.valid or not fixed:
+        return fit
+    # The expert's rules are its preferences, not device constraints (those narrow the feasible
+    # sets, which memfit keeps): where moving only what they left open cannot fit, what they
+    # placed moves too (NMT's layer-per-GPU stages on two capped H100s overflow gpu:0 otherwise).
+    notes = ["memory: the rules' placement overflows even with what no rule placed moved; ruled groups moved too"]
+    return fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes)
 
 
 def _resolve_rule(pattern: str, dev: str, devices: list[str]) -> list[int]:
