@@ -206,8 +206,11 @@ def _fit_expert(pb: Problem, pl: Placement, ruled: set[int], started: float) -> 
     # The expert's rules are its preferences, not device constraints (those narrow the feasible
     # sets, which memfit keeps): where moving only what they left open cannot fit, what they
     # placed moves too (NMT's layer-per-GPU stages on two capped H100s overflow gpu:0 otherwise).
-    notes = ["memory: the rules' placement overflows even with what no rule placed moved; ruled groups moved too"]
-    return fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes)
+    note = "memory: the rules' placement overflows even with what no rule placed moved; ruled groups moved too"
+    fit = fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, [note])
+    if note not in fit.notes:  # memfit's last resort keeps the notes of the placement it started from
+        fit.notes.insert(0, note)
+    return fit
 
 
 def _resolve_rule(pattern: str, dev: str, devices: list[str]) -> list[int]:
