@@ -120,15 +120,14 @@ def _overflow_of(sim: SimResult) -> float:
 def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: frozenset[int]) -> Placement:
     """After the moves: the largest tensors that now cross devices, each tried without its
     crossing (its consumer's group joins its producer's device, or the other way), kept where the
-    simulator says the step is faster and every device still fits; after each kept move the
-    crossings are counted again, until REJOIN_TRIES simulations are spent or none helps. A group
+    simulator says the step is faster and every device still fits; passes over the crossings
+    (counted again after each) repeat while one helps, within REJOIN_TRIES simulations. A group
     that left for memory often leaves its cheap neighbour behind (a projection moved, its loss
     not: its logits cross twice a step)."""
     t, co = pb.table, pb.coarse
     gd = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
     best, best_t = dict(gd), pl.step_time
     tried = 0
-    rejected: set[tuple[int, int]] = set()
     improved = True
     while improved and tried < REJOIN_TRIES:
         improved = False
@@ -140,10 +139,10 @@ def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: f
                 if best[a] != best[b]:
                     crossing[(a, b)] = crossing.get((a, b), 0) + t.out_bytes[j][p]
         for (a, b), _ in sorted(crossing.items(), key=lambda x: (-x[1], x[0])):
-            if tried >= REJOIN_TRIES or improved:
+            if tried >= REJOIN_TRIES:
                 break
             for g, x in ((b, best[a]), (a, best[b])):
-                if best[g] == x or x not in co.feasible_idx[g] or g in fixed or (g, x) in rejected:
+                if best[g] == x or x not in co.feasible_idx[g] or g in fixed:
                     continue
                 tried += 1
                 trial = {**best, g: x}
@@ -151,7 +150,6 @@ def _rejoin(pb: Problem, pl: Placement, algorithm: str, started: float, fixed: f
                 if sim.valid and sim.step_time < best_t:
                     best, best_t, improved = trial, sim.step_time, True
                     break
-                rejected.add((g, x))
     if best == gd:
         return pl
     moved = sum(1 for g in gd if gd[g] != best[g])
