@@ -121,7 +121,7 @@ def _one_move(pb: Problem, pl: Placement, algorithm: str, decisions: list[Decisi
               notes: list[str], fixed: frozenset[int]) -> Placement | None:
     """Where one device overflows: the fastest placement that fits after moving one group off it
     (the ONE_MOVE_CANDIDATES holding the most bytes there, each to every other device it can run
-    on), or None. The orders above move the fewest groups that fit, not the cheapest: a placer's
+    on), else after swapping one of them for a smaller group of the device it reaches; or None. The orders above move the fewest groups that fit, not the cheapest: a placer's
     choice over a little (nmt_free on 8 capped H100s: heft's gpu:0 282 MiB over) loses least by
     moving the one group whose absence costs least."""
     sim = pl.simulation
@@ -133,20 +133,33 @@ def _one_move(pb: Problem, pl: Placement, algorithm: str, decisions: list[Decisi
     gd = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
     mine = sorted((g for g in fp if gd[g] == d and g not in fixed and len(co.feasible_idx[g]) > 1),
                   key=lambda g: (-fp[g][0], g))[:ONE_MOVE_CANDIDATES]
-    best: tuple[float, int, int] | None = None
+    best: tuple[float, dict[int, int]] | None = None
     for g in mine:
         for x in sorted(co.feasible_idx[g] - {d}):
             trial = {**gd, g: x}
             s_ = simulate_table(pb.table, [trial[k] for k in pb.step_group], pb.cluster)
             if s_.valid and (best is None or s_.step_time < best[0]):
-                best = (s_.step_time, g, x)
+                best = (s_.step_time, {g: x})
+    if best is None:
+        # Where the group then overflows the device it reaches (two devices with little to
+        # spare), a swap: a smaller group of that device comes back in exchange.
+        for g in mine:
+            for x in sorted(co.feasible_idx[g] - {d}):
+                theirs = sorted((h for h in fp if gd[h] == x and h not in fixed and d in co.feasible_idx[h]
+                                 and fp[h][0] < fp[g][0]), key=lambda h: (-fp[h][0], h))[:ONE_MOVE_CANDIDATES]
+                for h in theirs:
+                    trial = {**gd, g: x, h: d}
+                    s_ = simulate_table(pb.table, [trial[k] for k in pb.step_group], pb.cluster)
+                    if s_.valid and (best is None or s_.step_time < best[0]):
+                        best = (s_.step_time, {g: x, h: d})
     if best is None:
         return None
-    _, g, x = best
-    decisions = decisions + [pb.decision(g, x, f"moved off {pb.devices[d]} to fit memory (the one move that "
-                                               f"fits and costs least)")]
-    return finalize(pb, algorithm, {**gd, g: x}, decisions, started,
-                    notes + [f"memory: one group, {fmt_bytes(fp[g][0])}, moved off {pb.devices[d]}"])
+    moves = best[1]
+    decisions = decisions + [pb.decision(g, x, "moved to fit memory (the move or swap that fits and costs least)")
+                             for g, x in moves.items()]
+    what = " and ".join(f"{fmt_bytes(fp[g][0])} to {pb.devices[x]}" for g, x in moves.items())
+    return finalize(pb, algorithm, {**gd, **moves}, decisions, started,
+                    notes + [f"memory: {len(moves)} group(s) moved ({what}) where {pb.devices[d]} overflowed"])
 
 
 def _overflow_of(sim: SimResult) -> float:
