@@ -157,7 +157,10 @@ def _verdict(pb: Problem, pinned: list[Pin], tried: list[int], outcomes: list[tu
                 best[d] = o
         tries = "; ".join(f"on {d}, {o['device']} needs {fmt_bytes(o['peak'])} ({fmt_bytes(o['over'])} over its "
                           f"{fmt_bytes(o['capacity'])})" for d, o in best.items())
-        message += (f"The largest group they leave free, '{first.members[0]}' and {len(first.members) - 1} more "
+        in_step = set(t.names)
+        shown = next((n for n in first.members if n in in_step and not n.endswith("/initial_value")),
+                     first.members[0])
+        message += (f"The largest group they leave free, '{shown}' and {len(first.members) - 1} more "
                     f"({_few(_layers_of(first.members, layers))}), goes to one of {len(best)} devices: {tries} -- "
                     f"with everything else that may move moved to where memory is free. ")
     else:
