@@ -56,6 +56,7 @@ from flowctl.engine.placement.problem import Problem, build_placement
 from flowctl.engine.placement.simulator import simulate_table
 
 PENALTY = 3.0
+HEURISTICS = "valid_heuristics"  # Problem.memo: the other placers' valid placements (placers.heuristic_seed)
 EXPLORE_MAX = 30.0
 Progress = Callable[[int, float, float], None]  # (step, best step time s, seconds elapsed)
 Measure = Callable[[dict[str, str]], float]  # an assignment (node -> device) -> measured seconds per step
@@ -73,7 +74,7 @@ class LearnedOptions:
     baseline_decay: float = 0.9
     imitation: int = 20
     keep_best: float = 0.05  # self-imitation: weight pulling the policy toward the best placement seen
-    max_units: int = 40
+    max_units: int = 24
     polish_sims: int = 600  # simulations for the local search after training (0: none)
     checkpoint: str | None = None  # a .npz path: saved every `checkpoint_every` steps and at the end
     checkpoint_every: int = 10
@@ -128,6 +129,7 @@ class Trainer:
                                  f"{len(pb.devices)}")
         self.pb, self.opts = pb, opts
         units = build_units(pb, layers, opts.max_units, seed_placement.device_index)
+        self.layers, self.seed_dev = layers, list(seed_placement.device_index)
         ops, shp, adj = features(pb, units)
         self.policy = Policy(len(units), opts.seed, lr=opts.lr)
         self.feeds = self.policy.feeds(ops, shp, adj, device_mask(pb, units))
@@ -234,35 +236,59 @@ class Trainer:
         r.step += 1
 
     # ------------------------------------------------------------------ local search
-    def polish(self) -> tuple[np.ndarray, float, str]:
+    def polish(self) -> tuple[dict[str, str], float, str]:
         """Hill climbing after training, one unit moved at a time (the first move that shortens
-        the step is kept; passes repeat while one does), from the best placement seen and from
-        the seed projected onto units, within `polish_sims` new simulations in all. REINFORCE
-        leaves its best a move or two from a local optimum (NMT without constraints over 4 K40s:
-        184 -> 175 ms in ~70 simulations), and under a memory cap the policy collapses early on
-        the few valid placements it found. Deterministic: the moves are tried in a fixed order."""
-        r = self.run
-        best, best_t, how = np.asarray(r.best_units, dtype=np.int64), r.best_step, ""
-        if self.measuring:
-            return best, best_t, how  # each move would be a run on the devices
-        limit = r.simulated + self.opts.polish_sims
-        for name, start in (("best", best), ("seed", self.target)):
-            cur, cur_t = start.copy(), self.evaluate(start)
+        the step is kept; passes repeat while one does), over units twice as fine as the
+        policy's, from the best placement seen, the seed, and every other placer's valid
+        placement, within `polish_sims` new simulations. REINFORCE leaves its best a move or
+        two from a local optimum (NMT without constraints over 4 K40s: 184 -> 175 ms in ~70
+        simulations); under a memory cap the policy collapses early on the few valid
+        placements it found, and finer units reach cuts the policy's cannot (lstm_lm on two
+        capped K40s: 17.34 ms from heft's placement over 48 units; the policy's best, 17.70),
+        while a policy over that many units learns slower (lstm_lm on two H100s: 3.52 ms over
+        40 units, 3.04 over 24). Deterministic: starts and moves in a fixed order. Returns the
+        best assignment, its step, and how it was found ("" where nothing beat the policy's)."""
+        r, pb = self.run, self.pb
+        best_units = np.asarray(r.best_units, dtype=np.int64)
+        best_t, how = r.best_step, ""
+        assignment = r.units.assignment(pb, best_units)
+        if self.measuring or self.opts.polish_sims <= 0:
+            return assignment, best_t, how  # under measured rewards each move would be a run
+        fine = build_units(pb, self.layers, 2 * self.opts.max_units, self.seed_dev)
+        left = self.opts.polish_sims
+
+        def step_of(u: np.ndarray) -> float:
+            sim = simulate_table(pb.table, fine.node_devices(u).tolist(), pb.cluster)
+            r.simulated += 1
+            return sim.step_time if sim.valid else float("inf")
+
+        starts = [("the best placement seen", r.units.node_devices(best_units).tolist()),
+                  (f"the seed ({r.seed_algorithm})", self.seed_dev)]
+        starts += [(pl.algorithm, list(pl.device_index)) for pl in pb.memo.get(HEURISTICS, [])
+                   if pl.algorithm != r.seed_algorithm]
+        for name, start in starts:
+            if left <= 0:
+                break
+            cur = fine.project(pb, start)
+            cur_t = step_of(cur)
+            left -= 1
             improved = True
-            while improved and r.simulated < limit:
+            while improved and left > 0:
                 improved = False
                 for u in range(len(cur)):
-                    for d in sorted(r.units.feasible[u]):
-                        if d == cur[u] or r.simulated >= limit:
+                    for d in sorted(fine.feasible[u]):
+                        if d == cur[u] or left <= 0:
                             continue
                         trial = cur.copy()
                         trial[u] = d
-                        t = self.evaluate(trial)
+                        left -= 1
+                        t = step_of(trial)
                         if t < cur_t:
                             cur, cur_t, improved = trial, t, True
             if cur_t < best_t:
-                best, best_t, how = cur, cur_t, f"local search from the {name}"
-        return best, best_t, how
+                best_t, how = cur_t, f"local search from {name}"
+                assignment = fine.assignment(pb, cur)
+        return assignment, best_t, how
 
     # ------------------------------------------------------------------ checkpoints
     def fingerprint(self) -> dict[str, Any]:
@@ -336,7 +362,8 @@ def place_learned(pb: Problem, seed: Placement, alternatives: dict[str, Any],
     run = tr.train()
     units = run.units
     probs = tr.policy.distribution(tr.feeds)
-    best, best_step, polished = tr.polish()
+    assignment, best_step, polished = tr.polish()
+    best = np.asarray(run.best_units, dtype=np.int64)
     if polished:
         run.best_step = best_step
     notes = [f"learned: {run.step} updates ({min(run.step, opts.imitation)} imitating {seed.algorithm}), "
@@ -365,8 +392,10 @@ def place_learned(pb: Problem, seed: Placement, alternatives: dict[str, Any],
         for u, atoms in enumerate(units.groups):
             d = int(best[u])
             for g in dict.fromkeys(units.atoms[a][0] for a in atoms):
-                decisions.append(pb.decision(g, d, f"policy unit {u} ({units.names[u]}): p={probs[u, d]:.2f}"))
-        pl = build_placement(pb, "learned", units.assignment(pb, best), decisions, started, notes)
+                where = pb.devices.index(assignment[pb.coarse.groups[g].members[0]])
+                why = f"policy unit {u} ({units.names[u]}): p={probs[u, d]:.2f}" if where == d else polished
+                decisions.append(pb.decision(g, where, why))
+        pl = build_placement(pb, "learned", assignment, decisions, started, notes)
         pl.measured_step = run.best_step if tr.measuring else None
     pl.algorithm = "learned"
     pl.alternatives = {**alternatives, "learned_curve": run.curve(), "units": describe(units)}

@@ -31,7 +31,7 @@ from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
-from flowctl.engine.placement.learned import LearnedOptions, place_learned
+from flowctl.engine.placement.learned import HEURISTICS, LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
 from flowctl.engine.placement.memfit import ORDERS, descend, fit_memory
 from flowctl.engine.placement.pinned import fit_under_rules
@@ -389,7 +389,9 @@ def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
                    layers: Mapping[str, str] | None) -> tuple[Placement, dict[str, Any]]:
     """The best valid placement of the other placers (exact simulated step), and each one's step
     or why it failed. When none is valid (memory), the one overflowing least: the penalty on
-    overflow then pushes the policy toward placements that fit."""
+    overflow then pushes the policy toward placements that fit. The valid ones are kept in
+    `pb.memo[HEURISTICS]`: the learned placer's local search starts from each."""
+    pb.memo[HEURISTICS] = []
     best: Placement | None = None
     least: tuple[float, Placement] | None = None
     out: dict[str, Any] = {}
@@ -397,6 +399,8 @@ def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
         pl = _attempt(name, fn, out)
         if pl is None:
             continue
+        if pl.valid:
+            pb.memo.setdefault(HEURISTICS, []).append(pl)
         if pl.valid and (best is None or pl.step_time < best.step_time):
             best = pl
         over = sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices)
