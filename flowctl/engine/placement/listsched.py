@@ -46,9 +46,11 @@ def place_greedy(pb: Problem, priority: str = "ready") -> Placement:
     for attempt in range(RETRIES + 1):
         group_dev, decisions = list_schedule(pb, priority, caps)
         pl = finalize(pb, name, group_dev, decisions, started, list(notes))
-        if pl.valid:
+        if pl.valid and attempt == 0:
             return pl
         walks.append((pl, group_dev, decisions))
+        if pl.valid:
+            break
         if attempt == RETRIES:
             break
         # The walk's memory estimate falls short of the simulated peak (tensors live longer in
@@ -60,10 +62,11 @@ def place_greedy(pb: Problem, priority: str = "ready") -> Placement:
                 caps[d] *= 0.95 * s.capacity / s.peak_memory
                 notes.append(f"retry {attempt + 1}: {s.device} overflowed by "
                              f"{fmt_bytes(s.peak_memory - s.capacity)}; its budget lowered to {fmt_bytes(caps[d])}")
-    # No walk fits: each is repaired by memfit and the fastest that fits wins. The lowered budgets
-    # distort a walk (lstm_lm on two capped H100s: heft's third walk, repaired, 6.3 ms; its first,
-    # 4.0), so the first walk is repaired too, and the walk without any budget: the placer's own
-    # choice, moved only as far as memory demands.
+    # The first walk overflowed: each walk is repaired by memfit (a valid retry stays as it is)
+    # and the fastest that fits wins. The lowered budgets distort a walk (lstm_lm on two capped
+    # H100s: heft's third walk, repaired, 6.3 ms; its first, 4.0; Inception on two capped K40s:
+    # greedy's valid retry 311 ms), so the first walk is repaired too, and the walk without any
+    # budget: the placer's own choice, moved only as far as memory demands.
     group_dev, decisions = list_schedule(pb, priority, [float("inf")] * len(pb.devices))
     free = finalize(pb, name, group_dev, decisions, started, ["the walk without memory budgets, then fitted"])
     walks.append((free, group_dev, decisions))
