@@ -182,7 +182,8 @@ def test_on_the_default_placement_suite_learned_is_never_slower_than_the_best_ot
 @pytest.mark.slow
 def test_learned_beats_the_expert_on_unconstrained_nmt_over_4_k40_by_10_percent() -> None:
     # The target: NMT without constraints over 4 x K40, the expert (one LSTM layer per
-    # GPU) at 209.2 ms. Seed 0 first gets below 0.9 x that at step 655 (the test: 113 s in all).
+    # GPU) at 209.2 ms (208.1 now). Seed 0 with 100 updates and the local search after them:
+    # 168.4 ms, 0.81 x (the policy alone took 655 updates to get below 0.9 x).
     from flowctl.bench.placement import _variant
     from flowctl.spec.model import build_model
     from flowctl.training.program import build_step, cluster_for, step_config
@@ -193,7 +194,7 @@ def test_learned_beats_the_expert_on_unconstrained_nmt_over_4_k40_by_10_percent(
     cm = StaticCostModel(cl, batch=64)
     args = dict(targets=[sg.targets[0]], rules=step_config(loaded).expert_rules(), layers=sg.model.layer_of())
     expert = place(sg.graph, cl, cm, "expert", **args)
-    pl = place(sg.graph, cl, cm, "learned", learned=LearnedOptions(seed=0, steps=700), **args)
+    pl = place(sg.graph, cl, cm, "learned", learned=LearnedOptions(seed=0, steps=100), **args)
     assert pl.step_time <= 0.9 * expert.step_time, (pl.step_time, expert.step_time)
 
 

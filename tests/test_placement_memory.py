@@ -122,3 +122,105 @@ def test_the_expert_under_a_cap_moves_only_what_no_rule_placed() -> None:
             assert pl[name] == gpu1, name
     assert pl["projection/kernel"] != uncapped["projection/kernel"]
     assert any("what no rule placed was moved" in n for n in pl.notes)
+
+
+def test_nmt_on_two_capped_k40s_does_not_fit_by_its_rules_and_every_placer_says_so() -> None:
+    # NMT's rules pin the encoder to gpu:0 and the decoder to gpu:1; attention + projection (one
+    # colocation group) must join one of them, and either way that device is ~288 MiB over 60% of
+    # the one-device need, although the two devices' memory in all would hold the step.
+    from flowctl.bench.placement import _row, verdict
+
+    loaded = _variant("nmt.yaml", "own", 2)
+    results = _row(loaded, "2xgpu:k40:2135MiB", 64, ("single", "expert", "greedy", "heft"), 1.0, 0, lambda _m: None)
+    assert verdict(results) == "does not fit (rules)", {a: r.get("error", "")[:200] for a, r in results.items()}
+    for alg, r in results.items():
+        e = r["error"]
+        assert e.startswith(f"{alg}: does not fit under the placement rules"), e
+        assert "constraint device='gpu:0' pins" in e and "encoder/lstm_1" in e, e
+        assert "constraint device='gpu:1' pins" in e and "decoder/lstm_1" in e, e
+        assert "(attention, projection)" in e and "MiB over its 2.08 GiB" in e, e
+        assert "the rules, not the memory, keep it from fitting" in e, e
+    sg = build_step(build_model(loaded), step_config(loaded))
+    cluster = cluster_for(step_config(loaded), "2xgpu:k40:2135MiB")
+    with pytest.raises(PlacementError) as info:
+        place(sg.graph, cluster, StaticCostModel(cluster, batch=64), "greedy", targets=[sg.targets[0]])
+    d = info.value.details
+    assert d["kind"] == "rules_overflow" and d["total_capacity"] >= d["one_device_need"]
+    # Both choices for the free group overflow, and by what the message says.
+    assert len({o["devices"][0] for o in d["options"]}) == 2 and all(o["over"] > 0 for o in d["options"])
+    assert [p["device"] for p in d["pins"]] == list(cluster.names[:2])
+
+
+def test_a_placer_that_merely_fails_is_not_called_a_rules_verdict() -> None:
+    from flowctl.bench.placement import verdict
+
+    assert verdict({"single": {"step_ms": 1.0}, "greedy": {"error": "x", "kind": "out_of_memory"}}) == "placer failed"
+    assert verdict({"single": {"step_ms": 1.0}, "expert": {"error": "no expert rules for this model"}}) == "fits"
+
+
+def _lstm_lm_learned(devices: str) -> float:
+    loaded = _variant("lstm_lm.yaml", "own", 2)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    c = cluster_for(step_config(loaded), devices)
+    pl = place(sg.graph, c, StaticCostModel(c, batch=20), "learned", targets=[sg.targets[0]],
+               layers=sg.model.layer_of(), learned=LearnedOptions(steps=150))
+    assert pl.valid
+    return pl.step_time
+
+
+def test_learned_on_lstm_lm_over_two_k40s_capped_at_60_percent_stays_within_10_percent_of_uncapped() -> None:
+    # bench placement's lstm_lm/2xk40 row (112 MiB: 60% of the one-device need). The policy alone
+    # collapses early under the cap on the few valid placements it found (+11% over uncapped); the
+    # local search after training, over units twice as fine, from every placer's placement, takes it
+    # the rest of the way (the policy alone
+    # and no local search: 17.79 vs 15.98 ms; now 17.50 vs 15.97).
+    uncapped = _lstm_lm_learned("2xgpu:k40")
+    capped = _lstm_lm_learned("2xgpu:k40:112MiB")
+    assert capped <= 1.10 * uncapped, (capped, uncapped)
+
+
+@pytest.mark.parametrize("model, spec, variant, batch, cap", [("lstm_lm", "lstm_lm.yaml", "own", 20, "112MiB"),
+                                                               ("lstm4", "lstm4.yaml", "lstm4", 20, "23MiB")])
+def test_list_schedulers_on_two_capped_h100s_fit_within_10_percent_of_uncapped(model: str, spec: str, variant: str,
+                                                                                 batch: int, cap: str) -> None:
+    # bench placement's 2xh100 capped rows: heft's walks with lowered budgets, repaired, gave
+    # 6.33 ms on lstm_lm (4.0 uncapped) and no fit at all on lstm4; the walk without budgets,
+    # repaired, is the placer's own choice moved only as far as memory demands.
+    loaded = _variant(spec, variant, 2)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    for alg in ("greedy", "heft"):
+        steps = []
+        for devices in ("2xgpu:h100", f"2xgpu:h100:{cap}"):
+            c = cluster_for(step_config(loaded), devices)
+            pl = place(sg.graph, c, StaticCostModel(c, batch=batch), alg, targets=[sg.targets[0]])
+            steps.append(pl.step_time)
+        assert steps[1] <= 1.10 * steps[0], (model, alg, steps)
+
+
+def test_the_expert_moves_ruled_stages_too_where_moving_the_rest_cannot_fit() -> None:
+    # NMT's layer-per-GPU stages wrapped over two H100s capped at 60% of the one-device need
+    # (bench placement's nmt_free/2xh100 row): moving only what no rule placed leaves gpu:0 over.
+    loaded = _variant("nmt.yaml", "nmt_free", 2)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    rules, layers = step_config(loaded).expert_rules(), sg.model.layer_of()
+    steps = []
+    for devices in ("2xgpu:h100", "2xgpu:h100:2135MiB"):
+        c = cluster_for(step_config(loaded), devices)
+        pl = place(sg.graph, c, StaticCostModel(c, batch=64), "expert", targets=[sg.targets[0]], rules=rules,
+                   layers=layers)
+        steps.append(pl.step_time)
+    assert steps[1] <= 1.10 * steps[0], steps
+    assert any("ruled groups moved too" in n for n in pl.notes)
+
+
+def test_heft_over_a_little_moves_the_one_group_that_costs_least() -> None:
+    # nmt_free on 4 H100s capped at 60% of the one-device need: heft's own placement is 282 MiB
+    # over on gpu:0; the fewest-groups orders moved a 2.06 GiB group and lost 9.5% (23.62 vs
+    # 21.57 ms); moving the one group whose absence costs least loses under 1%.
+    loaded = _variant("nmt.yaml", "nmt_free", 4)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    steps = []
+    for devices in ("4xgpu:h100", "4xgpu:h100:2135MiB"):
+        c = cluster_for(step_config(loaded), devices)
+        steps.append(place(sg.graph, c, StaticCostModel(c, batch=64), "heft", targets=[sg.targets[0]]).step_time)
+    assert steps[1] <= 1.05 * steps[0], steps

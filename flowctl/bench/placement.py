@@ -21,6 +21,7 @@ import yaml
 from flowctl.engine.errors import FlowctlError
 from flowctl.engine.placement import StaticCostModel, place, prepare
 from flowctl.engine.placement.learned import LearnedOptions
+from flowctl.engine.placement.pinned import RULES_OVERFLOW
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import build_model
 from flowctl.training.program import build_step, cluster_for, step_config
@@ -88,7 +89,9 @@ def _row(loaded: LoadedSpec, devices: str, batch: int, placers: tuple[str, ...],
             pl = place(sg.graph, cluster, cost, alg, targets=targets, rules=rules, layers=layers, problem=pb,
                        learned=opts)
         except FlowctlError as e:
-            out[alg] = {"error": str(e)[:300], "seconds": time.perf_counter() - started}
+            kind = getattr(e, "details", {}).get("kind")
+            out[alg] = {"error": str(e) if kind == RULES_OVERFLOW else str(e)[:300], "kind": kind,
+                        "seconds": time.perf_counter() - started}
             continue
         r: dict[str, Any] = {"step_ms": pl.step_time * 1e3, "seconds": time.perf_counter() - started,
                              "peak_memory": [d.peak_memory for d in pl.devices]}
@@ -99,6 +102,15 @@ def _row(loaded: LoadedSpec, devices: str, batch: int, placers: tuple[str, ...],
                           for h in curve[:: max(1, len(curve) // 50)]]
         out[alg] = r
     return out
+
+
+def verdict(results: dict[str, dict[str, Any]]) -> str:
+    """"fits", "does not fit (rules)" where every placer that ran failed because the spec's device
+    constraints leave no placement that fits (pinned.py), else "placer failed" where one failed."""
+    ran = {a: r for a, r in results.items() if "step_ms" in r or r.get("kind")}
+    if ran and all(r.get("kind") == RULES_OVERFLOW for r in ran.values()):
+        return "does not fit (rules)"
+    return "fits" if all("step_ms" in r for r in ran.values()) else "placer failed"
 
 
 def single_device_need(loaded: LoadedSpec, devices: str, batch: int) -> int:
@@ -159,6 +171,7 @@ def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, lear
                    "best_other_placer": min((v, a) for a, v in steps.items() if a != "learned")[1] if others else None}
             if need is not None:
                 row["single_device_need"] = need
+            row["verdict"] = verdict(results)
             if "learned" in steps and others:
                 row["learned_vs_best_other"] = steps["learned"] / min(others)
             out_rows.append(row)
@@ -166,4 +179,4 @@ def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, lear
             "cap_share": CAP, "rows": out_rows}
 
 
-__all__ = ["placement_suite", "select_rows", "single_device_need"]
+__all__ = ["placement_suite", "select_rows", "single_device_need", "verdict"]

@@ -112,12 +112,16 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
         cells = []
         for alg in PLACERS:
             x = row["results"].get(alg)
-            cells.append("-" if x is None else "x" if "error" in x else f"{x['step_ms']:,.1f}")
+            cells.append("-" if x is None else "rules" if x.get("kind") == "rules_overflow" else "x" if "error" in x
+                         else f"{x['step_ms']:,.1f}")
         ratio = row.get("learned_vs_best_other")
         dev = row["devices"].replace("gpu:", "").split(":")[0] + (" cap" if row["capped"] else "")
-        rows.append([row["model"], dev, *cells, "-" if ratio is None else f"{ratio:.3f}"])
+        last = row.get("verdict") if row.get("verdict") == "does not fit (rules)" else \
+            "-" if ratio is None else f"{ratio:.3f}"
+        rows.append([row["model"], dev, *cells, last])
     cols = [Col("model"), Col("devices", "right")] + [Col(c, "right", True) for c in (*PLACERS, "learned/best")]
-    console.print(fit("predicted step ms (simulated; x: failed, see --json; cap: 60% of the one-device need)",
+    console.print(fit("predicted step ms (simulated; x: failed, rules: the spec's device constraints leave no fit, "
+                      "see --json; cap: 60% of the one-device need)",
                       cols, rows, console.width))
 
 

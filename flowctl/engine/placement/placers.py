@@ -31,9 +31,10 @@ from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
-from flowctl.engine.placement.learned import LearnedOptions, place_learned
+from flowctl.engine.placement.learned import HEURISTICS, LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
 from flowctl.engine.placement.memfit import ORDERS, descend, fit_memory
+from flowctl.engine.placement.pinned import fit_under_rules
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
 Rules = Sequence[tuple[str, str]]
@@ -199,7 +200,17 @@ def _fit_expert(pb: Problem, pl: Placement, ruled: set[int], started: float) -> 
         if feas.group_of[i] in ruled:
             fixed.add(g)
     notes = ["memory: the rules' placement overflows; what no rule placed was moved"]
-    return fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
+    fit = fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
+    if fit.valid or not fixed:
+        return fit
+    # The expert's rules are its preferences, not device constraints (those narrow the feasible
+    # sets, which memfit keeps): where moving only what they left open cannot fit, what they
+    # placed moves too (NMT's layer-per-GPU stages on two capped H100s overflow gpu:0 otherwise).
+    note = "memory: the rules' placement overflows even with what no rule placed moved; ruled groups moved too"
+    fit = fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, [note])
+    if note not in fit.notes:  # memfit's last resort keeps the notes of the placement it started from
+        fit.notes.insert(0, note)
+    return fit
 
 
 def _resolve_rule(pattern: str, dev: str, devices: list[str]) -> list[int]:
@@ -376,16 +387,20 @@ def place_auto(pb: Problem, rules: Rules | None = None, layers: Mapping[str, str
 
 def heuristic_seed(pb: Problem, rules: Sequence[tuple[str, str]] | None,
                    layers: Mapping[str, str] | None) -> tuple[Placement, dict[str, Any]]:
-    """The best valid placement of the fast placers (exact simulated step), and each one's step
+    """The best valid placement of the other placers (exact simulated step), and each one's step
     or why it failed. When none is valid (memory), the one overflowing least: the penalty on
-    overflow then pushes the policy toward placements that fit."""
+    overflow then pushes the policy toward placements that fit. The valid ones are kept in
+    `pb.memo[HEURISTICS]`: the learned placer's local search starts from each."""
+    pb.memo[HEURISTICS] = []
     best: Placement | None = None
     least: tuple[float, Placement] | None = None
     out: dict[str, Any] = {}
-    for name, fn in _heuristics(pb, rules, layers):
+    for name, fn in _heuristics(pb, rules, layers) + [("mincut", lambda: place_mincut(pb))]:
         pl = _attempt(name, fn, out)
         if pl is None:
             continue
+        if pl.valid:
+            pb.memo.setdefault(HEURISTICS, []).append(pl)
         if pl.valid and (best is None or pl.step_time < best.step_time):
             best = pl
         over = sum(max(0, s.peak_memory - s.capacity) for s in pl.simulation.devices)
@@ -418,24 +433,56 @@ def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str 
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise PlacementError(f"unknown placement algorithm '{algorithm}'{hint} (known: {', '.join(ALGORITHMS)})")
     pb = problem or prepare(graph, cluster, cost_model, targets)
+    try:
+        if algorithm == "learned":
+            seed, alternatives = heuristic_seed(pb, rules, layers)
+            seed = seed if seed.valid else _under_rules(pb, seed, "learned", layers)
+            pl = place_learned(pb, seed, alternatives, layers, learned or LearnedOptions(budget_s=time_budget))
+        else:
+            pl = _one(pb, algorithm, rules, layers, time_budget)
+    except PlacementError as e:
+        if e.details.get("kind") != "out_of_memory":
+            raise
+        fit = fit_under_rules(pb, algorithm, layers)
+        if fit.error is not None:
+            raise fit.error from None
+        if fit.placement is None:
+            raise
+        pl = fit.placement
+    if not pl.valid:
+        pl = _under_rules(pb, pl, algorithm, layers)
+    return pl.check()
+
+
+def _one(pb: Problem, algorithm: str, rules: Rules | None, layers: Mapping[str, str] | None,
+         time_budget: float) -> Placement:
     if algorithm == "single":
-        pl = place_single(pb)
-    elif algorithm == "expert":
+        return place_single(pb)
+    if algorithm == "expert":
         if not rules:
             raise PlacementError("the expert placer needs rules: (glob over node or layer name, device) pairs")
-        pl = place_expert(pb, rules, layers)
-    elif algorithm == "greedy":
-        pl = place_greedy(pb)
-    elif algorithm == "heft":
-        pl = place_heft(pb)
-    elif algorithm == "mincut":
-        pl = place_mincut(pb)
-    elif algorithm == "learned":
-        seed, alternatives = heuristic_seed(pb, rules, layers)
-        pl = place_learned(pb, seed, alternatives, layers, learned or LearnedOptions(budget_s=time_budget))
-    else:
-        pl = place_auto(pb, rules, layers, time_budget)
-    return pl.check()
+        return place_expert(pb, rules, layers)
+    if algorithm == "greedy":
+        return place_greedy(pb)
+    if algorithm == "heft":
+        return place_heft(pb)
+    if algorithm == "mincut":
+        return place_mincut(pb)
+    return place_auto(pb, rules, layers, time_budget)
+
+
+def _under_rules(pb: Problem, pl: Placement, algorithm: str, layers: Mapping[str, str] | None) -> Placement:
+    """A placement that overflows: where device constraints pin part of the step, either a fit
+    the placer missed (pinned.py's search, with a note) or the verdict that the rules leave none
+    (raised); else `pl` as it was (its own check explains the overflow)."""
+    fit = fit_under_rules(pb, algorithm, layers)
+    if fit.error is not None:
+        raise fit.error
+    if fit.placement is None:
+        return pl
+    fit.placement.notes = [f"{algorithm}'s own placement overflows memory "
+                           f"({'; '.join(pl.simulation.problems)})"] + fit.placement.notes
+    return fit.placement
 
 
 def evaluate(graph: Graph, assignment: Mapping[str, str], cluster: Cluster, cost_model: CostModel,

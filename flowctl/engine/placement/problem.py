@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.errors import PlacementError
@@ -32,6 +33,7 @@ class Problem:
     feas: Feasibility
     coarse: Coarsening
     step_group: list[int]  # per step index: its group id
+    memo: dict[str, Any] = field(default_factory=dict)  # what every placer of this problem shares (pinned.py)
 
     @property
     def devices(self) -> list[str]:
