@@ -17,29 +17,13 @@ from flowctl.engine.cluster import Cluster
 from flowctl.engine.frames import assign_frames
 from flowctl.engine.placement import StaticCostModel, feasible_sets, place
 from flowctl.engine.runtime import DistributedSession
+from test_control_flow_devices import DYNAMIC_LM
 
 STEP_TIMEOUT_S = 60.0  # generous on a shared 2-core machine; a deadlock never finishes at all
 STEPS = 2
 
-SPEC = """\
-version: 1
-name: loops_anywhere
-model:
-  layers:
-    - {name: tokens, type: input, shape: [5], dtype: int32, classes: 20}
-    - {name: embedding, type: embedding, vocab: 20, dim: 6, init_scale: 0.1, inputs: [tokens]}
-    - {name: lstm_1, type: lstm, units: 8, init_scale: 0.1, unroll: dynamic}
-    - {name: lstm_2, type: lstm, units: 8, init_scale: 0.1, unroll: dynamic}
-    - {name: softmax, type: dense, units: 20}
-    - {name: targets, type: input, shape: [5], dtype: int32, classes: 20}
-    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
-devices: [cpu:0, cpu:1]
-parallelism:
-  groups:
-    - {layers: [embedding, lstm_1], device: cpu:0}
-    - {layers: [lstm_2, softmax, loss], device: cpu:1}
-training: {optimizer: {type: momentum}, learning_rate: 0.1, batch_size: 3, seed: 7}
-"""
+# test_control_flow_devices' dynamic two-LSTM language model, under its own name.
+SPEC = DYNAMIC_LM.replace("name: placed_lm", "name: loops_anywhere")
 
 
 class _Model:
