@@ -232,3 +232,18 @@ def test_heft_over_a_little_moves_the_one_group_that_costs_least() -> None:
     c = cluster_for(step_config(loaded), f"4xgpu:h100:{cap}MiB")
     capped = place(sg.graph, c, StaticCostModel(c, batch=64), "heft", targets=[sg.targets[0]])
     assert capped.valid and capped.step_time <= 1.10 * own.step_time, (capped.step_time, own.step_time)
+
+def test_a_device_a_little_over_moves_a_small_group_when_no_large_one_fits_elsewhere() -> None:
+    # The expert's layer-per-GPU stages of NMT over two K40s capped at 60% of the one-device need:
+    # after the ruled stages moved, gpu:1 was 1.69 MiB over and its largest groups (117 MiB
+    # tables) overflowed gpu:0 wherever they went; a small group holding the difference fits.
+    loaded = _variant("nmt.yaml", "nmt_free", 2)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    rules, layers = step_config(loaded).expert_rules(), sg.model.layer_of()
+    steps = []
+    for devices in ("2xgpu:k40", f"2xgpu:k40:{_nmt_cap_mib()}MiB"):
+        c = cluster_for(step_config(loaded), devices)
+        pl = place(sg.graph, c, StaticCostModel(c, batch=64), "expert", targets=[sg.targets[0]], rules=rules,
+                   layers=layers)
+        steps.append(pl.step_time)
+    assert pl.valid and steps[1] <= 1.10 * steps[0], steps
