@@ -3,16 +3,15 @@ the same loss and gradients at equal length, a graph whose size does not grow wi
 and exact resume of a training run."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import flowctl as fc
-from flowctl.spec.loader import load_spec, load_text
+from flowctl.spec.loader import load_text
 from flowctl.spec.model import build_model
-from flowctl.training.trainer import Trainer
+from test_train_runs import assert_same_state, losses, resumed, straight
 
 SPEC = """\
 version: 1
@@ -71,32 +70,16 @@ def test_dynamic_lstm_graph_does_not_grow_with_the_length() -> None:
     assert sizes["static", 35] > sizes["static", 5] + 25  # a cell node and its product per step
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("k", [3])
 def test_exact_resume_with_a_dynamic_lstm(tmp_path: Path, k: int) -> None:
     path = tmp_path / "lm.yaml"
     path.write_text(spec("dynamic"))
 
-    def trainer(run: Path, steps: int) -> Trainer:
-        return Trainer(load_spec(path), run, steps=steps)
-
-    full = trainer(tmp_path / "full", 8)
-    full.start_fresh(path.read_text(), str(path))
-    full.train()
-    first = trainer(tmp_path / "split", k)
-    first.start_fresh(path.read_text(), str(path))
-    first.train()
-    again = trainer(tmp_path / "split", 8)
-    again.restore()
-    again.train()
-    assert _losses(tmp_path / "full") == _losses(tmp_path / "split")  # bitwise, step by step
-    va, vb = full.session.variable_values(), again.session.variable_values()
-    assert sorted(va) == sorted(vb)
-    for name in va:
-        np.testing.assert_array_equal(va[name], vb[name], err_msg=name)
+    full = straight(path, tmp_path / "full", 8)
+    straight(path, tmp_path / "split", k)
+    again = resumed(path, tmp_path / "split", 8)
+    assert losses(tmp_path / "full") == losses(tmp_path / "split")  # bitwise, step by step
+    assert_same_state(full, again)
 
 
 LENGTHS = """\
@@ -144,20 +127,11 @@ def test_a_dynamic_lstm_trains_on_variable_length_data_and_resumes_exactly(tmp_p
     path = tmp_path / "lm.yaml"
     path.write_text(LENGTHS.replace(", LENGTHS]", ", lengths]"))
 
-    def run(name: str, steps: int, resume: bool = False) -> Trainer:
-        t = Trainer(load_spec(path), tmp_path / name, steps=steps)
-        if resume:
-            t.restore()
-        else:
-            t.start_fresh(path.read_text(), str(path))
-        t.train()
-        return t
-
-    run("full", 6)
-    run("split", 2)
-    run("split", 6, resume=True)
-    got = _losses(tmp_path / "split")
-    assert got == _losses(tmp_path / "full") and len(got) == 6
+    straight(path, tmp_path / "full", 6)
+    straight(path, tmp_path / "split", 2)
+    resumed(path, tmp_path / "split", 6)
+    got = losses(tmp_path / "split")
+    assert got == losses(tmp_path / "full") and len(got) == 6
     assert all(np.isfinite(got))
 
 
@@ -215,19 +189,11 @@ def test_a_dynamic_lstm_lm_trains_on_bucketed_sentences_and_resumes_exactly(tmp_
     path = tmp_path / "lm.yaml"
     path.write_text(SENTENCES)
 
-    def run(name: str, steps: int, resume: bool = False) -> None:
-        t = Trainer(load_spec(path), tmp_path / name, steps=steps)
-        if resume:
-            t.restore()
-        else:
-            t.start_fresh(path.read_text(), str(path))
-        t.train()
-
-    run("full", 10)
-    run("split", 4)
-    run("split", 10, resume=True)
-    got = _losses(tmp_path / "split")
-    assert got == _losses(tmp_path / "full") and len(got) == 10
+    straight(path, tmp_path / "full", 10)
+    straight(path, tmp_path / "split", 4)
+    resumed(path, tmp_path / "split", 10)
+    got = losses(tmp_path / "split")
+    assert got == losses(tmp_path / "full") and len(got) == 10
     assert np.mean(got[-3:]) < np.mean(got[:3])  # it learns
 
 

@@ -13,8 +13,7 @@ from click.testing import CliRunner
 from flowctl.cli.main import cli
 from flowctl.data import InputSpec, make_source
 from flowctl.engine.errors import SpecError
-from flowctl.spec.loader import load_spec
-from flowctl.training.trainer import Trainer
+from test_train_runs import losses, resumed, straight
 
 SPEC = """\
 version: 1
@@ -61,11 +60,6 @@ def _corpus(tmp_path: Path, pairs: int = 200) -> Path:
     return tmp_path / "nmt.yaml"
 
 
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
-
-
 def test_pairs_are_read_with_their_own_lengths_and_the_target_shifted(tmp_path: Path) -> None:
     _corpus(tmp_path)
     inputs = [InputSpec("s", (8,), "int32", 12), InputSpec("sl", (), "int32", 9), InputSpec("ti", (9,), "int32", 12),
@@ -94,20 +88,11 @@ def test_pairs_are_read_with_their_own_lengths_and_the_target_shifted(tmp_path: 
 def test_nmt_learns_variable_length_pairs_and_resumes_exactly(tmp_path: Path) -> None:
     spec = _corpus(tmp_path)
 
-    def run(name: str, steps: int, resume: bool = False) -> Trainer:
-        t = Trainer(load_spec(spec), tmp_path / name, steps=steps)
-        if resume:
-            t.restore()
-        else:
-            t.start_fresh(spec.read_text(), str(spec))
-        t.train()
-        return t
-
-    run("full", 160)
-    run("split", 60)
-    run("split", 160, resume=True)
-    got = _losses(tmp_path / "split")
-    assert got == _losses(tmp_path / "full") and len(got) == 160
+    straight(spec, tmp_path / "full", 160)
+    straight(spec, tmp_path / "split", 60)
+    resumed(spec, tmp_path / "split", 160)
+    got = losses(tmp_path / "split")
+    assert got == losses(tmp_path / "full") and len(got) == 160
     assert np.mean(got[-20:]) < 0.5 * np.mean(got[:20])  # it learns to reverse
     r = CliRunner().invoke(cli, ["evaluate", str(tmp_path / "full"), "--json"])
     assert r.exit_code == 0, r.output

@@ -27,7 +27,7 @@ from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import constant
 from flowctl.engine.ops.control import group
-from flowctl.engine.ops.elementwise import add_n, cast, maximum, sqrt, square
+from flowctl.engine.ops.elementwise import add_n, cast, maximum, sqrt
 from flowctl.engine.ops.state import assign, assign_add, assign_sub, trainable_variables, variable
 from flowctl.engine.ops.training import (
     apply_adam, apply_gradient_descent, apply_momentum, gather_grad_rows, l2_loss, sparse_apply_gradient_descent,
