@@ -37,6 +37,10 @@ def l2_loss(xp: Any, attrs: dict[str, Any]) -> Fn:
 _RUN = 1 << 16
 
 
+def _runs(size: int) -> list[slice]:
+    return [slice(s, min(size, s + _RUN)) for s in range(0, size, _RUN)]
+
+
 @kernel("ApplyGradientDescent")
 def apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
     slot = attrs["_resource"]
@@ -61,10 +65,10 @@ def _subtract_scaled(var: Any, delta: Any, alpha: Any) -> Any:
     bits are those of the out-of-place update."""
     flat, d = var.reshape(-1), np.ascontiguousarray(delta).reshape(-1)
     scratch = np.empty(min(_RUN, flat.size), dtype=var.dtype)
-    for s in range(0, flat.size, _RUN):
-        n = min(_RUN, flat.size - s)
-        np.multiply(d[s:s + n], alpha, out=scratch[:n])
-        np.subtract(flat[s:s + n], scratch[:n], out=flat[s:s + n])
+    for r in _runs(flat.size):
+        t = scratch[:r.stop - r.start]
+        np.multiply(d[r], alpha, out=t)
+        np.subtract(flat[r], t, out=flat[r])
     return var
 
 
@@ -74,10 +78,6 @@ def _alone(xp: Any, slots: tuple[Any, ...]) -> bool:
     for slot in slots:
         _resident(xp, slot)
     return xp is np and all(updatable_in_place(slot) for slot in slots)
-
-
-def _runs(size: int) -> list[slice]:
-    return [slice(s, min(size, s + _RUN)) for s in range(0, size, _RUN)]
 
 
 @kernel("ApplyMomentum")
