@@ -20,8 +20,9 @@ breaks a colocation or device constraint; and the seed's placement is one the po
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -308,6 +309,53 @@ def describe(units: Units) -> list[dict[str, object]]:
             for u, gs in enumerate(units.groups)]
 
 
-__all__ = ["MAX_DEVICES", "OP_BUCKETS", "SHAPE_FEATURES", "Units", "build_units", "describe", "device_mask",
+def climb(units: Units, cur: np.ndarray, cur_key: Any, score: Callable[[np.ndarray], Any], budget: int,
+          swaps: bool = False, frozen: frozenset[int] = frozenset()) -> tuple[np.ndarray, Any, int]:
+    """First-improvement hill climbing over `units` from `cur` (whose score is `cur_key`): one
+    unit moved to another feasible device at a time, the first move whose `score` (any ordered
+    key, lower is better) beats the current one kept; passes repeat while one does, within
+    `budget` calls of `score`. `swaps`: once no single move helps, passes that also exchange the
+    devices of two units (a memory cap leaves no room for a single move onto a full device; an
+    exchange frees what it takes). `frozen` units stay. Deterministic: moves in a fixed order.
+    Returns the devices, their key and the calls spent."""
+    used = 0
+
+    def trials(u: int, with_swaps: bool) -> Iterator[np.ndarray]:
+        # Built from `cur` as it stands when each is tried: a kept move changes the next ones.
+        if with_swaps:
+            for v in range(u + 1, len(cur)):
+                if v not in frozen and cur[u] != cur[v] and cur[v] in units.feasible[u] and cur[u] in units.feasible[v]:
+                    trial = cur.copy()
+                    trial[u], trial[v] = cur[v], cur[u]
+                    yield trial
+        for d in sorted(units.feasible[u]):
+            if d != cur[u]:
+                trial = cur.copy()
+                trial[u] = d
+                yield trial
+
+    def passes(with_swaps: bool) -> None:
+        nonlocal cur, cur_key, used
+        improved = True
+        while improved and used < budget:
+            improved = False
+            for u in range(len(cur)):
+                if u in frozen:
+                    continue
+                for trial in trials(u, with_swaps):
+                    if used >= budget:
+                        return
+                    used += 1
+                    key = score(trial)
+                    if key < cur_key:
+                        cur, cur_key, improved = trial, key, True
+
+    passes(False)
+    if swaps:
+        passes(True)
+    return cur, cur_key, used
+
+
+__all__ = ["MAX_DEVICES", "OP_BUCKETS", "SHAPE_FEATURES", "Units", "build_units", "climb", "describe", "device_mask",
            "features"]
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from flowctl.engine.errors import CheckpointError, PlacementError
 from flowctl.engine.placement.explain import Placement
-from flowctl.engine.placement.grouping import MAX_DEVICES, Units, build_units, describe, device_mask, features
+from flowctl.engine.placement.grouping import MAX_DEVICES, Units, build_units, climb, describe, device_mask, features
 from flowctl.engine.placement.problem import Problem, build_placement
 from flowctl.engine.placement.simulator import simulate_table
 
@@ -272,19 +272,8 @@ class Trainer:
             cur = fine.project(pb, start)
             cur_t = step_of(cur)
             left -= 1
-            improved = True
-            while improved and left > 0:
-                improved = False
-                for u in range(len(cur)):
-                    for d in sorted(fine.feasible[u]):
-                        if d == cur[u] or left <= 0:
-                            continue
-                        trial = cur.copy()
-                        trial[u] = d
-                        left -= 1
-                        t = step_of(trial)
-                        if t < cur_t:
-                            cur, cur_t, improved = trial, t, True
+            cur, cur_t, used = climb(fine, cur, cur_t, step_of, left)
+            left -= used
             if cur_t < best_t:
                 best_t, how = cur_t, f"local search from {name}"
                 assignment = fine.assignment(pb, cur)
