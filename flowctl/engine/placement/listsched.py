@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from flowctl.engine.placement.explain import Candidate, Decision, Placement
-from flowctl.engine.placement.memfit import fit_memory
+from flowctl.engine.placement.memfit import fit_memory, polish
 from flowctl.engine.placement.problem import Problem, finalize
 from flowctl.engine.placement.simulator import fmt_bytes
 
@@ -70,11 +70,13 @@ def place_greedy(pb: Problem, priority: str = "ready") -> Placement:
     group_dev, decisions = list_schedule(pb, priority, [float("inf")] * len(pb.devices))
     free = finalize(pb, name, group_dev, decisions, started, ["the walk without memory budgets, then fitted"])
     walks.append((free, group_dev, decisions))
-    fits = [fit_memory(pb, pl, gd, name, list(dec), started, list(pl.notes)) for pl, gd, dec in walks]
+    fits = [fit_memory(pb, pl, gd, name, list(dec), started, list(pl.notes), search=False) for pl, gd, dec in walks]
     valid = [x for x in fits if x.valid]
     if valid:
-        return min(valid, key=lambda x: x.step_time)
-    return min(fits, key=lambda x: sum(max(0, s.peak_memory - s.capacity) for s in x.simulation.devices))
+        best = min(valid, key=lambda x: x.step_time)
+    else:
+        best = min(fits, key=lambda x: sum(max(0, s.peak_memory - s.capacity) for s in x.simulation.devices))
+    return polish(pb, best, name, started, origin=free)
 
 
 def place_heft(pb: Problem) -> Placement:

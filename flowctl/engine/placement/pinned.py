@@ -122,7 +122,7 @@ def _search(pb: Problem, layers: Mapping[str, str] | None) -> tuple[Any, dict[st
         pl = finalize(pb, "rules", gd, [], started)
         fixed = frozenset(tried) | frozenset(base)
         fit = fit_memory(pb, pl, {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}, "rules", [],
-                         started, [], fixed=fixed)
+                         started, [], fixed=fixed, search=False)
         if fit.valid:
             gd = {g: fit.device_index[i] for i, g in enumerate(pb.step_group)}
             where = ", ".join(f"'{co.groups[g].members[0]}' on {pb.devices[d]}" for g, d in zip(tried, combo))

@@ -33,7 +33,7 @@ from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
 from flowctl.engine.placement.learned import HEURISTICS, LearnedOptions, place_learned
 from flowctl.engine.placement.listsched import place_greedy, place_heft
-from flowctl.engine.placement.memfit import ORDERS, descend, fit_memory
+from flowctl.engine.placement.memfit import ORDERS, descend, fit_memory, polish
 from flowctl.engine.placement.pinned import fit_under_rules
 from flowctl.engine.placement.problem import Problem, build_placement, finalize, prepare
 
@@ -85,11 +85,13 @@ def place_single(pb: Problem) -> Placement:
                               [f"no single device holds the step: started on {pb.devices[d]}, spread by {how}"],
                               order=how) for how in ORDERS]
         fits = [x for x in spreads if x.valid]
-        if not fits:
-            least = min(spreads, key=lambda x: sum(max(0, s.peak_memory - s.capacity) for s in x.devices))
-            fits = [x for x in [descend(pb, least, "single", started)] if x.valid]
         if fits:
             spread = min(fits, key=lambda x: x.step_time)
+        else:
+            least = min(spreads, key=lambda x: sum(max(0, s.peak_memory - s.capacity) for s in x.devices))
+            spread = descend(pb, least, "single", started)
+        spread = polish(pb, spread, "single", started, origin=pl)
+        if spread.valid:
             spread.alternatives = alternatives
             return spread
     if not valid:
