@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from flowctl.bench.placement import CAP, _variant, single_device_need
 from flowctl.cli.main import cli
 from flowctl.engine.cluster import Cluster
+from flowctl.engine.placement.explain import Placement
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import StaticCostModel, place, prepare
 from flowctl.engine.placement.grouping import climb
@@ -26,6 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def _nmt_cap_mib() -> int:
     """60% of what NMT without constraints needs on one GPU (bench placement's capped rows)."""
     return int(0.6 * single_device_need(_variant("nmt.yaml", "own", 4, free=True), "4xgpu:k40", 64)) >> 20
+
+
+def _nmt_free_steps(gpus: int, profile: str, alg: str) -> tuple[list[float], Placement, Cluster]:
+    """NMT without constraints placed by `alg` on `gpus` GPUs of `profile`, uncapped and capped at
+    60% of the one-device need: both step times, the capped placement and its cluster."""
+    loaded = _variant("nmt.yaml", "nmt_free", gpus)
+    sg = build_step(build_model(loaded), step_config(loaded))
+    rules, layers = step_config(loaded).expert_rules(), sg.model.layer_of()
+    steps = []
+    for devices in (f"{gpus}xgpu:{profile}", f"{gpus}xgpu:{profile}:{_nmt_cap_mib()}MiB"):
+        c = cluster_for(step_config(loaded), devices)
+        pl = place(sg.graph, c, StaticCostModel(c, batch=64), alg, targets=[sg.targets[0]], rules=rules,
+                   layers=layers)
+        steps.append(pl.step_time)
+    return steps, pl, c
 
 
 def test_a_memory_cap_in_the_devices_syntax() -> None:
@@ -211,15 +227,7 @@ def test_the_expert_moves_ruled_stages_too_where_moving_the_rest_cannot_fit() ->
     # (bench placement's nmt_free/2xh100 row): moving only what no rule placed leaves a GPU over,
     # so the ruled stages move too and the placement fits; the local search after the moves
     # takes it from 32.1 ms back to within 10% of the uncapped 20.0.
-    loaded = _variant("nmt.yaml", "nmt_free", 2)
-    sg = build_step(build_model(loaded), step_config(loaded))
-    rules, layers = step_config(loaded).expert_rules(), sg.model.layer_of()
-    steps = []
-    for devices in ("2xgpu:h100", f"2xgpu:h100:{_nmt_cap_mib()}MiB"):
-        c = cluster_for(step_config(loaded), devices)
-        pl = place(sg.graph, c, StaticCostModel(c, batch=64), "expert", targets=[sg.targets[0]], rules=rules,
-                   layers=layers)
-        steps.append(pl.step_time)
+    steps, pl, c = _nmt_free_steps(2, "h100", "expert")
     assert pl.valid and all(d.peak_memory <= c.devices[0].profile.memory for d in pl.devices)
     assert any("ruled groups moved too" in n for n in pl.notes)
     assert any("local search" in n for n in pl.notes)
@@ -250,19 +258,9 @@ def test_nmt_without_constraints_under_a_cap_spreads_from_every_placers_own_choi
     # device's placement, spread by the moves, stayed 118 MiB over (no fit); on four H100s heft's
     # placement fitted by the moves was 30.5 ms against its own 18.8. The local search from the
     # placer's own overflowing choice fits both, heft within 10% of its uncapped step.
-    cap = _nmt_cap_mib()
-    loaded = _variant("nmt.yaml", "nmt_free", 2)
-    sg = build_step(build_model(loaded), step_config(loaded))
-    c = cluster_for(step_config(loaded), f"2xgpu:k40:{cap}MiB")
-    one = place(sg.graph, c, StaticCostModel(c, batch=64), "single", targets=[sg.targets[0]])
+    _, one, _ = _nmt_free_steps(2, "k40", "single")
     assert one.valid and len(set(one.device_index)) == 2
-    loaded = _variant("nmt.yaml", "nmt_free", 4)
-    sg = build_step(build_model(loaded), step_config(loaded))
-    steps = []
-    for devices in ("4xgpu:h100", f"4xgpu:h100:{cap}MiB"):
-        c = cluster_for(step_config(loaded), devices)
-        pl = place(sg.graph, c, StaticCostModel(c, batch=64), "heft", targets=[sg.targets[0]])
-        steps.append(pl.step_time)
+    steps, pl, _ = _nmt_free_steps(4, "h100", "heft")
     assert pl.valid and steps[1] <= 1.10 * steps[0], steps
 
 
@@ -284,13 +282,5 @@ def test_a_device_a_little_over_moves_a_small_group_when_no_large_one_fits_elsew
     # The expert's layer-per-GPU stages of NMT over two K40s capped at 60% of the one-device need:
     # after the ruled stages moved, gpu:1 was 1.69 MiB over and its largest groups (117 MiB
     # tables) overflowed gpu:0 wherever they went; a small group holding the difference fits.
-    loaded = _variant("nmt.yaml", "nmt_free", 2)
-    sg = build_step(build_model(loaded), step_config(loaded))
-    rules, layers = step_config(loaded).expert_rules(), sg.model.layer_of()
-    steps = []
-    for devices in ("2xgpu:k40", f"2xgpu:k40:{_nmt_cap_mib()}MiB"):
-        c = cluster_for(step_config(loaded), devices)
-        pl = place(sg.graph, c, StaticCostModel(c, batch=64), "expert", targets=[sg.targets[0]], rules=rules,
-                   layers=layers)
-        steps.append(pl.step_time)
+    steps, pl, _ = _nmt_free_steps(2, "k40", "expert")
     assert pl.valid and steps[1] <= 1.10 * steps[0], steps
