@@ -203,3 +203,11 @@ def test_the_simulator_charges_a_value_made_in_a_loop_once_per_iteration_it_cros
     per = 64 * 64 * 4
     assert moved[(a, b)] == trips * per  # mm's output, every iteration
     assert moved[(b, a)] == trips * per  # act's output back to the loop's NextIteration/Merge
+    # The list schedulers (greedy, HEFT) cost a crossing by the same table: per iteration too.
+    from flowctl.engine.placement import prepare
+
+    pb = prepare(g, cluster, StaticCostModel(cluster, batch=64), [y.node])
+    t = pb.table
+    mm, ysum = t.names.index("while/mm"), t.names.index("y")
+    assert t.crossing(mm, 0, 0, 1) == pytest.approx(trips * t.transfer(per, 0, 1))
+    assert t.crossing(ysum, 0, 0, 1) == pytest.approx(t.transfer(4, 0, 1))

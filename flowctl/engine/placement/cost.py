@@ -367,6 +367,17 @@ class CostTable:
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
 
+    def runs(self, i: int) -> float:
+        """How many times per step node i's outputs cross to another device when they do."""
+        return self.out_runs[i] if self.out_runs else 1.0
+
+    def crossing(self, i: int, p: int, src: int, dst: int) -> float:
+        """Seconds per step for node i's output p (-1: a control token) to reach dst from src:
+        one message per loop iteration for a value made in a loop (§4.4), which the step's
+        schedule collapses into one run of the node."""
+        nbytes = self.out_bytes[i][p] if p >= 0 else 0
+        return self.transfer(nbytes, src, dst) * self.runs(i)
+
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, model: CostModel, step: Iterable[str]) -> CostTable:
         names = list(step)

@@ -104,7 +104,7 @@ def upward_rank(pb: Problem) -> list[float]:
         best = 0.0
         for s in t.succ[i]:
             nbytes = sum(t.out_bytes[i][p] for j, p in t.inputs[s] if j == i)
-            c = lat + nbytes * per_byte
+            c = (lat + nbytes * per_byte) * t.runs(i)
             if c + rank[s] > best:
                 best = c + rank[s]
         rank[i] = w[i] + best
@@ -229,7 +229,7 @@ class _Walk:
             return got
         lk = (dj, d)
         nbytes = t.out_bytes[j][p] if p >= 0 else 0
-        end = max(ready, self.link_free.get(lk, 0.0)) + t.transfer(nbytes, dj, d)
+        end = max(ready, self.link_free.get(lk, 0.0)) + t.crossing(j, p, dj, d)
         if commit:
             self.link_free[lk] = end
             self.arrival[key] = end
@@ -263,7 +263,7 @@ class _Walk:
             other = grp[c] if grp[j] == g else grp[j]  # edges cross groups: one end is g
             od = self.group_dev.get(other)
             if od is not None and od != d:
-                total += t.transfer(t.out_bytes[j][p], od, d)
+                total += t.crossing(j, p, od, d)
         return total
 
     def extra_bytes(self, i: int, d: int) -> float:

@@ -426,13 +426,8 @@ class _Run:
         nbytes = table.out_bytes[i][p] if p >= 0 else 0
         lk = (d, dd)
         begin = max(self.finish[i], self.link_free.get(lk, 0.0))
-        dur = table.transfer(nbytes, d, dd)
-        if table.out_runs and table.out_runs[i] != 1.0:
-            # Made in a loop: it crosses once per iteration, each a message of its own (§4.4);
-            # the step's schedule collapses the iterations into one run of the node.
-            runs = table.out_runs[i]
-            dur *= runs
-            nbytes = int(nbytes * runs)
+        dur = table.crossing(i, p, d, dd)
+        nbytes = int(nbytes * table.runs(i))
         self.link_free[lk] = begin + dur
         ls = self.links.get(lk)
         if ls is None:
