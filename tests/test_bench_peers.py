@@ -127,3 +127,40 @@ def test_unknown_row_is_one_clear_error():
 
     with pytest.raises(FlowctlError, match="no row named 'nope'"):
         run_peers(["nope"])
+
+
+def test_the_peers_device_names_map_to_pytorchs_and_bad_ones_are_one_error():
+    from flowctl.bench.peers import torch_device
+    from flowctl.engine.errors import FlowctlError
+
+    assert torch_device("cpu:0") == "cpu" and torch_device("gpu:0") == "cuda:0" and torch_device("gpu:3") == "cuda:3"
+    with pytest.raises(FlowctlError, match="cannot run on device 'tpu:0'"):
+        torch_device("tpu:0")
+    r = CliRunner().invoke(cli, ["bench", "peers", "--device", "cpu:0,cpu:1"])
+    assert r.exit_code != 0 and "one device" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(cli, ["bench", "engine", "--device", "gpu:0"])
+    assert r.exit_code != 0 and "built-in suite" in r.output
+
+
+def test_a_run_on_cpu_0_named_is_the_default_run():
+    pytest.importorskip("torch")
+    r = run_peers([Row("tiny_lm", TINY, 4)], steps=1, rounds=1, blas_n=128, memory=False, device="cpu:0")
+    assert r["machine"]["device"] == "cpu:0" and "gpu" not in r["machine"]
+
+
+@pytest.mark.gpu
+def test_peers_on_a_gpu_record_the_device_and_its_memory():
+    pytest.importorskip("cupy")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    from flowctl.bench.peers import peak_memory
+
+    r = run_peers([Row("tiny_conv", TINY_CONV, 2)], steps=1, rounds=2, blas_n=128, memory=False,
+                  device="gpu:0", profile=True)
+    m = r["machine"]
+    assert m["device"] == "gpu:0" and m["tf32_tflops"] > 0 and m["cuda_driver"] > 0
+    row = r["rows"]["tiny_conv"]
+    assert row["params"]["spec"] == row["params"]["pytorch"] and row["flowctl"]["samples"] == 2
+    mem = peak_memory(Row("tiny_conv", TINY_CONV, 2), threads=1, device="gpu:0")
+    assert all(mem[k]["gpu_peak_mib"] > 0 for k in ("flowctl", "pytorch"))

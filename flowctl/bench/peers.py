@@ -130,8 +130,9 @@ def _ranked(table: dict[str, tuple[float, int]], step_s: float, top: int = 12) -
     return {"step_ms": step_s * 1e3, "ops": out}
 
 
-def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> FlowctlStep:
-    """A callable that runs one flowctl step on `arrays`."""
+def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool, device: str = "cpu:0") -> FlowctlStep:
+    """A callable that runs one flowctl step on `arrays`, every node on `device`. A step fetches
+    its loss (or logits) to the host, so it has finished on a GPU when the call returns."""
     import flowctl as fc
     from flowctl.engine.container import ContainerStore
 
@@ -144,36 +145,70 @@ def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> Flo
         model = build_model(loaded, training=False)
         fetch, feeds = [model.outputs[_logits(loaded)]], {}
     feeds.update({model.inputs[k]: v for k, v in arrays.items() if k in model.inputs})
-    session = fc.Session(model.graph, store=ContainerStore())
+    session = fc.Session(model.graph, device=device, store=ContainerStore())
     session.run(model.initializer())
     return FlowctlStep(session, fetch, feeds)
 
 
-def torch_profile(torch: Any, step: Callable[[], Any], steps: int = 2) -> dict[str, Any]:
-    """Milliseconds per step by ATen op (self time: an op's children counted once, where they run)."""
+def torch_profile(torch: Any, step: Callable[[], Any], steps: int = 2, gpu: bool = False) -> dict[str, Any]:
+    """Milliseconds per step by ATen op (self time: an op's children counted once, where they run;
+    `gpu`: the time its kernels took on the device)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         wall = (time.perf_counter() - t0) / steps
-    table = {e.key: (e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in prof.key_averages()
-             if e.self_cpu_time_total > 0}
+
+    def self_us(e: Any) -> float:
+        if not gpu:
+            return float(e.self_cpu_time_total)
+        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
+
+    table = {e.key: (self_us(e) / 1e6 / steps, e.count // steps) for e in prof.key_averages() if self_us(e) > 0}
     return _ranked(table, wall)
 
 
-def torch_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool) -> tuple[Callable[[], Any], int]:
-    """A callable that runs one step of the PyTorch twin on the same arrays, and the twin's
-    parameter count."""
+def torch_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool,
+               device: str = "cpu:0") -> tuple[Callable[[], Any], int]:
+    """A callable that runs one step of the PyTorch twin on the same arrays (on `device`: a step
+    on a GPU ends with a synchronize, so it has finished when the call returns, as flowctl's), and
+    the twin's parameter count."""
     torch = import_torch()
-    from flowctl.bench.torch_twin import Twin, TwinError, torch_feeds
+    from flowctl.bench.torch_twin import Twin, torch_feeds
 
-    twin = Twin(loaded)
+    where = torch_device(device)
+    twin = Twin(loaded).to(where)
     if any(len(i.output.shape) == 4 for i in loaded.layers.values()):
         twin = twin.to(memory_format=torch.channels_last)
-    feeds = torch_feeds(loaded, arrays)
+    feeds = {k: v.to(where) for k, v in torch_feeds(loaded, arrays).items()}
     count = twin.param_count()
+    run, count = _torch_run(torch, loaded, twin, feeds, count, train)
+    if where.startswith("cuda"):
+        def synced() -> Any:
+            out = run()
+            torch.cuda.synchronize()
+            return out
+        return synced, count
+    return run, count
+
+
+def torch_device(device: str) -> str:
+    """PyTorch's name for a flowctl device: cpu:0 -> cpu, gpu:N -> cuda:N."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return "cpu"
+    if kind == "gpu" and (index or "0").isdigit():
+        return f"cuda:{index or 0}"
+    raise FlowctlError(f"bench peers: cannot run on device '{device}'; write cpu:0 or gpu:N")
+
+
+def _torch_run(torch: Any, loaded: Any, twin: Any, feeds: dict[str, Any], count: int,
+               train: bool) -> tuple[Callable[[], Any], int]:
+    from flowctl.bench.torch_twin import TwinError
+
     if not train:
         twin.eval()
         out = _logits(loaded)
@@ -265,23 +300,32 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _peak_in_child(row: Row, framework: str, threads: int) -> dict[str, float]:
+def _peak_in_child(row: Row, framework: str, threads: int, device: str = "cpu:0") -> dict[str, float]:
     """Run in a fresh process: resident memory after building `framework`'s step for `row`, and
-    the peak over three steps of it, in MiB."""
+    the peak over three steps of it, in MiB; on a GPU, `gpu_peak_mib` too: PyTorch's peak
+    allocation, or what cupy's memory pool holds after the steps (it keeps what it once held)."""
     torch = import_torch()
     torch.set_num_threads(threads)
     loaded = _load(row)
     arrays = _batch(loaded, row.batch)
-    run = flowctl_step(loaded, arrays, row.train) if framework == "flowctl" else \
-        torch_step(loaded, arrays, row.train)[0]
+    run = flowctl_step(loaded, arrays, row.train, device) if framework == "flowctl" else \
+        torch_step(loaded, arrays, row.train, device)[0]
     built = _status_kib("VmRSS")
     for _ in range(3):
         run()
     peak = _status_kib("VmHWM")
-    return {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024}
+    out = {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024}
+    if device.startswith("gpu"):
+        if framework == "pytorch":
+            out["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            import cupy
+
+            out["gpu_peak_mib"] = cupy.get_default_memory_pool().total_bytes() / 2**20
+    return out
 
 
-def peak_memory(row: Row, threads: int) -> dict[str, dict[str, float]]:
+def peak_memory(row: Row, threads: int, device: str = "cpu:0") -> dict[str, dict[str, float]]:
     """Each framework's resident memory for `row`, each measured alone in a fresh process (one
     process's peak cannot be split between two frameworks that share its heap)."""
     import multiprocessing
@@ -290,16 +334,17 @@ def peak_memory(row: Row, threads: int) -> dict[str, dict[str, float]]:
     out = {}
     for framework in ("flowctl", "pytorch"):
         with ctx.Pool(1) as pool:
-            out[framework] = pool.apply(_peak_in_child, (row, framework, threads))
+            out[framework] = pool.apply(_peak_in_child, (row, framework, threads, device))
     return out
 
 
-def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool = False) -> dict[str, Any]:
+def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool = False,
+            device: str = "cpu:0") -> dict[str, Any]:
     loaded = _load(row)
     arrays = _batch(loaded, row.batch)
     say(f"{row.name}: building flowctl's step and PyTorch's")
-    runners = {"flowctl": flowctl_step(loaded, arrays, row.train)}
-    runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train)
+    runners = {"flowctl": flowctl_step(loaded, arrays, row.train, device)}
+    runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train, device)
     for run in runners.values():  # warm-up: plans, allocators, thread pools
         run()
     times: dict[str, list[float]] = {k: [] for k in runners}
@@ -313,7 +358,7 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
     if profile:  # after the timed steps, so the profilers cost them nothing
         say(f"{row.name}: profiling a step of each")
         out["profile"] = {"flowctl": runners["flowctl"].profile(),  # type: ignore[attr-defined]
-                          "pytorch": torch_profile(import_torch(), runners["pytorch"])}
+                          "pytorch": torch_profile(import_torch(), runners["pytorch"], gpu=device != "cpu:0")}
     out.update({"spec": loaded.spec.name or loaded.spec.model.name, "batch": row.batch,
                 "mode": "train" if row.train else "inference",
                 "params": {"spec": sum(loaded.params()), "pytorch": twin_params}})
@@ -322,12 +367,17 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
 
 def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
               progress: Callable[[str], None] | None = None, blas_n: int = 2048,
-              threads: int | None = None, memory: bool = True, profile: bool = False) -> dict[str, Any]:
+              threads: int | None = None, memory: bool = True, profile: bool = False,
+              device: str = "cpu:0") -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
     `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
     count both frameworks compute with (default: every CPU). `memory`: also each framework's
     resident memory, from a fresh process per framework and row. `profile`: also where each
-    framework's step time goes, by op (one profiled step pair after the timed ones)."""
+    framework's step time goes, by op (one profiled step pair after the timed ones). `device`:
+    where both run, cpu:0 or gpu:N (TF32 allowed on both sides there, as issue 19's table)."""
+    if torch_device(device).startswith("cuda"):
+        # Read when cupy first makes its cuBLAS handle: set before any kernel runs.
+        os.environ.setdefault("CUPY_TF32", "1")
     torch = import_torch()
     from threadpoolctl import threadpool_limits
 
@@ -338,13 +388,13 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     torch.set_num_threads(n)
     try:
         with threadpool_limits(n):
-            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile)
+            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile, device)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
-         blas_n: int, memory: bool, profile: bool = False) -> dict[str, Any]:
+         blas_n: int, memory: bool, profile: bool = False, device: str = "cpu:0") -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -356,13 +406,48 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
     if steps < 1 or rounds < 1:
         raise FlowctlError(f"bench peers: steps and rounds must be >= 1, got {steps} and {rounds}")
     say("measuring the BLAS peak")
-    results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n)},
-        "steps": steps, "rounds": rounds, "rows": {}}
+    machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n), "device": device}
+    if device != "cpu:0":
+        machine.update(gpu_machine(torch, device))
+    results: dict[str, Any] = {"machine": machine, "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:
-        results["rows"][row.name] = run_row(row, steps, rounds, say, profile)
+        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device)
         if memory:
             say(f"{row.name}: resident memory, each framework in a fresh process")
-            results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads())
+            results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads(), device)
     return results
+
+
+def gpu_machine(torch: Any, device: str, n: int = 8192) -> dict[str, Any]:
+    """What a GPU row is measured on -- the device, driver, CUDA, cupy, cuDNN and PyTorch versions
+    -- and its limit beside it: the TF32 and bf16 tensor-core rate of an n x n product through
+    PyTorch (best of five). Raises where cupy or PyTorch cannot reach the device."""
+    where = torch_device(device)
+    try:
+        import cupy
+    except ImportError:
+        raise PeersUnavailable("bench peers on a GPU runs flowctl's kernels on cupy, which is not installed; "
+                               'install it with: pip install -e ".[gpu]"') from None
+    if not torch.cuda.is_available():
+        raise PeersUnavailable(f"bench peers: PyTorch sees no CUDA device for {device} (torch {torch.__version__})")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    index = int(where.split(":")[1])
+    out: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(index), "cuda_torch": torch.version.cuda,
+        "cudnn_torch": torch.backends.cudnn.version(), "cupy": cupy.__version__,
+        "cuda_driver": cupy.cuda.runtime.driverGetVersion(), "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "tf32": {"pytorch": True, "cupy": os.environ.get("CUPY_TF32") == "1"}}
+    for name, dtype in (("tf32_tflops", torch.float32), ("bf16_tflops", torch.bfloat16)):
+        a = torch.randn(n, n, device=where, dtype=dtype)
+        a @ a
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ a
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2.0 * n ** 3 / best / 1e12
+    return out

@@ -33,7 +33,9 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32). placement: models "
               "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40.")
-@click.option("--devices", help="A spec target: measure on these devices instead of the spec's (e.g. cpu:0,cpu:1).")
+@click.option("--devices", "--device", "devices",
+              help="A spec target: measure on these devices instead of the spec's (e.g. cpu:0,cpu:1). "
+                   "peers: the one device both frameworks run on (cpu:0, the default, or gpu:0).")
 @click.option("--profile", is_flag=True, help="peers: also where each framework's step time goes, by op.")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -49,7 +51,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     err = Console(stderr=True, soft_wrap=True)
     if trace_dir is not None and target in SUITES:
         raise FlowctlError(f"--trace traces a spec's placements; '{target}' is a built-in suite")
-    if devices is not None and target in SUITES:
+    if devices is not None and target in SUITES and target != "peers":
         raise FlowctlError(f"--devices chooses a spec's devices; '{target}' is a built-in suite")
     if target == "engine":
         from flowctl.bench.engine import run_engine_suite
@@ -77,7 +79,8 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
                                       progress=lambda m: status.update(m))
         render = _render_placement
     elif target == "peers":
-        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile)
+        results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
+                                 devices or "cpu:0")
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -126,14 +129,18 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
 
 
 def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None,
-           profile: bool = False) -> tuple[dict[str, Any], Any]:
+           profile: bool = False, device: str = "cpu:0") -> tuple[dict[str, Any], Any]:
     """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
     from flowctl.bench.peers import run_peers
+    from flowctl.engine.devices import canonical
 
+    if "," in device:
+        raise FlowctlError(f"bench peers runs both frameworks on one device; got '{device}'")
+    short = canonical(device).rsplit("device:", 1)[1]
     picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
     with err.status("benchmarking against PyTorch") as status:
         results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads,
-                            profile=profile)
+                            profile=profile, device=short)
     return results, _render_peers
 
 
@@ -144,19 +151,26 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
         rows.append([name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
                      f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
                      f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
-                     " / ".join(f"{row['memory'][k]['peak_mib']:,.0f}" for k in ("flowctl", "pytorch"))
+                     " / ".join(f"{row['memory'][k].get('gpu_peak_mib', row['memory'][k]['peak_mib']):,.0f}"
+                                for k in ("flowctl", "pytorch"))
                      if "memory" in row else "-",
                      f"{row['params']['spec']:,} / {row['params']['pytorch']:,}"])
     console.print(fit(f"seconds per step, flowctl vs PyTorch (median of {r['rounds']} rounds x {r['steps']} "
                       f"steps, 95% interval)",
                       [Col("row")] + [Col(c, "right") for c in ("flowctl s", "PyTorch s", "ratio",
-                                                                "peak MiB (flowctl / PyTorch)",
+                                                                "peak MiB (flowctl / PyTorch; on a GPU its memory)",
                                                                 "params (spec / twin)")],
                       rows, console.width))
-    blas = r["machine"]["blas_gflops"]
+    m = r["machine"]
+    if "gpu" in m:
+        console.print(f"  on {m['device']}, {m['gpu']}: tensor-core peak (8192^2 product through PyTorch) "
+                      f"{m['tf32_tflops']:.0f} TFLOP/s TF32, {m['bf16_tflops']:.0f} bf16; driver "
+                      f"{m['cuda_driver']}, CUDA runtime {m['cuda_runtime']}, cupy {m['cupy']}, "
+                      f"PyTorch {m['torch']} (CUDA {m['cuda_torch']}, cuDNN {m['cudnn_torch']})")
+    blas = m["blas_gflops"]
     console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
-                  f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {r['machine']['threads']} threads on "
-                  f"{r['machine']['cpus']} CPUs")
+                  f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {m['threads']} threads on "
+                  f"{m['cpus']} CPUs")
     for name, row in r["rows"].items():
         if "profile" in row:
             _render_profile(console, name, row["profile"])
