@@ -11,6 +11,7 @@ generated kernel over the same program.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import numpy as np
@@ -27,20 +28,20 @@ def _fresh(r: Any, operands: list[Any], xp: Any) -> bool:
 
 @kernel("FusedElementwise")
 def fused_elementwise(xp: Any, attrs: dict[str, Any]) -> Fn:
-    from flowctl.engine.ops.fused import parse_program  # the engine owns the format
-
-    program = parse_program(attrs["program"])
+    # The graph checked the program when the node was made (engine/ops/fused.py); kernels read the
+    # format, not the op module. Element-wise attributes are plain JSON values (Cast's dtype name).
+    program = json.loads(attrs["program"])
     device_type = "cpu" if xp is np else "gpu"
     ufunc = type(xp.add)
     steps: list[tuple[Fn, tuple[int, ...], bool, Any]] = []
-    for s in program.steps:
-        factory = KERNELS.get((s.op, device_type))
+    for s in program["steps"]:
+        factory = KERNELS.get((s["op"], device_type))
         if factory is None:
-            raise KeyError(f"no {device_type} kernel for op {s.op} (step '{s.name}' of a FusedElementwise)")
-        fn = factory(xp, {**s.attrs, "_node": s.name})
+            raise KeyError(f"no {device_type} kernel for op {s['op']} (step '{s['name']}' of a FusedElementwise)")
+        fn = factory(xp, {**s["attrs"], "_node": s["name"]})
         in_place = isinstance(fn, ufunc) and fn.nout == 1
-        steps.append((fn, s.args, in_place, np.dtype(s.dtype)))
-    n = program.num_inputs
+        steps.append((fn, tuple(s["args"]), in_place, np.dtype(s["dtype"])))
+    n = len(program["inputs"])
 
     def run(*xs: Any) -> Any:
         vals = list(xs)
