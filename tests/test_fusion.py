@@ -215,12 +215,15 @@ def _load(which: str, fuse_on: bool, tmp_path: Path):
     flag = f"training.fuse={'true' if fuse_on else 'false'}"
     if which == "lstm_lm":
         return load_spec(LM, SMALL_LM + [flag])
+    if which == "sync_mlp":  # two replicas on two virtual CPUs: fused nodes placed and partitioned
+        return load_spec(ROOT / "specs" / "demo.yaml", [flag, "devices=[cpu:0, cpu:1]", "training.eval_every_steps=2",
+                                                        "parallelism.strategy=sync_data_parallel", "parallelism.replicas=2"])
     p = tmp_path / "conv.yaml"
     p.write_text(CONV)
     return load_spec(p, [flag])
 
 
-@pytest.mark.parametrize("which", ["lstm_lm", "conv"])
+@pytest.mark.parametrize("which", ["lstm_lm", "conv", "sync_mlp"])
 def test_fused_training_is_bitwise_the_unfused_one(which, tmp_path):
     runs = {}
     for on in (False, True):
