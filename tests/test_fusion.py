@@ -216,8 +216,9 @@ def _load(which: str, fuse_on: bool, tmp_path: Path):
     if which == "lstm_lm":
         return load_spec(LM, SMALL_LM + [flag])
     if which == "sync_mlp":  # two replicas on two virtual CPUs: fused nodes placed and partitioned
-        return load_spec(ROOT / "specs" / "demo.yaml", [flag, "devices=[cpu:0, cpu:1]", "training.eval_every_steps=2",
-                                                        "parallelism.strategy=sync_data_parallel", "parallelism.replicas=2"])
+        return load_spec(ROOT / "specs" / "demo.yaml", [
+            flag, "devices=[cpu:0, cpu:1]", "training.eval_every_steps=2", "parallelism.strategy=sync_data_parallel",
+            "parallelism.replicas=2"])
     p = tmp_path / "conv.yaml"
     p.write_text(CONV)
     return load_spec(p, [flag])

@@ -303,9 +303,9 @@ def step_keep(step: Step) -> set[str]:
     refs: list[Tensor] = [step.lr, step.init, *m.inputs.values(), *m.outputs.values(), *m.updates]
     if m.loss is not None:
         refs.append(m.loss)
-    runs = [step.train] if step.train is not None else []
-    for t in runs:
-        refs += [t.loss, t.train_op] + [p for copy in t.inputs for p in copy.values()]
+    if step.train is not None:
+        t = step.train
+        refs += [t.loss, t.train_op, *(p for copy in t.inputs for p in copy.values())]
     if step.async_step is not None:
         a = step.async_step
         refs += [*a.losses, *(g for gs in a.grads for g in gs), *(p for copy in a.inputs for p in copy.values()),
@@ -575,4 +575,5 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
 
 __all__ = ["DATA_PARALLEL", "STRATEGIES", "ClusterConfig", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
            "StepConfig", "apply_constraints", "build_step", "cluster_for", "fuse_step", "gradient_process", "layer_of",
-           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config", "step_memory"]
+           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config", "step_keep",
+           "step_memory"]
