@@ -128,6 +128,22 @@ def test_nodes_in_a_while_loop_frame_are_not_fused():
     assert np.array_equal(before, fc.Session(g).run("after:0", {"x0:0": x}))
 
 
+def test_nodes_in_a_conditional_branch_are_not_fused():
+    g = Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (3,), name="x")
+        p = fc.placeholder("bool", (), name="p")
+        out = fc.cond(p, lambda: fc.relu(x * 2.0 + 1.0), lambda: fc.tanh(x - 1.0))
+        fc.sigmoid(fc.neg(out, name="after_n"), name="after")
+    v = np.array([0.3, -1.0, 2.0], np.float32)
+    before = [fc.Session(g).run("after:0", {"x:0": v, "p:0": np.bool_(b)}) for b in (True, False)]
+    n = len(g.nodes)
+    fuse(g, keep={"x", "p", "after"})
+    assert fused_nodes(g) == ["after"] and len(g.nodes) == n - 1  # after the Merge only
+    for b, want in zip((True, False), before):
+        assert np.array_equal(want, fc.Session(g).run("after:0", {"x:0": v, "p:0": np.bool_(b)}))
+
+
 def test_members_on_different_devices_are_not_fused():
     g = Graph()
     with g.as_default():
@@ -142,6 +158,38 @@ def test_members_on_different_devices_are_not_fused():
     g2, _ = _chain()
     fuse(g2, keep={"a", "z"}, placement={"m": "/cpu:0", "s": "/cpu:1", "y": "/cpu:1"})
     assert fused_nodes(g2) == ["y"] and g2.nodes["m"].op == "Mul"  # a strategy's fixed devices count too
+
+
+def test_the_kernel_never_writes_its_inputs(rng):
+    from flowctl.kernels.registry import bind
+
+    g = Graph()
+    with g.as_default():
+        a = fc.placeholder("float32", (4, 3), name="a")
+        b = fc.placeholder("float32", (3,), name="b")
+        c = fc.cast(a, "float32", name="c")  # hands its input back: must not become a scratch buffer
+        s = fc.add(c, b, name="s")
+        q = fc.exp(fc.neg(fc.square(s, name="sq"), name="n"), name="e")
+        fc.greater(q, fc.add_n([q * 0.5], name="half"), name="gt")
+    x, y = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    before = fc.Session(g).run(["e:0", "gt:0"], {a: x, b: y})
+    fuse(g, keep={"a", "b", "gt", "e"})
+    assert fused_nodes(g) == ["e", "gt"]
+    xc, yc = x.copy(), y.copy()
+    out = bind("FusedElementwise", "cpu", g.nodes["e"].attrs)(x, y)
+    assert np.array_equal(x, xc) and np.array_equal(y, yc)
+    assert np.array_equal(out, before[0])
+    assert np.array_equal(fc.Session(g).run("gt:0", {"a:0": x, "b:0": y}), before[1])
+
+
+def test_a_malformed_program_is_a_graph_error():
+    g, _ = _chain()
+    fuse(g, keep={"a", "z"})
+    prog = _program(g, "y")
+    prog["steps"][1]["args"] = [0, 9]
+    g.nodes["y"].attrs = {"program": json.dumps(prog)}
+    with pytest.raises(GraphError, match="must name one of the 3 inputs or an earlier step"):
+        g.check()
 
 
 def test_differentiating_a_fused_node_is_a_clear_error():

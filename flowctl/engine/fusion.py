@@ -14,7 +14,8 @@ What may be interior (absorbed, its name gone):
 What may be a member at all:
 - an element-wise op with kernels on CPU and GPU, no state, no randomness, no ref inputs, one
   output; not ReduceTo / BroadcastLike (they change shape: no single-pass kernel);
-- outside every control-flow frame (§4.4: values inside a frame are tagged per iteration);
+- outside every control-flow frame (§4.4: values inside a frame are tagged per iteration) and
+  every branch of a conditional (downstream of a Switch, up to its Merge: such values may be dead);
 - the same requested device, colocation constraints and `placement` entry as the root, so fusing
   never changes where anything may run.
 The root may be kept, carry control inputs and be a control input: its name is the node's.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from flowctl.engine.frames import ROOT, assign_frames, has_control_flow
+from flowctl.engine.frames import ROOT, Frames, assign_frames, has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.fused import FUSED_OP, FusedProgram, FusedStep
 from flowctl.engine.ops.registry import ELEMENTWISE, get_op
@@ -49,16 +50,35 @@ def _where(node: Node, placement: Mapping[str, str]) -> tuple[str, tuple[str, ..
     return node.device, tuple(sorted(node.colocate_with)), placement.get(node.name), node.assigned_device
 
 
+def _in_branches(graph: Graph, frames: Frames) -> set[str]:
+    """Nodes a conditional's Switch reaches, by data or control edges, before its Merge (§4.4). A
+    loop's Switches run inside the loop's frame, which is excluded as a whole."""
+    users: dict[str, list[str]] = {n: [] for n in graph.nodes}
+    for node in graph.nodes.values():
+        for src in [parse_ref(r)[0] for r in node.inputs] + node.control_inputs:
+            users[src].append(node.name)
+    seen: set[str] = set()
+    stack = [u for n, node in graph.nodes.items()
+             if node.op == "Switch" and frames.exec_frame.get(n, ROOT) == ROOT for u in users[n]]
+    while stack:
+        n = stack.pop()
+        if n not in seen and graph.nodes[n].op != "Merge":
+            seen.add(n)
+            stack.extend(users[n])
+    return seen
+
+
 def _trees(graph: Graph, keep: set[str], placement: Mapping[str, str]) -> list[list[str]]:
     """The groups to fuse, each as its members in topological order, the root last."""
     frames = assign_frames(graph) if has_control_flow(graph.nodes.values()) else None
+    branches = _in_branches(graph, frames) if frames is not None else set()
     users: dict[str, set[str]] = {n: set() for n in graph.nodes}
     ctrl_users: set[str] = set()
     for node in graph.nodes.values():
         for ref in node.inputs:
             users[parse_ref(ref)[0]].add(node.name)
         ctrl_users.update(node.control_inputs)
-    candidates = {n for n, node in graph.nodes.items() if fusable(node)
+    candidates = {n for n, node in graph.nodes.items() if fusable(node) and n not in branches
                   and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT)}
     taken: set[str] = set()
     trees: list[list[str]] = []
