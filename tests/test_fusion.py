@@ -269,10 +269,11 @@ def _load(which: str, fuse_on: bool, tmp_path: Path):
             "parallelism.replicas=2"])
     p = tmp_path / "conv.yaml"
     p.write_text(CONV)
-    return load_spec(p, [flag])
+    wide = ["model.dtype=float64", "model.layers.x.dtype=float64"] if which == "conv64" else []
+    return load_spec(p, [flag, *wide])
 
 
-@pytest.mark.parametrize("which", ["lstm_lm", "conv", "sync_mlp"])
+@pytest.mark.parametrize("which", ["lstm_lm", "conv", "conv64", "sync_mlp"])
 def test_fused_training_is_bitwise_the_unfused_one(which, tmp_path):
     runs = {}
     for on in (False, True):
