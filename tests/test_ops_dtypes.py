@@ -55,6 +55,8 @@ LEFT_OUT = {
     "Send": "inserted by partitioning, needs a rendezvous and a peer Recv (tests/test_partition.py)",
     "Recv": "inserted by partitioning, needs a rendezvous and a peer Send (tests/test_partition.py)",
     "NoOp": "no outputs",
+    "FusedElementwise": "made by the fusion pass from element-wise ops covered here, whose kernels it runs "
+                        "(tests/test_fusion.py)",
     "Group": "no outputs",
     **{op: "control flow (§4.4): runs per frame and iteration or on one branch (tests/test_control_flow.py)"
        for op in ("Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopSum")},

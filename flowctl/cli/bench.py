@@ -12,7 +12,7 @@ from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch", "placement", "peers")
+SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion")
 
 
 @click.command()
@@ -46,7 +46,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
           devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
-    prefetching) or a spec file (placements measured on its devices beside the simulator's
+    prefetching; `fusion`: training steps with and without element-wise fusion) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
     err = Console(stderr=True, soft_wrap=True)
     if trace_dir is not None and target in SUITES:
@@ -78,6 +78,12 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
             results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget, rows=rows,
                                       progress=lambda m: status.update(m))
         render = _render_placement
+    elif target == "fusion":
+        from flowctl.bench.fusion import fusion_benchmark
+
+        with err.status("benchmarking") as status:
+            results = fusion_benchmark(steps=steps, rounds=rounds, quick=quick, progress=lambda m: status.update(m))
+        render = _render_ratios
     elif target == "peers":
         results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
                                  devices or "cpu:0")

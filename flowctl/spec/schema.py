@@ -329,6 +329,8 @@ class TrainingSpec(Strict):
                                   description="what evaluation reports (accuracy, top5: classifiers; perplexity: "
                                               "language models)")
     early_stopping: EarlyStopping | None = None
+    fuse: bool = Field(False, description="fuse chains of element-wise ops into one node each (bias+ReLU, gate "
+                                          "math, optimizer updates): the same values, fewer kernels and bytes")
 
     @field_validator("learning_rate")
     @classmethod

@@ -30,6 +30,7 @@ from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
 from flowctl.engine.distributed.session import WorkerEvent
 from flowctl.engine.errors import PlacementError, SpecError
+from flowctl.engine.fusion import fuse
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
 from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate, place, rule_matches
@@ -95,6 +96,7 @@ class StepConfig:
     compress: bool = False  # §5.5: float32 crosses devices as bfloat16
     receive: str = "asap"  # §5.2: when a Recv may start
     cluster: ClusterConfig = ClusterConfig()
+    fuse: bool = False  # element-wise fusion of the finished step (engine/fusion.py)
 
     @property
     def device_names(self) -> list[str]:
@@ -132,7 +134,8 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         colocate=tuple(tuple(group) for group in pl.colocate), time_budget_s=pl.time_budget_s,
         compress=pl.transfers.compress == "bf16", receive=pl.transfers.receive,
         cluster=ClusterConfig(spec.cluster.type, spec.cluster.address, spec.cluster.max_failures,
-                              tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())))
+                              tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())),
+        fuse=tr.fuse)
 
 
 def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
@@ -288,7 +291,37 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
     layers = layer_of(g, model)
     apply_constraints(config, g, layers)
     batch = config.per_replica_batch if astep is not None else config.global_batch
-    return Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers)
+    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers)
+    if config.fuse:
+        fuse_step(step)
+    return step
+
+
+def step_keep(step: Step) -> set[str]:
+    """The nodes a trainer fetches, feeds or names from outside: what a pass must leave in place."""
+    m = step.model
+    refs: list[Tensor] = [step.lr, step.init, *m.inputs.values(), *m.outputs.values(), *m.updates]
+    if m.loss is not None:
+        refs.append(m.loss)
+    if step.train is not None:
+        t = step.train
+        refs += [t.loss, t.train_op, *(p for copy in t.inputs for p in copy.values())]
+    if step.async_step is not None:
+        a = step.async_step
+        refs += [*a.losses, *(g for gs in a.grads for g in gs), *(p for copy in a.inputs for p in copy.values()),
+                 *(u for u in a.side_updates if u is not None), *a.variables, *a.grad_inputs, a.version, a.applied,
+                 a.apply]
+    return {t.node for t in refs if t is not None}
+
+
+def fuse_step(step: Step) -> None:
+    """Element-wise fusion of the finished step (after autodiff and the strategy, before placement),
+    in place: the fixed placement and the layer map lose the names fusion absorbed."""
+    g = step.graph
+    fuse(g, step_keep(step), placement=step.fixed)
+    if step.fixed is not None:
+        step.fixed = {n: d for n, d in step.fixed.items() if n in g.nodes}
+    step.layers = {n: layer for n, layer in step.layers.items() if n in g.nodes}
 
 
 def layer_of(graph: Graph, model: BuiltModel) -> dict[str, str]:
@@ -541,5 +574,6 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
 
 
 __all__ = ["DATA_PARALLEL", "STRATEGIES", "ClusterConfig", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
-           "StepConfig", "apply_constraints", "build_step", "cluster_for", "gradient_process", "layer_of",
-           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config", "step_memory"]
+           "StepConfig", "apply_constraints", "build_step", "cluster_for", "fuse_step", "gradient_process", "layer_of",
+           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config", "step_keep",
+           "step_memory"]

@@ -33,8 +33,9 @@ from flowctl.engine.errors import CheckpointError
 
 Warn = Callable[[str], None]
 
-# Keys that say how long or how often, not what is computed: changing them is not a spec change.
-SCHEDULING_KEYS = ("training.steps", "training.log_every_steps", "checkpoint")
+# Keys that say how long or how often, or how the same values are computed (fusion is bitwise the
+# unfused step on the CPU), not what is computed: changing them is not a spec change.
+SCHEDULING_KEYS = ("training.steps", "training.log_every_steps", "training.fuse", "checkpoint")
 
 
 def _umask() -> int:

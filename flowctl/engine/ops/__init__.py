@@ -5,6 +5,7 @@ from flowctl.engine.ops import (  # noqa: F401
     control,
     conv,
     elementwise,
+    fused,
     indexing,
     matrix,
     nn,
