@@ -392,6 +392,14 @@ class Trainer:
                         f"from checkpoint {r.resumed_step}")
 
     def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
+        if self.program.step.loss_scale is not None:
+            # fp16 loss scaling overflows on purpose now and then (the step is skipped, the scale
+            # halved): numpy's overflow warnings would only be noise.
+            with np.errstate(over="ignore", invalid="ignore"):
+                return self._run_step_plain(fetches, feeds, stats)
+        return self._run_step_plain(fetches, feeds, stats)
+
+    def _run_step_plain(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
         if stats is None or self.program.cluster is not None:
             return self.session.run(fetches, feeds, stats=stats)
         # One device: its straight-line plan keeps no timestamps, the dataflow executor does.
