@@ -194,12 +194,10 @@ def _check_batch(spec: Spec, root: LocDict, problems: Problems) -> tuple[int, in
 def _check_precision(spec: Spec, root: LocDict, problems: Problems) -> None:
     """fp16 and bf16 keep float32 master variables: the model's own dtype must be float32."""
     t = spec.training
-    if t.precision == "bf16":
-        problems.at(root, ("training", "precision"), "bf16 is not built yet; use fp16 (with loss scaling) or fp32")
-    elif t.precision == "fp16":
-        if spec.model.dtype != "float32":
-            problems.at(root, ("training", "precision"), f"fp16 keeps float32 master variables, so model.dtype "
-                        f"must be float32, not {spec.model.dtype}")
+    if t.precision != "fp32" and spec.model.dtype != "float32":
+        problems.at(root, ("training", "precision"), f"{t.precision} keeps float32 master variables, so model.dtype "
+                    f"must be float32, not {spec.model.dtype}")
+    if t.precision == "fp16":
         if spec.parallelism.strategy not in ("single", "model_parallel"):
             problems.at(root, ("training", "precision"), f"fp16's loss scaling is built for the single and "
                         f"model_parallel strategies, not {spec.parallelism.strategy} yet")

@@ -341,8 +341,9 @@ class TrainingSpec(Strict):
     fuse: bool = Field(False, description="fuse chains of element-wise ops into one node each (bias+ReLU, gate "
                                           "math, optimizer updates): the same values, fewer kernels and bytes")
     precision: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp32", description="compute precision: fp16 keeps float32 master variables and computes the layers in "
-                            "float16 with dynamic loss scaling; bf16 is not built yet")
+        "fp32", description="compute precision: fp16 and bf16 keep float32 master variables; fp16 computes the "
+                            "layers in float16 with dynamic loss scaling, bf16 rounds what the layers read to "
+                            "bfloat16 (emulated in float32)")
     loss_scale: LossScale = Field(default_factory=lambda: LossScale.model_validate({}),
                                   description="fp16's dynamic loss scaling")
 
