@@ -211,6 +211,24 @@ def test_exact_resume_carries_the_scale_and_the_skipped_count(tmp_path):
     assert all(np.array_equal(va[k], vb[k]) for k in va)
 
 
+def test_model_parallel_fp16_is_the_single_device_step_across_a_partition(tmp_path):
+    """The skipped update is a cond, and the scale's update Selects: placed over two devices (the
+    hidden layer on cpu:0, the rest on cpu:1; Send/Recv between) the numbers, skips included, are
+    the one-device run's, bitwise."""
+    over = ["training.loss_scale.initial=1048576", "training.loss_scale.growth_interval=2"]
+    split = ['devices=[cpu:0, cpu:1]', 'parallelism={strategy: model_parallel, groups: ['
+             '{layers: [x, h], device: "cpu:0"}, {layers: [logits, y, loss], device: "cpu:1"}]}']
+    one = _train(_load("mlp", "fp16", over), tmp_path / "one", 6)
+    two = _train(_load("mlp", "fp16", over + split), tmp_path / "two", 6)
+    assert len(two.program.devices) == 2
+    a, b = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert [(r["loss"], r["loss_scale"], r["skipped"]) for r in a] == \
+        [(r["loss"], r["loss_scale"], r["skipped"]) for r in b]
+    assert 0 < a[-1]["skipped"] < 6
+    va, vb = one.session.variable_values(), two.session.variable_values()
+    assert all(np.array_equal(va[k], vb[k]) for k in va)
+
+
 # ---------------------------------------------------------------------------- the Cast gradient
 def test_the_gradient_of_cast_casts_back(rng):
     x = rng.standard_normal((3, 4))
