@@ -26,7 +26,7 @@ from flowctl.engine.ops.api import constant
 from flowctl.engine.ops.control import group, identity
 from flowctl.engine.ops.elementwise import add_n, cast, equal, greater, maximum, select
 from flowctl.engine.ops.reduction import reduce_sum
-from flowctl.engine.ops.state import assign, variable
+from flowctl.engine.ops.state import assign, trainable_variables, variable
 from flowctl.engine.optimizers import GradsAndVars, Optimizer
 
 __all__ = ["LossScale", "LossScaleOptimizer", "all_finite"]
@@ -80,6 +80,7 @@ class LossScaleOptimizer(Optimizer):
         self.growth_interval = int(growth_interval)
         self.scope = name
         self.state: LossScale | None = None
+        self._inverse: Tensor | None = None  # 1/S, shared by every replica's unscaling
 
     def _make_state(self, graph: Graph) -> LossScale:
         if self.state is None:
@@ -91,20 +92,23 @@ class LossScaleOptimizer(Optimizer):
         return self.state
 
     def compute_gradients(self, loss: Tensor, var_list: Sequence[Tensor] | None = None) -> GradsAndVars:
-        var_list = list(var_list) if var_list is not None else None
-        if var_list is None:
-            from flowctl.engine.ops.state import trainable_variables
+        var_list = list(var_list) if var_list is not None else trainable_variables(loss.graph)
+        return list(zip(self.gradients_of(loss, var_list), var_list))
 
-            var_list = trainable_variables(loss.graph)
+    def gradients_of(self, loss: Tensor, var_list: Sequence[Tensor], name: str = "gradients") -> list[Tensor | None]:
+        """The gradients of S * loss (S starts the backward pass), each times 1/S where it is made."""
+        var_list = list(var_list)
         if loss.shape != ():
             raise GraphError(f"loss scaling needs a scalar loss, got '{loss.name}' of shape {loss.shape}")
         graph = loss.graph
         st = self._make_state(graph)
         with graph.as_default(), graph.absolute_scope():
             s = st.scale if st.scale.dtype == loss.dtype else cast(st.scale, loss.dtype)
-            raw = gradients(loss, var_list, grad_ys=[s])
-            with graph.name_scope(self.scope):
-                inv = constant(1.0, dtype="float32", name="one") / st.scale
+            raw = gradients(loss, var_list, grad_ys=[s], name=name)
+            if self._inverse is None:
+                with graph.name_scope(self.scope):
+                    self._inverse = constant(1.0, dtype="float32", name="one") / st.scale
+            inv = self._inverse
             out: list[Tensor | None] = []
             for g in raw:
                 if g is None:
@@ -113,7 +117,7 @@ class LossScaleOptimizer(Optimizer):
                 with graph.following(g.node):
                     k = inv if g.dtype == "float32" else cast(inv, g.dtype)
                     out.append(g * k)
-        return list(zip(out, var_list))
+        return out
 
     def apply_gradients(self, grads_and_vars: Sequence[tuple[Tensor | None, Tensor]],
                         name: str | None = None) -> Tensor:

@@ -71,6 +71,11 @@ class Optimizer:
                 raise GraphError(f"{self.name}: '{v.name}' ({v.op.op}) is not a Variable")
         return list(zip(gradients(loss, var_list), var_list))
 
+    def gradients_of(self, loss: Tensor, var_list: Sequence[Tensor], name: str = "gradients") -> list[Tensor | None]:
+        """d loss / d var for each var, as this optimizer wants them (a strategy's replicas call it;
+        loss scaling overrides it)."""
+        return gradients(loss, list(var_list), name=name)
+
     def apply_gradients(self, grads_and_vars: Sequence[tuple[Tensor | None, Tensor]],
                         name: str | None = None) -> Tensor:
         """One Group target that applies every (gradient, variable) pair, in the given order.

@@ -198,9 +198,9 @@ def _check_precision(spec: Spec, root: LocDict, problems: Problems) -> None:
         problems.at(root, ("training", "precision"), f"{t.precision} keeps float32 master variables, so model.dtype "
                     f"must be float32, not {spec.model.dtype}")
     if t.precision == "fp16":
-        if spec.parallelism.strategy not in ("single", "model_parallel"):
-            problems.at(root, ("training", "precision"), f"fp16's loss scaling is built for the single and "
-                        f"model_parallel strategies, not {spec.parallelism.strategy} yet")
+        if spec.parallelism.strategy == "async_data_parallel":
+            problems.at(root, ("training", "precision"), "fp16's loss scaling is not built for "
+                        "async_data_parallel yet (its replicas' gradients are fed to the update one at a time)")
 
 
 def _device_ok(root: LocDict, loc: tuple, dev: str, listed: list[str], problems: Problems) -> bool:

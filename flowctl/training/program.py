@@ -263,9 +263,8 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
         opt = make_optimizer(config.optimizer, lr)
         if config.precision == "fp16":
-            if strategy not in ("single", "model_parallel"):
-                raise SpecError(f"training.precision fp16: loss scaling is built for the single and model_parallel "
-                                f"strategies, not {strategy}")
+            if strategy == "async_data_parallel":
+                raise SpecError("training.precision fp16: loss scaling is not built for async_data_parallel")
             opt = LossScaleOptimizer(opt, *config.loss_scale)
         args = (g, loss, model.inputs, model.trainable_variables(), opt)
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}
