@@ -345,7 +345,7 @@ def test_a_bad_precision_is_a_located_spec_error():
     text = MLP.replace("  steps: 6\n", "  steps: 6\n  precision: fp61\n")
     line = text.splitlines().index("  precision: fp61") + 1
     msg = _error(text)
-    assert f"bad.yaml:{line}:" in msg and "training.precision" in msg and "fp16" in msg
+    assert f"bad.yaml:{line}:" in msg and "training.precision" in msg and "did you mean 'fp16'?" in msg
 
 
 def test_mixed_precision_needs_float32_variables_and_fp16_a_built_strategy():
