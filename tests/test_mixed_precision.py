@@ -363,6 +363,22 @@ def test_a_bad_loss_scale_is_a_spec_error():
     assert "training.loss_scale.growth" in _error(MLP, ["training.loss_scale.growth_intervl=3"])
 
 
+def test_precision_is_a_spec_change_and_fp32_hashes_as_before_it_existed():
+    from flowctl.training.rundir import resolved, spec_changes, spec_hash
+
+    base = resolved(load_text(MLP, filename="m.yaml").spec)
+    older = {**base, "training": {k: v for k, v in base["training"].items() if k not in ("precision", "loss_scale")}}
+    assert spec_hash(older) == spec_hash(base) and spec_changes(older, base) == []
+    fp16 = resolved(load_text(MLP, filename="m.yaml", overrides=["training.precision=fp16"]).spec)
+    assert spec_hash(fp16) != spec_hash(base)
+    assert any(c.startswith("training.precision") for c in spec_changes(base, fp16))
+    scaled = resolved(load_text(MLP, filename="m.yaml", overrides=["training.loss_scale.initial=8"]).spec)
+    assert spec_hash(scaled) == spec_hash(base)  # fp32 does not scale: inert
+    big16 = resolved(load_text(MLP, filename="m.yaml", overrides=["training.precision=fp16",
+                                                                  "training.loss_scale.initial=8"]).spec)
+    assert spec_changes(fp16, big16) == ["training.loss_scale.initial: 65536.0 -> 8.0"]
+
+
 # ---------------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 def test_fp16_trains_on_cupy_as_on_numpy(tmp_path):
