@@ -360,7 +360,9 @@ class Trainer:
 
             metrics.write(f'{{"step": {self.step}, "loss": {loss_v!r}, "lr": {lr!r}, '
                           f'"examples_per_s": {eps:.1f}, "time": {time.time():.3f}{extra}}}\n')
-            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps, **scores})
+            scaling_now = {"loss_scale": float(scale[0]), "skipped_steps": int(scale[1])} if scale else {}
+            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps, **scaling_now,
+                                       **scores})
             if scores:
                 self._judge(scores)
             if self.histograms_every and self.step % self.histograms_every == 0:
