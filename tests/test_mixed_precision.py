@@ -131,6 +131,23 @@ def test_every_master_variable_gets_a_float32_gradient(which):
     assert "Cast" in reads
 
 
+def test_fp16_nmt_with_masked_attention_and_dynamic_lstms(tmp_path):
+    """Variable-length pairs: dynamic LSTMs (while loops), attention kept off the padding (whose
+    -1e9 would be inf in float16, and 0 * inf a NaN) and a loss over real tokens, all in fp16."""
+    from test_nmt_sentences import _corpus
+
+    spec = _corpus(tmp_path)
+    runs = {}
+    for p in ("fp32", "fp16"):
+        loaded = load_spec(spec, [f"training.precision={p}", "training.loss_scale.initial=1024",
+                                  "training.eval_every_steps=4"])
+        _train(loaded, tmp_path / p, 4)
+        runs[p] = _records(tmp_path / p)
+    assert all(np.isfinite(r["loss"]) for r in runs["fp16"]) and "val/loss" in runs["fp16"][-1]
+    np.testing.assert_allclose([r["loss"] for r in runs["fp16"]], [r["loss"] for r in runs["fp32"]], rtol=1e-2)
+    np.testing.assert_allclose(runs["fp16"][-1]["val/loss"], runs["fp32"][-1]["val/loss"], rtol=1e-2)
+
+
 # ---------------------------------------------------------------------------- loss scaling
 def _session(initial: float, growth: int, optimizer: str = "adam"):
     loaded = _load("mlp", "fp16", [f"training.loss_scale.initial={initial}",
