@@ -71,6 +71,7 @@ def _extra(x, y, p, m, i, v) -> list[fc.Tensor]:
     return [
         fc.less(x, p[0]), fc.equal(x, y), make1("GreaterEqual", [x, p[1]]), make1("LessEqual", [x, y]),
         fc.cast(x, "int8"), fc.cast(x, "uint16"), fc.cast(x, "float16"), fc.cast(x, "bool"),
+        fc.round_bf16(fc.cast(x, "float32")),
         fc.zeros_like(x), fc.ones_like(x), fc.stop_gradient(x), fc.argmax(x, axis=1),
         fc.shape(x), fc.rank(x), fc.fill([2, 3], 1.5, dtype="float64"), fc.constant(np.arange(6.0).reshape(2, 3)) * m,
         fc.one_hot(i, 4, dtype="float64"), fc.random_uniform([3, 2], dtype="float64", seed=3),

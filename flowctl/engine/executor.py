@@ -196,7 +196,10 @@ class Plan:
 
         self._compiled: dict[tuple[bool, bool], tuple[Callable[..., Any], str, list[int]]] = {}
         # §4.4: a plan with control flow runs on the frame-aware executor (tagged values).
-        self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) else None
+        # A Recv that may deliver a dead value (a cond's untaken branch on another device) needs the
+        # same executor, which propagates deadness, even in a partition without control-flow ops.
+        dead_recv = any(n.op == "Recv" and n.attrs.get("maybe_dead") for n in self.nodes)
+        self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) or dead_recv else None
 
     def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
         attrs = dict(node.attrs)

@@ -52,6 +52,8 @@ class Optimizer:
     """Base class: subclasses define `_apply_dense(grad, var)` (and optionally `_prepare` and
     `_finish` for state shared by all variables)."""
 
+    slot_names: tuple[str, ...] = ()  # the per-variable slots `_apply_dense` makes
+
     def __init__(self, learning_rate: float | Tensor, name: str) -> None:
         self.learning_rate = learning_rate
         self.name = name
@@ -68,6 +70,11 @@ class Optimizer:
             if v.op.op != "Variable":
                 raise GraphError(f"{self.name}: '{v.name}' ({v.op.op}) is not a Variable")
         return list(zip(gradients(loss, var_list), var_list))
+
+    def gradients_of(self, loss: Tensor, var_list: Sequence[Tensor], name: str = "gradients") -> list[Tensor | None]:
+        """d loss / d var for each var, as this optimizer wants them (a strategy's replicas call it;
+        loss scaling overrides it)."""
+        return gradients(loss, list(var_list), name=name)
 
     def apply_gradients(self, grads_and_vars: Sequence[tuple[Tensor | None, Tensor]],
                         name: str | None = None) -> Tensor:
@@ -100,6 +107,15 @@ class Optimizer:
                 clipped, _ = clip_by_global_norm([g for g, _ in gv], clip_norm)
             gv = list(zip(clipped, [v for _, v in gv]))
         return self.apply_gradients(gv, name=name)
+
+    def make_slots(self, graph: Graph, var_list: list[Tensor]) -> None:
+        """Create the slots and shared state now (they are otherwise made lazily by the update):
+        for an update built inside a cond, whose branch must not own Variables."""
+        with graph.as_default(), graph.absolute_scope():
+            self._prepare(graph, var_list)
+            for v in var_list:
+                for slot in self.slot_names:
+                    self._slot(v, slot)
 
     def slots(self) -> list[Tensor]:
         """The per-variable slot Variables, in creation order."""
@@ -181,6 +197,8 @@ class Momentum(Optimizer):
     """TensorFlow's momentum: accum = momentum * accum + g; var -= lr * accum, or with Nesterov
     var -= lr * (g + momentum * accum)."""
 
+    slot_names = ("momentum",)
+
     def __init__(self, learning_rate: float | Tensor, momentum: float = 0.9, nesterov: bool = False,
                  name: str = "Momentum") -> None:
         super().__init__(learning_rate, name)
@@ -200,6 +218,8 @@ class Adam(Optimizer):
     v = beta2*v + (1-beta2)*g^2; var -= lr_t * m / (sqrt(v) + epsilon).
     beta1^t and beta2^t are Variables (`<name>/beta1_power`, `<name>/beta2_power`) multiplied by
     beta after each step, as TensorFlow keeps them; `<name>/t` counts the steps applied."""
+
+    slot_names = ("m", "v")
 
     def __init__(self, learning_rate: float | Tensor = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8, name: str = "Adam") -> None:

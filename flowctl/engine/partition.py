@@ -189,6 +189,7 @@ def _build_partitions(graph: Graph, members: list[str], where: dict[str, str], f
             _add(parts[d], Node(feed_node_name(ref), "Placeholder",
                                 attrs={"dtype": spec.dtype, "shape": spec.shape}, assigned_device=d), new=True)
     recv_of = {(t.ref, t.dst): t.recv for t in transfers.values()}
+    dead = _maybe_dead(graph, members)
     sends_after: dict[str, list[_Transfer]] = {}
     recvs_before: dict[str, list[_Transfer]] = {}
     for t in transfers.values():
@@ -198,7 +199,7 @@ def _build_partitions(graph: Graph, members: list[str], where: dict[str, str], f
         d = where[name]
         g = parts[d]
         for t in recvs_before.get(name, []):
-            _add(g, _recv_node(graph, t, compress), new=True)
+            _add(g, _recv_node(graph, t, compress, parse_ref(t.ref.lstrip("^"))[0] in dead), new=True)
         _add(g, _local_node(graph.nodes[name], d, where, fed, recv_of))
         for t in sends_after.get(name, []):
             for extra in _send_nodes(graph, t, compress):
@@ -294,14 +295,36 @@ def _send_nodes(graph: Graph, t: _Transfer, compress: bool) -> list[Node]:
     return [Node(t.send, "Send", [t.ref], attrs=_link_attrs(t, squeeze), assigned_device=t.src)]
 
 
-def _recv_node(graph: Graph, t: _Transfer, compress: bool) -> Node:
+def _recv_node(graph: Graph, t: _Transfer, compress: bool, maybe_dead: bool = False) -> Node:
     if t.ref.startswith("^"):
         attrs = {**_link_attrs(t, False), "dtype": "float32", "shape": (0,)}
     else:
         spec = graph.tensor(t.ref).spec
         attrs = {**_link_attrs(t, compress and spec.dtype == COMPRESSIBLE), "dtype": spec.dtype,
                  "shape": spec.shape}
+    if maybe_dead:
+        attrs["maybe_dead"] = True
     return Node(t.recv, "Recv", attrs=attrs, assigned_device=t.dst)
+
+
+def _maybe_dead(graph: Graph, members: list[str]) -> set[str]:
+    """Nodes whose output may be dead: downstream of a Switch (by data or control edge) and not
+    past a Merge, which is live when either input is (§4.4). A Recv of one of them must reach an
+    executor that propagates deadness even where its partition has no control-flow op of its own."""
+    member_set = set(members)
+    switches = [n for n in members if graph.nodes[n].op == "Switch"]
+    if not switches:
+        return set()
+    users = graph.consumers()
+    out: set[str] = set()
+    todo = list(switches)
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.add(n)
+        todo.extend(u for u in users[n] if u in member_set and graph.nodes[u].op != "Merge")
+    return out
 
 
 def _live_root_nodes(graph: Graph, members: list[str], frames: Frames) -> set[str]:

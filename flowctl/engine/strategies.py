@@ -42,7 +42,6 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from flowctl.engine.autodiff import gradients
 from flowctl.engine.devices import canonical
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.graph import Graph, Tensor, make_ref, parse_ref
@@ -316,7 +315,7 @@ def model_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], var
 
 
 def _replicas(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
-              updates: Sequence[Tensor], devices: Sequence[str], strategy: str
+              updates: Sequence[Tensor], devices: Sequence[str], strategy: str, optimizer: Optimizer
               ) -> tuple[list[dict[str, str]], list[Tensor], list[dict[str, Tensor]], list[list[Tensor]],
                          list[list[Tensor | None]]]:
     """Figure 7's replicas: the forward graph copied under `replica_<k>/` (sharing the Variables),
@@ -326,7 +325,7 @@ def _replicas(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variable
         raise PlacementError(f"{strategy} needs at least one device")
     maps, losses, ins, ups = _copies(graph, loss, inputs, updates, n, "replica_{k}")
     with graph.absolute_scope():
-        per = [gradients(losses[k], list(variables), name=f"replica_{k}/gradients") for k in range(n)]
+        per = [optimizer.gradients_of(losses[k], variables, name=f"replica_{k}/gradients") for k in range(n)]
     return maps, losses, ins, ups, per
 
 
@@ -337,7 +336,8 @@ def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor],
     devices[k]; Variables, the gradient average, the optimizer and the update on `param_device`
     (default devices[0]). Replica 0's side updates (batch-norm moving averages) run with the step."""
     n = len(devices)
-    maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "sync_data_parallel")
+    maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "sync_data_parallel",
+                                          optimizer)
     grads = _average(graph, per, variables, "sync_average")
     mean = _mean_loss(graph, losses, "sync_loss")
     train_op = _update(graph, optimizer, grads, variables, process, ups[0])
@@ -359,7 +359,8 @@ def pipeline(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables
     base = complete_placement(graph, assignment, default)
     maps, losses, ins, ups = _copies(graph, loss, inputs, updates, micro_batches, "micro_{k}")
     with graph.absolute_scope():
-        per = [gradients(losses[k], list(variables), name=f"micro_{k}/gradients") for k in range(micro_batches)]
+        per = [optimizer.gradients_of(losses[k], variables, name=f"micro_{k}/gradients")
+               for k in range(micro_batches)]
     grads = _average(graph, per, variables, "accumulate")
     mean = _mean_loss(graph, losses, "pipeline_loss")
     train_op = _update(graph, optimizer, grads, variables, process, ups[0])
@@ -420,7 +421,8 @@ def async_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor]
     never interleave, and a replica's parameter read (one partition there too) sees whole updates.
     The counter is read in the same partition as the parameters, so staleness is exact."""
     n = len(devices)
-    maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "async_data_parallel")
+    maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "async_data_parallel",
+                                          optimizer)
     with graph.absolute_scope():
         side = [group(u, name=f"replica_{k}/side_updates", graph=graph) if u else None for k, u in enumerate(ups)]
     live = [i for i, g in enumerate(per[0]) if g is not None]

@@ -126,6 +126,21 @@ def cast(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda x: x.astype(dtype, copy=False)
 
 
+@kernel("RoundBF16")
+def round_bf16(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Round to nearest even on the upper 16 bits of the float32 pattern: add 0x7FFF plus the bit
+    that survives lowest, then clear the low half (a carry into the exponent rounds up to the next
+    binade, or to infinity past bfloat16's largest value, as a real conversion does). NaN stays NaN
+    (its payload may sit only in the cleared bits)."""
+    def run(x: Any) -> Any:
+        x = xp.asarray(x)
+        bits = x.view(xp.uint32)
+        up = bits + (((bits >> 16) & 1) + 0x7FFF).astype(xp.uint32)
+        out = (up & 0xFFFF0000).astype(xp.uint32).view(xp.float32)
+        return xp.where(xp.isnan(x), x, out)
+    return run
+
+
 @kernel("AddN")
 def add_n(xp: Any, attrs: dict[str, Any]) -> Fn:
     def run(*xs: Any) -> Any:

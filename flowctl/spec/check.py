@@ -77,6 +77,7 @@ def check(spec: Spec, root: LocDict, expansion: Expansion, problems: Problems, b
     layers = _check_layers(spec, root, expansion, problems)
     loss = _check_loss(spec, root, layers, problems)
     gb, rb = _check_batch(spec, root, problems)
+    _check_precision(spec, root, problems)
     loaded = LoadedSpec(spec, root, layers, expansion.instances, expansion.aliases, loss, gb, rb, base_dir)
     _check_devices(spec, root, loaded, problems)
     _check_data(spec, root, loaded, problems, base_dir)
@@ -188,6 +189,18 @@ def _check_batch(spec: Spec, root: LocDict, problems: Problems) -> tuple[int, in
         problems.at(root, ("training", "batch_size"),
                     f"batch_size {gb} does not split evenly over {r} replicas ({gb} / {r} = {gb / r:.2f})")
     return gb, max(gb // r, 1)
+
+
+def _check_precision(spec: Spec, root: LocDict, problems: Problems) -> None:
+    """fp16 and bf16 keep float32 master variables: the model's own dtype must be float32."""
+    t = spec.training
+    if t.precision != "fp32" and spec.model.dtype != "float32":
+        problems.at(root, ("training", "precision"), f"{t.precision} keeps float32 master variables, so model.dtype "
+                    f"must be float32, not {spec.model.dtype}")
+    if t.precision == "fp16":
+        if spec.parallelism.strategy == "async_data_parallel":
+            problems.at(root, ("training", "precision"), "fp16's loss scaling is not built for "
+                        "async_data_parallel yet (its replicas' gradients are fed to the update one at a time)")
 
 
 def _device_ok(root: LocDict, loc: tuple, dev: str, listed: list[str], problems: Problems) -> bool:

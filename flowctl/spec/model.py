@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import flowctl as fc
+from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import GraphError, SpecError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.spec.check import LoadedSpec
@@ -57,33 +58,66 @@ class BuiltModel:
         return fc.global_variables_initializer(self.graph)
 
 
-class _Builder:
-    """What layers see while building (flowctl.spec.layers.base.Builder)."""
+# training.precision -> the dtype the layers compute in (the variables keep the model's dtype).
+# bf16 is emulated: float32 values rounded to bfloat16 (RoundBF16) where fp16 would cast.
+COMPUTE_DTYPES = {"fp16": "float16", "bf16": "float32"}
 
-    def __init__(self, graph: Graph, training: bool, dtype: str) -> None:
+
+class _Builder:
+    """What layers see while building (flowctl.spec.layers.base.Builder).
+
+    Mixed precision: `dtype` is the compute dtype, `var_dtype` the master variables'. A trainable
+    weight a layer asks for comes back lowered (`lower`): a Cast of its float32 Variable to float16
+    (the Cast's gradient casts back, so the Variable gets a float32 gradient), or for bf16 its
+    value rounded to bfloat16; batch norm runs in float32 on float32 statistics, its output lowered."""
+
+    def __init__(self, graph: Graph, training: bool, dtype: str, precision: str = "fp32") -> None:
         self.graph = graph
         self.training = training
-        self.dtype = dtype
+        self.precision = precision
+        self.var_dtype = dtype
+        self.compute = COMPUTE_DTYPES.get(precision, dtype)
+        self.dtype = self.compute
         self.made: list[Tensor] = []
         self.updates: list[Tensor] = []
         self.steps: dict[str, list[Tensor]] = {}
+        self.masters: dict[str, Tensor] = {}  # the Cast a layer got -> its Variable
 
     def variable(self, w: Weight) -> Tensor:
         with self.graph.name_scope(w.name):
-            init = _initial_value(w, self.dtype)
+            init = _initial_value(w, self.var_dtype)
         v = fc.variable(init, name=w.name, trainable=w.trainable)
         self.made.append(v)
-        return v
+        if self.precision == "fp32" or not w.trainable:
+            return v  # batch norm's moving statistics stay float32 and are read as such
+        c = self.lower(v, w.name)
+        self.masters[c.name] = v
+        return c
+
+    def lower(self, t: Tensor, name: str) -> Tensor:
+        """`t` as the layers compute with it: cast to float16, or rounded to bfloat16."""
+        if self.precision == "bf16":
+            return fc.round_bf16(t, name=f"{name}/bf16")
+        return fc.cast(t, self.compute, name=f"{name}/{self.compute}")
+
+    def master(self, t: Tensor) -> Tensor:
+        return self.masters.get(t.name, t)
 
     def batch_norm(self, x: Tensor, gamma: Tensor | None, beta: Tensor, mean: Tensor, var: Tensor,
                    epsilon: float, momentum: float, activation: str = "none") -> Tensor:
+        low = self.precision != "fp32"
+        if low:  # batch statistics and their moving averages in float32
+            if x.dtype != self.var_dtype:
+                x = fc.cast(x, self.var_dtype, name="bn/to_master")
+            gamma = None if gamma is None else self.master(gamma)
+            beta = self.master(beta)
         # Keras' Inception-v3 uses BatchNormalization(scale=False): a constant 1, not a variable,
         # which is why its parameter count has no gammas.
-        scale = gamma if gamma is not None else fc.ones((x.shape[-1],), self.dtype, name="bn/unit_scale")
+        scale = gamma if gamma is not None else fc.ones((x.shape[-1],), self.var_dtype, name="bn/unit_scale")
         y, updates = fc.batch_norm(x, scale, beta, mean, var, training=self.training, momentum=momentum,
                                    epsilon=epsilon, activation=activation, name="bn")
         self.updates.extend(updates)
-        return y
+        return self.lower(y, "bn/output") if low else y
 
 
 def _initial_value(w: Weight, dtype: str) -> Tensor:
@@ -102,12 +136,19 @@ def _initial_value(w: Weight, dtype: str) -> Tensor:
     raise GraphError(f"unknown initializer {w.init!r} for weight {w.name}")
 
 
-def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None = None) -> BuiltModel:
+def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None = None,
+                precision: str | None = None) -> BuiltModel:
     """Emit the spec's layers into `graph` (a fresh one seeded with `training.seed` by default).
-    The built shapes and variables are checked against the layer library's static answers."""
+    The built shapes and variables are checked against the layer library's static answers.
+    `precision` (default: the spec's `training.precision`): fp16 computes the layers in float16
+    on float32 variables, and the loss in float32; bf16 rounds the weights and inputs the layers
+    read (and batch norm's output) to bfloat16, computing in float32."""
     g = graph if graph is not None else Graph(seed=loaded.spec.training.seed)
     model = BuiltModel(g, loaded, training)
-    b = _Builder(g, training, loaded.spec.model.dtype)
+    precision = loaded.spec.training.precision if precision is None else precision
+    b = _Builder(g, training, loaded.spec.model.dtype, precision)
+    mixed = precision != "fp32"
+    compute = b.compute
     with g.as_default():
         for name, info in loaded.layers.items():
             before = set(g.nodes)
@@ -118,6 +159,18 @@ def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None =
                 with g.source(where):
                     if info.layer.type == "input":  # a Placeholder named as the layer, to feed by name
                         out = model.inputs[name] = info.layer.build(b, ins)
+                        if mixed and is_float(out.dtype):
+                            with g.name_scope(name):
+                                out = b.lower(out, "value")
+                    elif mixed and info.layer.is_loss:  # the loss from float32 logits
+                        with g.name_scope(name):
+                            ins = [fc.cast(t, b.var_dtype, name=f"input_{i}/{b.var_dtype}")
+                                   if t.dtype == compute != b.var_dtype else t for i, t in enumerate(ins)]
+                            b.dtype = b.var_dtype
+                            try:
+                                out = info.layer.build(b, ins)
+                            finally:
+                                b.dtype = compute
                     else:
                         with g.name_scope(name):
                             out = info.layer.build(b, ins)
@@ -128,9 +181,12 @@ def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None =
             model.outputs[name] = out
             model.layer_nodes[name] = [n for n in g.nodes if n not in before]
             model.variables[name] = list(b.made)
-            if tuple(out.shape) != tuple(info.output.shape) or out.dtype != info.output.dtype:
+            want = info.output.dtype
+            if mixed and is_float(want) and not info.layer.is_loss:
+                want = compute
+            if tuple(out.shape) != tuple(info.output.shape) or out.dtype != want:
                 raise GraphError(f"layer '{name}' built {fmt(out.shape)} {out.dtype} but the layer library "
-                                 f"inferred {fmt(info.output.shape)} {info.output.dtype} (a bug in the "
+                                 f"inferred {fmt(info.output.shape)} {want} (a bug in the "
                                  f"{info.layer.type} layer)")
             built = sorted(tuple(v.shape) for v in b.made)
             static = sorted(tuple(w.shape) for w in info.weights)

@@ -314,6 +314,15 @@ class EarlyStopping(Strict):
     min_delta: float = Field(0.0, ge=0, description="an improvement smaller than this does not count")
 
 
+class LossScale(Strict):
+    """Dynamic loss scaling (fp16): the loss is multiplied by the scale before the gradients; a step
+    with a non-finite gradient is skipped and halves the scale; `growth_interval` finite steps in a
+    row double it."""
+
+    initial: float = Field(65536.0, gt=0, description="the scale of the first step")
+    growth_interval: int = Field(2000, ge=1, description="finite steps in a row before the scale doubles")
+
+
 class TrainingSpec(Strict):
     optimizer: Optimizer = Field(default_factory=lambda: Optimizer.model_validate({}))
     learning_rate: float | Schedule = Field(0.01, description="a constant, or a schedule mapping")
@@ -331,6 +340,12 @@ class TrainingSpec(Strict):
     early_stopping: EarlyStopping | None = None
     fuse: bool = Field(False, description="fuse chains of element-wise ops into one node each (bias+ReLU, gate "
                                           "math, optimizer updates): the same values, fewer kernels and bytes")
+    precision: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="compute precision: fp16 and bf16 keep float32 master variables; fp16 computes the "
+                            "layers in float16 with dynamic loss scaling, bf16 rounds what the layers read to "
+                            "bfloat16 (emulated in float32)")
+    loss_scale: LossScale = Field(default_factory=lambda: LossScale.model_validate({}),
+                                  description="fp16's dynamic loss scaling")
 
     @field_validator("learning_rate")
     @classmethod

@@ -1,7 +1,8 @@
 """pydantic's validation errors as located problems: file:line:col, the dotted key, a "did you
-mean" for unknown keys and layer types, one message for a value that fails every member of a union."""
+mean" for unknown keys, layer types and values outside a fixed set, one message for a value that fails every member of a union."""
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Any, Union, get_args, get_origin
@@ -57,6 +58,9 @@ def report_validation(root: Any, err: ValidationError, problems: Problems, prefi
             loc = loc[:-1]
         elif typ == "literal_error" and loc[-1:] == ("version",):
             msg = f"unsupported spec version {e.get('input')!r}: this flowctl reads version 1"
+        elif typ == "literal_error":
+            choices = [c.strip(" '\"") for c in re.split(r",| or ", str(e.get("ctx", {}).get("expected", "")))]
+            msg += did_you_mean(str(e.get("input")), [c for c in choices if c])
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         mark, _ = locate(root, loc, key=key)

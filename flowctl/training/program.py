@@ -32,6 +32,7 @@ from flowctl.engine.distributed.session import WorkerEvent
 from flowctl.engine.errors import PlacementError, SpecError
 from flowctl.engine.fusion import fuse
 from flowctl.engine.graph import Graph, Tensor
+from flowctl.engine.mixed_precision import LossScale, LossScaleOptimizer
 from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
 from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate, place, rule_matches
 from flowctl.engine.placement.cost import StaticCostModel
@@ -97,6 +98,8 @@ class StepConfig:
     receive: str = "asap"  # §5.2: when a Recv may start
     cluster: ClusterConfig = ClusterConfig()
     fuse: bool = False  # element-wise fusion of the finished step (engine/fusion.py)
+    precision: str = "fp32"  # fp16: float16 layers on float32 variables, with dynamic loss scaling
+    loss_scale: tuple[float, int] = (65536.0, 2000)  # fp16: (initial scale, growth interval)
 
     @property
     def device_names(self) -> list[str]:
@@ -135,7 +138,7 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         compress=pl.transfers.compress == "bf16", receive=pl.transfers.receive,
         cluster=ClusterConfig(spec.cluster.type, spec.cluster.address, spec.cluster.max_failures,
                               tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())),
-        fuse=tr.fuse)
+        fuse=tr.fuse, precision=tr.precision, loss_scale=(tr.loss_scale.initial, tr.loss_scale.growth_interval))
 
 
 def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
@@ -188,6 +191,7 @@ class Step:
     async_step: st.AsyncStep | None = None
     fixed: dict[str, str] | None = None
     layers: dict[str, str] = field(default_factory=dict)  # node -> layer (backward nodes: their forward's)
+    loss_scale: LossScale | None = None  # fp16: the scale and skipped-step Variables and their updates
 
     @property
     def graph(self) -> Graph:
@@ -258,6 +262,10 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         lr = fc.placeholder(model.loss.dtype, (), name="learning_rate")
         loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
         opt = make_optimizer(config.optimizer, lr)
+        if config.precision == "fp16":
+            if strategy == "async_data_parallel":
+                raise SpecError("training.precision fp16: loss scaling is not built for async_data_parallel")
+            opt = LossScaleOptimizer(opt, *config.loss_scale)
         args = (g, loss, model.inputs, model.trainable_variables(), opt)
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}
         train: st.TrainStep | None = None
@@ -291,7 +299,8 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
     layers = layer_of(g, model)
     apply_constraints(config, g, layers)
     batch = config.per_replica_batch if astep is not None else config.global_batch
-    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers)
+    scaling = opt.state if isinstance(opt, LossScaleOptimizer) else None
+    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers, scaling)
     if config.fuse:
         fuse_step(step)
     return step
@@ -303,6 +312,8 @@ def step_keep(step: Step) -> set[str]:
     refs: list[Tensor] = [step.lr, step.init, *m.inputs.values(), *m.outputs.values(), *m.updates]
     if m.loss is not None:
         refs.append(m.loss)
+    if step.loss_scale is not None:
+        refs += [t for t in (step.loss_scale.new_scale, step.loss_scale.new_skipped) if t is not None]
     if step.train is not None:
         t = step.train
         refs += [t.loss, t.train_op, *(p for copy in t.inputs for p in copy.values())]

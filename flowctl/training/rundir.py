@@ -73,9 +73,21 @@ def resolved(spec: Any) -> dict[str, Any]:
     return spec.model_dump(mode="json")
 
 
-def spec_hash(resolved_spec: dict[str, Any]) -> str:
-    """sha256 of the resolved spec without its scheduling keys."""
+def _without_inert(resolved_spec: Any) -> Any:
+    """A copy without the keys that compute nothing as set: at fp32 (the default) the precision
+    and fp16's loss scale. So a run started before those keys existed resumes, and changing the
+    loss scale of an fp32 run is no spec change."""
     d = json.loads(json.dumps(resolved_spec))
+    training = d.get("training") if isinstance(d, dict) else None
+    if isinstance(training, dict) and training.get("precision", "fp32") == "fp32":
+        training.pop("precision", None)
+        training.pop("loss_scale", None)
+    return d
+
+
+def spec_hash(resolved_spec: dict[str, Any]) -> str:
+    """sha256 of the resolved spec without its scheduling keys (nor inert ones: `_without_inert`)."""
+    d = _without_inert(resolved_spec)
     for key in SCHEDULING_KEYS:
         parts = key.split(".")
         node = d
@@ -88,6 +100,8 @@ def spec_hash(resolved_spec: dict[str, Any]) -> str:
 
 def spec_changes(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ, with both values, ignoring scheduling keys."""
+    if not prefix:
+        old, new = _without_inert(old), _without_inert(new)
     if any(prefix == k or prefix.startswith(k + ".") for k in SCHEDULING_KEYS):
         return []
     if isinstance(old, dict) and isinstance(new, dict):

@@ -324,6 +324,10 @@ class Trainer:
         loss_v = float("nan")
         rates: list[float] = []
         fetches = [self.loss, self.train_op]
+        scaling = self.program.step.loss_scale
+        if scaling is not None:  # fp16: the scale and the skipped count after each step, for metrics
+            assert scaling.new_scale is not None and scaling.new_skipped is not None
+            fetches += [scaling.new_scale, scaling.new_skipped]
         while self.step < self.total_steps:
             if stop.requested:
                 return loss_v, rates, last_path, True
@@ -336,7 +340,7 @@ class Trainer:
             stats = RunStats() if self.trace_step == self.step + 1 else None
             ts = time.perf_counter()
             try:
-                loss_arr, _ = self._run_step(fetches, feeds, stats)
+                loss_arr, _, *scale = self._run_step(fetches, feeds, stats)
             except WorkerLostError as e:
                 self._recover(e, metrics)
                 continue
@@ -351,9 +355,14 @@ class Trainer:
             rates.append(eps)
             scores = self.evaluate() if self.eval_every and self.step % self.eval_every == 0 else {}
             extra = "".join(f', "{k}": {v!r}' for k, v in scores.items())
+            if scale:
+                extra += f', "loss_scale": {float(scale[0])!r}, "skipped": {int(scale[1])}'
+
             metrics.write(f'{{"step": {self.step}, "loss": {loss_v!r}, "lr": {lr!r}, '
                           f'"examples_per_s": {eps:.1f}, "time": {time.time():.3f}{extra}}}\n')
-            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps, **scores})
+            scaling_now = {"loss_scale": float(scale[0]), "skipped_steps": int(scale[1])} if scale else {}
+            writer.scalars(self.step, {"loss": loss_v, "learning_rate": lr, "examples_per_s": eps, **scaling_now,
+                                       **scores})
             if scores:
                 self._judge(scores)
             if self.histograms_every and self.step % self.histograms_every == 0:
@@ -385,6 +394,14 @@ class Trainer:
                         f"from checkpoint {r.resumed_step}")
 
     def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
+        if self.program.step.loss_scale is not None:
+            # fp16 loss scaling overflows on purpose now and then (the step is skipped, the scale
+            # halved): numpy's overflow warnings would only be noise.
+            with np.errstate(over="ignore", invalid="ignore"):
+                return self._run_step_plain(fetches, feeds, stats)
+        return self._run_step_plain(fetches, feeds, stats)
+
+    def _run_step_plain(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
         if stats is None or self.program.cluster is not None:
             return self.session.run(fetches, feeds, stats=stats)
         # One device: its straight-line plan keeps no timestamps, the dataflow executor does.

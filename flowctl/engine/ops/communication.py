@@ -76,7 +76,10 @@ def _recv_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: 
 register_op("Send", _send_infer, num_inputs=1, attrs=dict(_LINK_ATTRS), group=COMMUNICATION,
             cost=_send_cost, stateful=True, is_async=True, differentiable=False)
 register_op("Recv", _recv_infer, num_inputs=0,
-            attrs={**_LINK_ATTRS, "dtype": ("dtype", REQUIRED), "shape": ("shape", REQUIRED)},
+            # maybe_dead: the value may be a cond's dead branch (§4.4), so the receiving
+            # partition runs on the executor that propagates deadness.
+            attrs={**_LINK_ATTRS, "dtype": ("dtype", REQUIRED), "shape": ("shape", REQUIRED),
+                   "maybe_dead": ("bool", False)},
             group=COMMUNICATION, cost=_recv_cost, stateful=True, is_async=True, differentiable=False)
 
 

@@ -233,6 +233,19 @@ for _name, _g2 in _SECOND_ORDER.items():
 register_op("Select", _select_infer, num_inputs=3, group=ELEMENTWISE, grad=_g_select)
 register_op("Cast", _cast_infer, num_inputs=1, attrs={"dtype": ("dtype", "float32")}, group=ELEMENTWISE,
             grad=_g_cast)
+
+
+def _bf16_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if ins[0].dtype != "float32":
+        raise InferError(f"RoundBF16 rounds float32 values, got {ins[0].dtype}")
+    return [ins[0]]
+
+
+# bfloat16 emulated in float32 (training.precision bf16 on a backend without a bfloat16 array
+# type): the value a cast to bfloat16 and back would give. Its gradient is what a bfloat16 Cast's
+# would be, the incoming gradient rounded the same way (a straight-through rounding).
+register_op("RoundBF16", _bf16_infer, num_inputs=1, group=ELEMENTWISE,
+            grad=lambda op, dy: [make1("RoundBF16", [dy[0]])])
 register_op("AddN", _addn_infer, min_inputs=1, group=ELEMENTWISE,
             grad=lambda op, dy: [dy[0]] * len(op.inputs))
 register_op("ZerosLike", _unary_infer, num_inputs=1, group=ELEMENTWISE, cost=movement_cost,
@@ -311,6 +324,11 @@ def select(cond: Any, a: Any, b: Any, name: str | None = None) -> Tensor:
 
     g = graph_of(cond, a, b)
     return make1("Select", [cond, convert(a, g, dtype), convert(b, g, dtype)], name=name)
+
+
+def round_bf16(x: Any, name: str | None = None) -> Tensor:
+    """float32 rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    return make1("RoundBF16", [x], name=name)
 
 
 def cast(x: Any, dtype: Any, name: str | None = None) -> Tensor:

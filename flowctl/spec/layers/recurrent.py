@@ -231,7 +231,9 @@ class Attention(Layer):
             steps = known(m.shape[1], "attention memory steps")
             mask = fc.expand_dims(sequence_mask(ins[2], steps, scores.dtype, name="memory_mask"), 1,
                                   name="memory_mask_row")  # [batch, 1, Tm]
-            scores = scores + (mask - 1.0) * 1e9
+            # float16 tops out at 65504: 1e9 would be inf there, and 0 * inf a NaN on real keys
+            big = 3e4 if scores.dtype == "float16" else 1e9
+            scores = scores + (mask - 1.0) * big
         align = fc.softmax(scores, name="align")
         context = fc.batch_matmul(align, m, name="context")  # [batch, Tq, m]
         joined = fc.concat([context, q], axis=2, name="concat")
