@@ -16,6 +16,7 @@ from flowctl.spec.loader import load_spec, load_text
 from flowctl.spec.model import build_model
 from flowctl.training.program import build_step, step_config
 from flowctl.training.trainer import Trainer
+from tiny_specs import SHRINK_LM, TINY_CONV
 
 ROOT = Path(__file__).resolve().parent.parent
 # Overflow is what loss scaling provokes on purpose; numpy warns from the device threads of the
@@ -42,33 +43,9 @@ training:
 checkpoint: {every_steps: 100, keep: 3}
 """
 
-CONV = """\
-version: 1
-name: tiny_conv
-model:
-  layers:
-    - {name: x, type: input, shape: [6, 6, 2]}
-    - {name: c1, type: conv2d, filters: 4, kernel: 3, padding: same, batch_norm: true, activation: relu}
-    - {name: c2, type: conv2d, filters: 4, kernel: 3, padding: same, activation: relu}
-    - {name: flat, type: flatten}
-    - {name: logits, type: dense, units: 3}
-    - {name: y, type: input, shape: [], dtype: int32, classes: 3}
-    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
-data: {source: synthetic, seed: 1}
-training:
-  optimizer: {type: momentum}
-  learning_rate: 0.05
-  batch_size: 4
-  steps: 6
-  clip_norm: 1.0
-  seed: 2
-checkpoint: {every_steps: 100, keep: 2}
-"""
+CONV = TINY_CONV
 
-SMALL_LM = ["training.batch_size=4", "model.layers.lstm_1.units=12", "model.layers.lstm_2.units=12",
-            "model.layers.embedding.dim=8", "model.layers.embedding.vocab=40", "model.layers.tokens.classes=40",
-            "model.layers.targets.classes=40", "model.layers.softmax.units=40", "model.layers.tokens.shape=[5]",
-            "model.layers.targets.shape=[5]", "training.optimizer.type=adam", "training.learning_rate=0.01"]
+SMALL_LM = SHRINK_LM + ["training.optimizer.type=adam", "training.learning_rate=0.01"]
 
 
 def _load(which: str, precision: str, extra: list[str] = ()):  # type: ignore[assignment]
