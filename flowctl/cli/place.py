@@ -166,10 +166,15 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
     rows = [[_short(d.device), profiles.get(d.device, "?"), f"{d.ops:,}", f"{d.flops / 1e9:,.2f}",
              _bytes(d.bytes_in), _bytes(d.bytes_out), _bytes(d.peak_memory), _ms(d.busy),
              f"{100 * d.busy / chosen.step_time:.0f}" if chosen.step_time else "-"] for d in chosen.devices]
-    console.print(fit("per device", [Col("device", "right"), Col("profile", "right")]
-                      + [Col(c, "right", True) for c in ("ops", "GFLOPs")]
-                      + [Col(c, "right") for c in ("bytes in", "bytes out", "peak memory")]
-                      + [Col(c, "right", True) for c in ("busy ms", "busy %")], rows, width))
+    cols = [Col("device", "right"), Col("profile", "right")] + [Col(c, "right", True) for c in (
+        "ops", "GFLOPs", "bytes in", "bytes out", "peak memory", "busy ms", "busy %")]
+    title = "per device"
+    used = {r[1] for r in rows}
+    if len(used) == 1:  # one profile for all: said once, and the sizes keep their units on one line
+        title += f" (all {used.pop()})"
+        cols.pop(1)
+        rows = [r[:1] + r[2:] for r in rows]
+    console.print(fit(title, cols, rows, width))
     if chosen.notes:
         for n in chosen.notes:
             console.print(f"note: {n}")
