@@ -141,3 +141,14 @@ def test_fit_never_overflows(width):
     _assert_fits(text, width)
     for r in rows:
         assert _whole(abbreviate(r[0], width), text)
+
+
+def test_place_per_device_sizes_keep_their_units_at_80_columns() -> None:
+    # One profile for every device: named once in the title, and each size with its unit on its line.
+    out = _run("place", str(SPECS / "nmt.yaml"), "--devices", "2xgpu:h100", "-a", "greedy")
+    assert "per device (all h100)" in out
+    rows = [line for line in out.splitlines() if re.match(r"│\s+gpu:\d", line)]
+    assert len(rows) == 2
+    for line in rows:
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        assert all(re.fullmatch(r"[\d.,]+ (B|KiB|MiB|GiB)", c) for c in cells[3:6]), line
