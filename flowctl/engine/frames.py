@@ -48,6 +48,25 @@ def has_control_flow(nodes: Iterable[Node]) -> bool:
     return any(n.op in CONTROL_FLOW_OPS for n in nodes)
 
 
+def switch_reach(graph: Graph, switches: Iterable[str], within: Iterable[str] | None = None,
+                 past_merge: bool = False) -> set[str]:
+    """The Switches and every node their outputs reach by data or control edges (within `within`,
+    default the whole graph): what may be dead when a Switch sends its untaken side (§4.4). A
+    Merge is live when either input is, so the reach stops before one unless `past_merge`."""
+    users = graph.consumers()
+    inside = set(within) if within is not None else None
+    out: set[str] = set()
+    todo = list(switches)
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.add(n)
+        todo.extend(u for u in users[n] if (inside is None or u in inside)
+                    and (past_merge or graph.nodes[u].op != "Merge"))
+    return out
+
+
 def run_counts(graph: Graph) -> dict[str, float]:
     """node -> expected runs per step (1 outside loops): what cost models multiply an op's cost by,
     so a loop counts as its iteration cost times its trip count (§4.4)."""

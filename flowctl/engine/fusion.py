@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from flowctl.engine.frames import ROOT, Frames, assign_frames, has_control_flow
+from flowctl.engine.frames import ROOT, assign_frames, has_control_flow, switch_reach
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.fused import FUSED_OP, FusedProgram, FusedStep
 from flowctl.engine.ops.registry import ELEMENTWISE, get_op
@@ -50,28 +50,13 @@ def _where(node: Node, placement: Mapping[str, str]) -> tuple[str, tuple[str, ..
     return node.device, tuple(sorted(node.colocate_with)), placement.get(node.name), node.assigned_device
 
 
-def _in_branches(graph: Graph, frames: Frames) -> set[str]:
-    """Nodes a conditional's Switch reaches, by data or control edges, before its Merge (§4.4). A
-    loop's Switches run inside the loop's frame, which is excluded as a whole."""
-    users: dict[str, list[str]] = {n: [] for n in graph.nodes}
-    for node in graph.nodes.values():
-        for src in [parse_ref(r)[0] for r in node.inputs] + node.control_inputs:
-            users[src].append(node.name)
-    seen: set[str] = set()
-    stack = [u for n, node in graph.nodes.items()
-             if node.op == "Switch" and frames.exec_frame.get(n, ROOT) == ROOT for u in users[n]]
-    while stack:
-        n = stack.pop()
-        if n not in seen and graph.nodes[n].op != "Merge":
-            seen.add(n)
-            stack.extend(users[n])
-    return seen
-
-
 def _trees(graph: Graph, keep: set[str], placement: Mapping[str, str]) -> list[list[str]]:
     """The groups to fuse, each as its members in topological order, the root last."""
     frames = assign_frames(graph) if has_control_flow(graph.nodes.values()) else None
-    branches = _in_branches(graph, frames) if frames is not None else set()
+    # A conditional's branches (its root-frame Switches' reach, up to the Merge; a loop's
+    # Switches run in the loop's frame, excluded as a whole): such values may be dead (§4.4).
+    branches = switch_reach(graph, [n for n, node in graph.nodes.items() if node.op == "Switch"
+                                    and frames.exec_frame.get(n, ROOT) == ROOT]) if frames is not None else set()
     users: dict[str, set[str]] = {n: set() for n in graph.nodes}
     ctrl_users: set[str] = set()
     for node in graph.nodes.values():

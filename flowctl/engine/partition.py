@@ -33,7 +33,7 @@ import numpy as np
 
 from flowctl.engine.devices import canonical, device_matches, short_device
 from flowctl.engine.errors import GraphError, PlacementError
-from flowctl.engine.frames import ROOT, Frames
+from flowctl.engine.frames import ROOT, Frames, switch_reach
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.ops.communication import COMPRESSIBLE
 from flowctl.engine.ops.registry import COMMUNICATION, CONTROL, get_op
@@ -189,7 +189,9 @@ def _build_partitions(graph: Graph, members: list[str], where: dict[str, str], f
             _add(parts[d], Node(feed_node_name(ref), "Placeholder",
                                 attrs={"dtype": spec.dtype, "shape": spec.shape}, assigned_device=d), new=True)
     recv_of = {(t.ref, t.dst): t.recv for t in transfers.values()}
-    dead = _maybe_dead(graph, members)
+    # A Recv of a value that may be dead (a cond's untaken side, not past its Merge) must reach
+    # an executor that propagates deadness, even where its partition has no control-flow op.
+    dead = switch_reach(graph, [n for n in members if graph.nodes[n].op == "Switch"], members)
     sends_after: dict[str, list[_Transfer]] = {}
     recvs_before: dict[str, list[_Transfer]] = {}
     for t in transfers.values():
@@ -307,40 +309,13 @@ def _recv_node(graph: Graph, t: _Transfer, compress: bool, maybe_dead: bool = Fa
     return Node(t.recv, "Recv", attrs=attrs, assigned_device=t.dst)
 
 
-def _maybe_dead(graph: Graph, members: list[str]) -> set[str]:
-    """Nodes whose output may be dead: downstream of a Switch (by data or control edge) and not
-    past a Merge, which is live when either input is (§4.4). A Recv of one of them must reach an
-    executor that propagates deadness even where its partition has no control-flow op of its own."""
-    member_set = set(members)
-    switches = [n for n in members if graph.nodes[n].op == "Switch"]
-    if not switches:
-        return set()
-    users = graph.consumers()
-    out: set[str] = set()
-    todo = list(switches)
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.add(n)
-        todo.extend(u for u in users[n] if u in member_set and graph.nodes[u].op != "Merge")
-    return out
-
-
 def _live_root_nodes(graph: Graph, members: list[str], frames: Frames) -> set[str]:
     """The nodes that may delay a root-frame Recv in a graph with control flow (§4.4): those whose
     outputs live in the root frame (a control edge from inside a loop would pull the Recv into the
     loop's frame) and that are never dead, i.e. downstream of no cond's Switch in the root frame
     (a dead control input would make the Recv, and its consumer, dead)."""
-    users = graph.consumers()
-    member_set = set(members)
-    maybe_dead: set[str] = set()
-    todo = [n for n in members if graph.nodes[n].op == "Switch" and frames.exec_frame[n] == ROOT]
-    while todo:
-        n = todo.pop()
-        if n not in maybe_dead:
-            maybe_dead.add(n)
-            todo.extend(u for u in users[n] if u in member_set)
+    switches = [n for n in members if graph.nodes[n].op == "Switch" and frames.exec_frame[n] == ROOT]
+    maybe_dead = switch_reach(graph, switches, members, past_merge=True)
     return {n for n in members if frames.out_frame[n] == ROOT and n not in maybe_dead}
 
 
