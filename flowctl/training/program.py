@@ -262,9 +262,7 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         lr = fc.placeholder(model.loss.dtype, (), name="learning_rate")
         loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
         opt = make_optimizer(config.optimizer, lr)
-        if config.precision == "fp16":
-            if strategy == "async_data_parallel":
-                raise SpecError("training.precision fp16: loss scaling is not built for async_data_parallel")
+        if config.precision == "fp16":  # (async_data_parallel is refused by the spec check)
             opt = LossScaleOptimizer(opt, *config.loss_scale)
         args = (g, loss, model.inputs, model.trainable_variables(), opt)
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}

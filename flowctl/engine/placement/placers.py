@@ -202,9 +202,13 @@ def _fit_expert(pb: Problem, pl: Placement, ruled: set[int], started: float) -> 
         if feas.group_of[i] in ruled:
             fixed.add(g)
     notes = ["memory: the rules' placement overflows; what no rule placed was moved"]
-    fit = fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed))
-    if fit.valid or not fixed:
+    # The local search runs once, on whichever attempt is kept (not on a first attempt that fails).
+    fit = fit_memory(pb, pl, gd, "expert", list(pl.decisions), started, notes, fixed=frozenset(fixed),
+                     search=not fixed)
+    if not fixed:
         return fit
+    if fit.valid:
+        return polish(pb, fit, "expert", started, frozenset(fixed), origin=pl)
     # The expert's rules are its preferences, not device constraints (those narrow the feasible
     # sets, which memfit keeps): where moving only what they left open cannot fit, what they
     # placed moves too (NMT's layer-per-GPU stages on two capped H100s overflow gpu:0 otherwise).
