@@ -28,7 +28,7 @@ from flowctl.engine.frames import ROOT, assign_frames, has_control_flow, switch_
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.fused import FUSED_OP, FusedProgram, FusedStep
 from flowctl.engine.ops.registry import ELEMENTWISE, get_op
-from flowctl.engine.passes import _fix_references
+from flowctl.engine.passes import fix_references
 
 __all__ = ["fusable", "fuse", "fused_nodes"]
 
@@ -128,7 +128,7 @@ def fuse(graph: Graph, keep: Iterable[str] = (), placement: Mapping[str, str] | 
         for m in members[:-1]:
             del graph.nodes[m]
             renamed[m] = root.name
-    _fix_references(graph, renamed)
+    fix_references(graph, renamed)
     return graph.check()
 
 

@@ -26,7 +26,7 @@ from flowctl.engine.ops.registry import (
 )
 from flowctl.engine.shapes import TensorSpec
 
-__all__ = ["prune", "cse", "fold_constants", "optimize", "MAX_FOLD_BYTES"]
+__all__ = ["prune", "cse", "fold_constants", "fix_references", "optimize", "MAX_FOLD_BYTES"]
 
 # Folding trades run-time work for graph size: a folded value is stored in the GraphDef and shipped
 # to every worker, so only small results are worth it (TF's grappler uses a similar cap).
@@ -77,7 +77,7 @@ def _insertion_topo(graph: Graph) -> list[str]:
     return order
 
 
-def _fix_references(graph: Graph, renamed: dict[str, str]) -> None:
+def fix_references(graph: Graph, renamed: dict[str, str]) -> None:
     """Point colocation constraints and placement hints at nodes that still exist."""
     for node in graph.nodes.values():
         if node.colocate_with:
@@ -146,7 +146,7 @@ def prune(graph: Graph, fetches: Sequence[Tensor | str], feeds: Iterable[Tensor 
                                    attrs=ph.normalize_attrs({"dtype": spec.dtype, "shape": spec.shape}, name),
                                    device=n.device, assigned_device=n.assigned_device, source=n.source,
                                    outputs=[spec])
-    _fix_references(out, {})
+    fix_references(out, {})
     return out.check()
 
 
@@ -205,7 +205,7 @@ def cse(graph: Graph, keep: Iterable[str] = ()) -> Graph:
             node.attrs = get_op("Identity").normalize_attrs({}, name)
     for name in survivor:
         del graph.nodes[name]
-    _fix_references(graph, survivor)
+    fix_references(graph, survivor)
     return graph.check()
 
 
@@ -359,7 +359,7 @@ def _replace_folded(graph: Graph, kept: set[str], folds: dict[str, set[str]], fr
                 user.inputs = [renamed.get(r, r) for r in user.inputs]
         del graph.nodes[name]
     _drop_orphans(graph, orphan_roots, kept, set(folds))
-    _fix_references(graph, {})
+    fix_references(graph, {})
 
 
 def _const_like(node: Node, name: str, port: int, value: Any, control_inputs: list[str]) -> Node:
