@@ -69,10 +69,12 @@ def test_a_placement_out_of_memory_names_the_devices_and_the_nodes_holding_it() 
     with pytest.raises(fc.PlacementError) as e:
         pl.check()
     msg = str(e.value)
-    assert "needs 11.72 KiB" in msg and "largest there: 'w0'" in msg or "largest there: 'w1'" in msg
+    assert "needs 11.72 KiB" in msg and ("at the peak: 'w0'" in msg or "at the peak: 'w1'" in msg)
     report = e.value.details["devices"]
     assert [r["device"] for r in report] == [CPU0]
     assert {x["node"] for x in report[0]["largest"]} >= {"w0", "w1"}
+    # What it lists is what the device holds at its peak: the bytes add up to the peak.
+    assert sum(x["bytes"] for x in report[0]["largest"]) == report[0]["peak"]
     assert report[0]["over"] == report[0]["peak"] - report[0]["capacity"] > 0
     small = cpus(2, memory=5_000)  # not even one variable fits a device
     with pytest.raises(fc.PlacementError) as e2:

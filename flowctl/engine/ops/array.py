@@ -19,7 +19,8 @@ from flowctl.engine.dtypes import INTS, as_dtype
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import constant, graph_of, make, make1
 from flowctl.engine.ops.registry import (
-    MOVEMENT, REQUIRED, SOURCE, elementwise_cost, memory_bytes, movement_cost, register_op,
+    MOVEMENT, REQUIRED, SOURCE, elementwise_cost, memory_bytes, movement_cost, register_op, view_leading,
+    view_reshape, view_same,
 )
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal, normalize_axis, num_elements
 
@@ -405,6 +406,29 @@ def _g_split_like(op: Any, dy: list[Tensor]) -> list[Tensor | None]:
     return [concat(dy, op.attrs["axis"])] + [None] * (len(op.inputs) - 1)
 
 
+# ---------------------------------------------------------------------------- views
+# Which kernels hand back a view of their input (kernels/array.py), and when it is C-contiguous
+# (a Reshape of a view that is not copies).
+def _view_transpose(attrs: dict[str, Any], shape: tuple[int, ...], contiguous: bool) -> tuple[bool, bool]:
+    perm = attrs["perm"]
+    perm = tuple(reversed(range(len(shape)))) if perm is None else tuple(perm)
+    moved = [a for a in perm if shape and shape[a] != 1]  # extent-1 axes may go anywhere
+    return True, contiguous and moved == sorted(moved)
+
+
+def _view_slice(attrs: dict[str, Any], shape: tuple[int, ...], contiguous: bool) -> tuple[bool, bool]:
+    """x[region]: a C-ordered block where the axes after the first cut one are whole and those
+    before it have extent 1 in the result."""
+    extents = [d - b if s == -1 else s for b, s, d in zip(attrs["begin"], attrs["size"], shape)]
+    cut = next((k for k, (e, d) in enumerate(zip(extents, shape)) if e != d), len(shape))
+    whole_after = all(e == d for e, d in zip(extents[cut + 1:], shape[cut + 1:]))
+    return True, contiguous and whole_after and all(e == 1 for e in extents[:cut])
+
+
+def _view_split(attrs: dict[str, Any], shape: tuple[int, ...], contiguous: bool) -> tuple[bool, bool]:
+    return view_leading(attrs["axis"], shape, contiguous)
+
+
 # ---------------------------------------------------------------------------- registrations
 _register = register_op
 _register("Shape", _shape_infer, num_inputs=1, attrs={"out_type": ("dtype", "int32")}, group=MOVEMENT,
@@ -412,23 +436,23 @@ _register("Shape", _shape_infer, num_inputs=1, attrs={"out_type": ("dtype", "int
 _register("Rank", lambda ins, a: [TensorSpec((), "int32")], num_inputs=1, group=MOVEMENT, cost=_free,
           differentiable=False)
 _register("Reshape", _reshape_infer, num_inputs=1, attrs={"shape": ("ints", REQUIRED)}, group=MOVEMENT,
-          cost=_free, grad=_g_reshape)
+          cost=_free, grad=_g_reshape, view=view_reshape)
 # ReshapeLike(x, like): x with like's runtime shape, for gradients whose target holds unknown dims.
 _register("ReshapeLike", _reshape_like_infer, num_inputs=2, group=MOVEMENT, cost=_free,
-          grad=lambda op, dy: [_reshape_to(dy[0], op.inputs[0]), None])
+          grad=lambda op, dy: [_reshape_to(dy[0], op.inputs[0]), None], view=view_reshape)
 _register("Transpose", _transpose_infer, num_inputs=1, attrs={"perm": ("ints", None)}, group=MOVEMENT,
-          cost=movement_cost, grad=_g_transpose)
+          cost=movement_cost, grad=_g_transpose, view=_view_transpose)
 _register("Concat", _concat_infer, min_inputs=1, attrs={"axis": ("int", REQUIRED)}, group=MOVEMENT,
           cost=movement_cost, grad=_g_concat)
 _register("Split", _split_infer, num_inputs=1,
           attrs={"num": ("int", 0), "sizes": ("ints", None), "axis": ("int", 0)}, group=MOVEMENT,
-          cost=movement_cost, grad=lambda op, dy: [concat(dy, op.attrs["axis"])])
+          cost=movement_cost, grad=lambda op, dy: [concat(dy, op.attrs["axis"])], view=_view_split)
 # SplitLike(dy, x0, x1, ...): dy cut along `axis` into pieces the runtime sizes of the xs (Concat's
 # gradient when two or more of the concatenated sizes are unknown).
 _register("SplitLike", _split_like_infer, min_inputs=2, attrs={"axis": ("int", REQUIRED)},
-          group=MOVEMENT, cost=movement_cost, grad=_g_split_like)
+          group=MOVEMENT, cost=movement_cost, grad=_g_split_like, view=_view_split)
 _register("Slice", _slice_infer, num_inputs=1, attrs={"begin": ("ints", REQUIRED), "size": ("ints", REQUIRED)},
-          group=MOVEMENT, cost=_copy_cost, grad=_g_slice)
+          group=MOVEMENT, cost=_copy_cost, grad=_g_slice, view=_view_slice)
 # SliceGrad(dy, x): zeros shaped like x at run time with dy written at `begin`.
 _register("SliceGrad", _slice_grad_infer, num_inputs=2,
           attrs={"begin": ("ints", REQUIRED), "size": ("ints", REQUIRED)}, group=MOVEMENT, cost=movement_cost,
@@ -446,15 +470,15 @@ _register("Tile", _tile_infer, num_inputs=1, attrs={"multiples": ("ints", REQUIR
 _register("TileGrad", _tile_grad_infer, num_inputs=1, attrs={"multiples": ("ints", REQUIRED)}, group=MOVEMENT,
           cost=_scatter_add_cost, grad=lambda op, dy: [tile(dy[0], op.attrs["multiples"])])
 _register("ExpandDims", _expand_dims_infer, num_inputs=1, attrs={"axis": ("int", REQUIRED)}, group=MOVEMENT,
-          cost=_free, grad=_g_expand_dims)
+          cost=_free, grad=_g_expand_dims, view=view_same)
 # Squeeze's axes are always explicit in the graph: squeezing "every 1" at run time could drop an
 # unknown batch dim that happens to be 1 and break the static shape the graph promised.
 _register("Squeeze", _squeeze_infer, num_inputs=1, attrs={"axis": ("ints", REQUIRED)}, group=MOVEMENT,
-          cost=_free, grad=_g_reshape)
+          cost=_free, grad=_g_reshape, view=view_same)
 _register("Stack", _stack_infer, min_inputs=1, attrs={"axis": ("int", 0)}, group=MOVEMENT,
           cost=movement_cost, grad=lambda op, dy: unstack(dy[0], op.attrs["axis"]))
 _register("Unstack", _unstack_infer, num_inputs=1, attrs={"axis": ("int", 0)}, group=MOVEMENT,
-          cost=movement_cost, grad=lambda op, dy: [stack(dy, op.attrs["axis"])])
+          cost=movement_cost, grad=lambda op, dy: [stack(dy, op.attrs["axis"])], view=_view_split)
 _register("Gather", _gather_infer, num_inputs=2, attrs={"axis": ("int", 0)}, group=MOVEMENT,
           cost=_gather_cost, grad=_g_gather)
 # GatherGrad(dy, indices, params): the dense scatter-add of dy into zeros shaped like params.

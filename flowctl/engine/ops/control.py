@@ -9,7 +9,7 @@ from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import graph_of, make, make1, make_op
 from flowctl.engine.ops.registry import (
-    CONTROL, MOVEMENT, REQUIRED, STATE, elementwise_cost, movement_cost, register_op,
+    CONTROL, MOVEMENT, REQUIRED, STATE, elementwise_cost, movement_cost, register_op, view_same,
 )
 from flowctl.engine.shapes import InferError, TensorSpec
 
@@ -32,10 +32,11 @@ register_op("NoOp", lambda ins, a: [], num_inputs=0, group=CONTROL, cost=_none, 
 # Group: waits for all its inputs and produces nothing (its inputs are data edges so pruning keeps them).
 register_op("Group", lambda ins, a: [], group=CONTROL, cost=_none, differentiable=False)
 register_op("Identity", _same, num_inputs=1, group=MOVEMENT, cost=_none,
-            grad=lambda op, dy: [dy[0]])
-register_op("StopGradient", _same, num_inputs=1, group=MOVEMENT, cost=_none, differentiable=False)
+            grad=lambda op, dy: [dy[0]], view=view_same)
+register_op("StopGradient", _same, num_inputs=1, group=MOVEMENT, cost=_none, differentiable=False,
+            view=view_same)
 register_op("CheckNumerics", _float_same, num_inputs=1, attrs={"message": ("str", "")}, group=CONTROL,
-            cost=movement_cost, grad=lambda op, dy: [dy[0]])
+            cost=movement_cost, grad=lambda op, dy: [dy[0]], view=view_same)
 
 
 def no_op(name: str | None = None, control_inputs: Sequence[Tensor] = (), graph: Graph | None = None) -> Tensor:

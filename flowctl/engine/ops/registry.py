@@ -101,6 +101,28 @@ GradFn = Callable[..., Sequence[Any]]
 InferFn = Callable[[list[TensorSpec], dict[str, Any]], list[TensorSpec]]
 CostFn = Callable[[list[tuple[int, ...]], list[tuple[int, ...]], list[str], dict[str, Any]],
                   tuple[float, float]]
+# For an op whose kernel may hand back a view of input 0 (no new buffer): given its attributes,
+# input 0's concrete shape and whether input 0 is C-contiguous, (are the outputs views of input 0's
+# buffer, are the outputs C-contiguous). A view holds no bytes of its own but keeps its base's
+# buffer alive while it lives; the simulator's memory counts it so (what a step really holds).
+ViewFn = Callable[[dict[str, Any], tuple[int, ...], bool], tuple[bool, bool]]
+
+
+def view_same(attrs: dict[str, Any], shape: tuple[int, ...], contiguous: bool) -> tuple[bool, bool]:
+    """The kernel returns its input itself, or a view with the same layout (ExpandDims, Squeeze)."""
+    return True, contiguous
+
+
+def view_reshape(attrs: dict[str, Any], shape: tuple[int, ...], contiguous: bool) -> tuple[bool, bool]:
+    """`x.reshape`: a view of a C-contiguous input, else (conservatively) a copy; contiguous either way."""
+    return contiguous, True
+
+
+def view_leading(axis: int, shape: tuple[int, ...], contiguous: bool) -> tuple[bool, bool]:
+    """Views that take parts along `axis` (Split, Unstack): contiguous where every axis before it
+    has extent 1 (a C-ordered block)."""
+    axis = axis % len(shape) if shape else 0
+    return True, contiguous and all(d == 1 for d in shape[:axis])
 
 
 def elementwise_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
@@ -140,6 +162,7 @@ class OpDef:
     # Inputs that name state rather than read it (a TensorFlow "ref" edge): the executor neither
     # waits for nor passes them, so Assign can initialise a Variable that holds nothing yet.
     ref_inputs: tuple[int, ...] = ()
+    view: ViewFn | None = None  # the kernel may return a view of input 0 (ViewFn above)
 
     def normalize_attrs(self, attrs: dict[str, Any], node: str) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)

@@ -29,7 +29,7 @@ from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.frames import output_counts, run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import CONTROL, SOURCE
+from flowctl.engine.ops.registry import CONTROL, ELEMENTWISE, SOURCE
 from flowctl.engine.shapes import TensorSpec, concrete
 
 MEASURED_VERSION = 1
@@ -322,6 +322,32 @@ def log_spread(times_by_key: Mapping[str, Sequence[float]]) -> float | None:
 
 
 # ---------------------------------------------------------------------------- per-step cost table
+def views_of(graph: Graph, names: list[str], index: dict[str, int],
+             shapes: Mapping[str, list[tuple[int, ...]]]) -> list[tuple[int, int] | None]:
+    """Per step node (topological `names`): the (producer, port) of input 0 whose buffer its outputs
+    view (OpDef.view), or None. C-contiguity is followed through the step, since a Reshape of a
+    strided view copies: a fresh output is contiguous, except an element-wise op's over a strided
+    input (numpy keeps the input's layout); a tensor from outside the step counts as contiguous. A
+    view of a value from outside the step (none in a step's own graph) is not one here."""
+    contiguous: dict[tuple[int, int], bool] = {}
+    out: list[tuple[int, int] | None] = []
+    for i, name in enumerate(names):
+        node = graph.nodes[name]
+        refs = [parse_ref(r) for r in node.inputs]
+        ins = [contiguous.get((index[s], p), True) if s in index else True for s, p in refs]
+        view: tuple[int, int] | None = None
+        if node.opdef.view is not None and refs and refs[0][0] in index:
+            src, port = refs[0]
+            shares, c = node.opdef.view(node.attrs, shapes[src][port], ins[0])
+            view = (index[src], port) if shares else None
+        else:
+            c = all(ins) if node.opdef.group == ELEMENTWISE else True
+        for p in range(len(node.outputs)):
+            contiguous[(i, p)] = c
+        out.append(view)
+    return out if any(v is not None for v in out) else []
+
+
 @dataclass
 class CostTable:
     """One step's nodes (topological order) with their costs on every device of the cluster.
@@ -363,6 +389,19 @@ class CostTable:
     # [node] how many times per step its outputs cross to another device when they do (a value
     # made in a loop crosses once per iteration); empty: once each.
     out_runs: list[float] = field(default_factory=list)
+    # [node] the (producer, port) whose buffer the node's outputs are views of (None: outputs of
+    # its own): a view holds no bytes and keeps that buffer alive while it lives. Empty: no views.
+    views: list[tuple[int, int] | None] = field(default_factory=list)
+    _held: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def held(self) -> list[list[int]]:
+        """[node][port] the bytes each output holds on its device: `out_bytes`, but none for a view
+        (`views`); a transfer of a view still moves (and its receiver holds) all of its bytes."""
+        if self._held is None:
+            views = self.views
+            self._held = [[0] * len(b) if views and views[i] is not None else b for i, b in enumerate(self.out_bytes)]
+        return self._held
 
     def transfer(self, nbytes: int, src: int, dst: int) -> float:
         return float(self.model.transfer_time(nbytes, self.devices[src], self.devices[dst]))
@@ -456,4 +495,4 @@ class CostTable:
         out_runs = [float(crossings.get(n, 1.0)) for n in names] if crossings else []
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
                    host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
-                   float(getattr(model, "jitter", 0.0)), out_runs)
+                   float(getattr(model, "jitter", 0.0)), out_runs, views_of(graph, names, index, static.shapes(graph)))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.graph import Graph
 from flowctl.engine.placement.simulator import (EXPECTATION_SAMPLES, DeviceStats, Expectation, LinkStats,
-                                                SimResult, expected_step_time, fmt_bytes)
+                                                SimResult, expected_step_time, fmt_bytes, held_at_peak)
 
 if TYPE_CHECKING:
     from flowctl.engine.cluster import Cluster
@@ -128,25 +128,20 @@ class Placement:
         return self.assignment[node]
 
     def memory_report(self, limit: int = 50) -> list[dict[str, Any]]:
-        """Per device whose simulated peak exceeds its memory: the peak, the capacity, and the step
-        nodes there holding the most (resident state first: Variables, optimizer slots, fed
-        inputs; then the largest outputs), up to `limit` each."""
+        """Per device whose simulated peak exceeds its memory: the peak, the capacity, and what the
+        device holds at that moment, largest first (resident state -- Variables, optimizer slots,
+        fed inputs --, outputs not yet freed, copies received), up to `limit` each: the tensors
+        whose bytes make the peak, not merely the largest ever made there."""
         t, dev = self.table, self.device_index
+        over = [k for k, s in enumerate(self.simulation.devices) if s.peak_memory > s.capacity]
+        held = held_at_peak(t, dev, self.cluster) if over and t is not None and dev and self.cluster else None
         out = []
-        for k, s in enumerate(self.simulation.devices):
-            if s.peak_memory <= s.capacity:
-                continue
-            held: list[tuple[int, int, str, str]] = []
-            if t is not None and dev:
-                for i, name in enumerate(t.names):
-                    if t.devices[dev[i]] == s.device:
-                        b = int(sum(t.out_bytes[i]))
-                        if b:
-                            held.append((0 if t.resident[i] else 1, -b, name, "resident" if t.resident[i] else "output"))
-            held.sort()
+        for k in over:
+            s = self.simulation.devices[k]
+            at_peak = held[k] if held is not None else []
             out.append({"device": s.device, "peak": s.peak_memory, "capacity": s.capacity, "resident": s.resident,
                         "over": s.peak_memory - s.capacity,
-                        "largest": [{"node": n, "bytes": -b, "kind": kind} for _, b, n, kind in held[:limit]]})
+                        "largest": [{"node": h.node, "bytes": h.bytes, "kind": h.kind} for h in at_peak[:limit]]})
         return out
 
     def check(self) -> Placement:
@@ -198,10 +193,10 @@ class Placement:
 
 
 def with_largest(problems: list[str], report: list[dict[str, Any]], shown: int = 3) -> list[str]:
-    """Each device's overflow line with the nodes holding the most there (the report's order is
-    the problems' order: both list overflowing devices in cluster order)."""
+    """Each device's overflow line with the largest tensors it holds at its peak (the report's
+    order is the problems' order: both list overflowing devices in cluster order)."""
     out = []
     for line, r in zip(problems, report):
         top = ", ".join(f"'{x['node']}' ({fmt_bytes(x['bytes'])} {x['kind']})" for x in r["largest"][:shown])
-        out.append(line + (f" (largest there: {top})" if top else ""))
+        out.append(line + (f" (largest there at the peak: {top})" if top else ""))
     return out + problems[len(report):]

@@ -270,7 +270,7 @@ class _Walk:
         """The memory node i would add on d: its outputs, its group's resident state if not yet
         placed, and inputs received there."""
         t, grp, devn, gres = self.t, self.grp, self.devn, self.gres
-        b = 0.0 if t.resident[i] else float(sum(t.out_bytes[i]))
+        b = 0.0 if t.resident[i] else float(sum(t.held[i]))  # a view adds nothing
         if grp[i] not in self.group_dev:
             b += gres.get(grp[i], 0)
         for j, p in t.inputs[i]:
@@ -284,7 +284,7 @@ class _Walk:
         """Run node i on d: book its inputs' transfers, the device's time and the memory, and free
         inputs whose last user this was."""
         t, devn, mem = self.t, self.devn, self.mem
-        inputs, controls, out_bytes = t.inputs, t.controls, t.out_bytes
+        inputs, controls, out_bytes, held = t.inputs, t.controls, t.out_bytes, t.held
         # Inputs first: deferred nodes read here settle here (or on their only devices).
         for j in [j for j, _ in inputs[i]] + controls[i]:
             if devn[j] == -1:
@@ -300,12 +300,12 @@ class _Walk:
         devn[i] = d
         self.left[self.grp[i]][d] -= t.times[i][d]
         if not t.resident[i]:
-            mem[d] += sum(out_bytes[i])
+            mem[d] += sum(held[i])
         for j in dict.fromkeys([j for j, _ in inputs[i]] + controls[i]):
             self.users_left[j] -= 1
             if self.users_left[j] == 0 and not t.resident[j] and devn[j] >= 0:
-                b = sum(out_bytes[j])
-                mem[devn[j]] -= b
+                mem[devn[j]] -= sum(held[j])
+                b = sum(out_bytes[j])  # what crossed is a copy, a view's too
                 for r in self.received.pop(j, []):
                     mem[r] -= b
 

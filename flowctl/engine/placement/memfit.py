@@ -40,20 +40,20 @@ DESCENT_CANDIDATES = 6  # groups tried per overflowing device and move
 REJOIN_TRIES = 40  # simulations spent rejoining groups split by the moves
 ONE_MOVE_CANDIDATES = 4  # groups tried, each alone, off a device that alone overflows
 CUTS_TRIED = 16  # suffix lengths tried, from the fewest that fit to all
-POLISH_UNITS = 48  # units of the local search after the moves
-POLISH_WORK = 1.5e6  # its budget: simulations x step nodes (NMT's 1,239 nodes: ~1,200 simulations, ~6 s)
+LEVELS = (12, 24, 48, 96)  # units of the local search after the moves, coarse to fine
+POLISH_WORK = 1.5e6  # its budget: simulations x step nodes (NMT's 1,239 nodes: ~1,200 simulations, ~10 s)
 POLISH_SLACK = 0.02
 PENALTIES = (10.0, 2.0)  # the climbs from a placer's own overflowing choice: overflow's weight
 
 
 def footprint(pb: Problem) -> dict[int, tuple[float, float]]:
-    """Per group: (bytes it holds -- resident outputs plus every output once -- , seconds of work
-    on its fastest device)."""
+    """Per group: (bytes it holds -- resident outputs plus every output once, views none -- ,
+    seconds of work on its fastest device)."""
     t = pb.table
     out: dict[int, list[float]] = {}
     for i, g in enumerate(pb.step_group):
         row = out.setdefault(g, [0.0, 0.0])
-        row[0] += float(sum(t.out_bytes[i]))
+        row[0] += float(sum(t.held[i]))
         row[1] += min(t.times[i])
     return {g: (b, w) for g, (b, w) in out.items()}
 
@@ -91,62 +91,90 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
 
 def polish(pb: Problem, pl: Placement, algorithm: str, started: float,
            fixed: frozenset[int] = frozenset(), origin: Placement | None = None) -> Placement:
-    """A local search after the moves (grouping.climb over POLISH_UNITS units: single moves,
-    then exchanges of two units), scored by (overflow, step): from a placement that fits, only
-    fits are kept; from one that does not, less overflow first. The moves above fit memory
-    with the fewest groups moved, not the best cut: nmt_free on two capped H100s, heft's
-    placement fitted 32.1 ms, polished 22.0; the best placement of whole spec layers under that
-    cap, found by trying all 2^12, is 22.2 ms. `origin`, the placer's own choice that
-    overflowed, is a second and third start: climbed first by the step time weighted by the
-    overflow (x PENALTIES per device's capacity), then as above (nmt_free on four capped H100s:
-    heft fitted then polished, 22.2 ms; from its own choice, 18.7). The best of the starts
-    wins, within POLISH_WORK; units holding a `fixed` group stay. Returns `pl` where nothing
-    better was found, or where it fits within POLISH_SLACK of `origin`'s step (the cap cost
-    next to nothing)."""
+    """A local search after the moves (grouping.climb: single moves, then exchanges of two units),
+    scored by (overflow, step): from a placement that fits, only fits are kept; from one that
+    does not, less overflow first. The moves above fit memory with the fewest groups moved, not
+    the best cut: nmt_free on two capped H100s, heft's placement fitted 32.1 ms, polished 22.0.
+    `origin`, the placer's own choice that overflowed, is a second and third start: climbed
+    first by the step time weighted by the overflow (x PENALTIES per device's capacity), then as
+    above. Coarse to fine: each start climbs over LEVELS[0] units (whole runs of groups: moves
+    that cross a basin), then over finer units from where it stopped, the better half of the
+    starts going on at each level (successive halving), within POLISH_WORK (nmt_free on four
+    capped H100s, heft: at one level of 48 units, 22.4 ms; coarse to fine, 17.1, under its own
+    uncapped 18.8). Units holding a `fixed` group stay. Returns `pl` where nothing better was
+    found, or where it fits within POLISH_SLACK of `origin`'s step (the cap cost next to
+    nothing)."""
     if origin is not None and pl.valid and pl.step_time <= (1.0 + POLISH_SLACK) * origin.step_time:
         return pl
     cap = float(min(pb.cluster.device(d).profile.memory for d in pb.devices))
-    starts: list[tuple[str, Placement, float]] = [("the moves' fit", pl, 0.0)]
+    starts: list[tuple[str, list[int], float]] = [("the moves' fit", list(pl.device_index), 0.0)]
     if origin is not None and not origin.valid:
-        starts += [(f"{algorithm}'s own placement, overflow weighted x{w:g}", origin, w) for w in PENALTIES]
-    budget = max(50, int(POLISH_WORK / max(1, len(pb.step)) / len(starts)))
-    best: tuple[tuple[float, float], dict[str, str], str, int] | None = None
-    for name, src, weight in starts:
-        units = build_units(pb, None, POLISH_UNITS, list(src.device_index))
-        frozen = frozenset(u for u, atoms in enumerate(units.groups) if any(units.atoms[a][0] in fixed for a in atoms))
-
-        def score(u: np.ndarray) -> tuple[float, float]:
-            sim = simulate_table(pb.table, units.node_devices(u).tolist(), pb.cluster)
-            return (_overflow_of(sim), sim.step_time)
-
-        def weighted(u: np.ndarray, w: float = weight) -> float:
-            over, step = score(u)
-            return step * (1.0 + w * over / cap)
-
-        cur, used = units.project(pb, list(src.device_index)), 0
-        if weight:
-            cur, _, used = climb(units, cur, weighted(cur), weighted, budget // 2, swaps=True, frozen=frozen)
-        cur, key, more = climb(units, cur, score(cur), score, budget - used, swaps=True, frozen=frozen)
-        if best is None or key < best[0]:
-            best = (key, units.assignment(pb, cur), name, used + more)
-    assert best is not None
-    key, assignment, name, used = best
+        starts += [(f"{algorithm}'s own placement, overflow weighted x{w:g}", list(origin.device_index), w)
+                   for w in PENALTIES]
+    total = max(50 * len(LEVELS), int(POLISH_WORK / max(1, len(pb.step))))
+    alive = [(name, dev, weight, (float("inf"), float("inf"))) for name, dev, weight in starts]
+    used = 0
+    for level, n_units in enumerate(LEVELS):
+        per = max(20, total // len(LEVELS) // len(alive))
+        went_on = []
+        for name, dev, weight, _ in alive:
+            key, dev, spent = _climb_level(pb, dev, n_units, per, fixed, cap, weight if level == 0 else 0.0)
+            used += spent
+            went_on.append((name, dev, weight, key))
+        went_on.sort(key=lambda x: x[3])
+        alive = went_on[:max(1, (len(went_on) + 1) // 2)]
+    name, dev, _, key = alive[0]
     if key >= (_overflow(pl), pl.step_time):
         return pl
     before = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
-    index = {d: k for k, d in enumerate(pb.devices)}
-    after = {g: index[assignment[pb.step[i]]] for i, g in enumerate(pb.step_group)}
+    after = {g: dev[i] for i, g in enumerate(pb.step_group)}
     decisions = pl.decisions + [pb.decision(g, d, "moved by the local search under the memory cap")
                                 for g, d in after.items() if before[g] != d]
     was = f"{pl.step_time * 1e3:.2f} ms" if pl.valid else f"{fmt_bytes(_overflow(pl))} over"
     now = f"{key[1] * 1e3:.2f} ms" if key[0] == 0 else f"{fmt_bytes(key[0])} over"
-    notes = pl.notes + [f"memory: a local search over {POLISH_UNITS} units from {name} "
+    notes = pl.notes + [f"memory: a local search over {'/'.join(map(str, LEVELS))} units from {name} "
                         f"({was} -> {now}, {used} simulations)"]
-    out = build_placement(pb, algorithm, assignment, decisions, started, notes)
+    out = build_placement(pb, algorithm, _assignment(pb, dev), decisions, started, notes)
     # The units hold whole runs of groups; a group the search left apart from the neighbour it
     # exchanges the most with may still rejoin it (nmt_free on two capped H100s, heft: 23.9 ->
     # 22.0 ms).
     return _rejoin(pb, out, algorithm, started, fixed) if out.valid else out
+
+
+def _climb_level(pb: Problem, dev: list[int], n_units: int, budget: int, fixed: frozenset[int], cap: float,
+                 weight: float) -> tuple[tuple[float, float], list[int], int]:
+    """One level of `polish` from `dev` (a device per step node): units built to express it, a
+    climb by the step weighted by overflow first where `weight` is set, then by (overflow, step).
+    Returns the key reached, the devices and the simulations spent."""
+    units = build_units(pb, None, n_units, dev)
+    frozen = frozenset(u for u, atoms in enumerate(units.groups) if any(units.atoms[a][0] in fixed for a in atoms))
+
+    def score(u: np.ndarray) -> tuple[float, float]:
+        sim = simulate_table(pb.table, units.node_devices(u).tolist(), pb.cluster)
+        return (_overflow_of(sim), sim.step_time)
+
+    def weighted(u: np.ndarray) -> float:
+        over, step = score(u)
+        return step * (1.0 + weight * over / cap)
+
+    cur, used = units.project(pb, dev), 0
+    if weight:
+        cur, _, used = climb(units, cur, weighted(cur), weighted, budget // 2, swaps=True, frozen=frozen)
+    cur, key, more = climb(units, cur, score(cur), score, budget - used, swaps=True, frozen=frozen)
+    return key, units.node_devices(cur).tolist(), used + more + 1
+
+
+def _assignment(pb: Problem, dev: list[int]) -> dict[str, str]:
+    """Every node on a device: step nodes as `dev` has them; the rest with the step nodes of their
+    colocation group (an initialiser with its Variable), else of their coarse group (`complete`)."""
+    feas, co = pb.feas, pb.coarse
+    gd: dict[int, int] = {}
+    hard: dict[int, int] = {}
+    for i, g in enumerate(pb.step_group):
+        gd.setdefault(g, dev[i])
+        hard.setdefault(feas.group_of[feas.index[pb.step[i]]], dev[i])
+    gd = complete(pb, gd)
+    return {n: pb.devices[hard.get(feas.group_of[i], gd[co.group_of[i]])] for i, n in enumerate(feas.order)}
 
 
 def descend(pb: Problem, pl: Placement, algorithm: str, started: float,

@@ -13,8 +13,11 @@ The model, chosen to match what the runtime does:
 - Memory: a tensor is allocated on its device when its op starts, and a received tensor when its
   transfer arrives; it is freed once its last consumer on that device has finished (and, on the
   producer's device, once its outgoing transfers are done). Outputs of Variables, Consts and fed
-  Placeholders are resident for the whole step. A device whose peak exceeds its memory makes the
-  placement invalid: `SimResult.valid` is false and `check()` raises `PlacementError`.
+  Placeholders are resident for the whole step. A view (a Reshape, a Split, a Slice: the kernel
+  hands back its input's buffer, `CostTable.views`) allocates nothing and keeps the buffer it views
+  alive until the view itself is freed, as numpy and cupy do; what crosses a link is a copy. A
+  device whose peak exceeds its memory makes the placement invalid: `SimResult.valid` is false
+  and `check()` raises `PlacementError`.
 - Contention: synchronous devices of one process (virtual CPU devices) share caches and memory
   bandwidth. While two or more of them run ops, each progresses at 1/`contention` of its measured
   speed (processor sharing; the cost model's `contention`, 1 by default, measured by `bench`).
@@ -244,6 +247,8 @@ class _Run:
     called once per op, `dispatch` and `op_finished`, take what they touch from one prebuilt
     tuple (one unpack instead of a dozen attribute loads: measured, the split alone cost 9%)."""
 
+    unstarted = 0.0  # `start` before a node is dispatched (_Watched tells the two apart)
+
     def __init__(self, table: CostTable, dev: Sequence[int], cluster: Cluster, keep: Iterable[str],
                  deps: _Dependencies) -> None:
         n, D = len(table.names), len(table.devices)
@@ -252,11 +257,11 @@ class _Run:
         self.pending, self.src_refs, self.recv_refs = list(deps.pending), dict(deps.src_refs), dict(deps.recv_refs)
         self.local_succ, self.xfer_waiters, self.out_xfers = deps.local_succ, deps.xfer_waiters, deps.out_xfers
         self.stats = [DeviceStats(name, capacity=int(cluster.device(name).profile.memory)) for name in table.devices]
-        self.mem = self._initial_memory()
+        self.mem = self.memory(self._initial_memory())
         self.peak = list(self.mem)
         self.links: dict[tuple[int, int], LinkStats] = {}
         self.link_free: dict[tuple[int, int], float] = {}
-        self.start = [0.0] * n
+        self.start = [self.unstarted] * n
         self.finish = [0.0] * n
         self.queues: list[list[tuple[float, int]]] = [[] for _ in range(D)]
         self.running = [-1] * D
@@ -286,9 +291,12 @@ class _Run:
         self.rate = [1.0] * D
         self.began = [0.0] * D
         self.live = [-1] * n  # the seq of node i's current finish event; older ones are stale
+        # Views: per view node, how many of its outputs are still alive here (its base lives on).
+        self.views = table.views
+        self.views_left = [len(b) for b in table.out_bytes] if table.views else []
         self.slow = 1.0 / table.contention if table.contention > 0 else 1.0
         # What dispatch and op_finished read, aliased: these lists are mutated, never rebound.
-        self._dispatch_state = (table, self.is_async, self.host, self.lanes, self.host_free, table.out_bytes,
+        self._dispatch_state = (table, self.is_async, self.host, self.lanes, self.host_free, table.held,
                                 table.resident, self.mem, self.peak, self.stats, self.contended, self.live,
                                 self.events, self.start)
         self._finish_state = (table.times, table.inputs, table.out_bytes, table.resident, dev, self.mem,
@@ -300,6 +308,10 @@ class _Run:
                 self.queues[dev[i]].append((0.0, i))
         for q in self.queues:
             heapq.heapify(q)
+
+    def memory(self, resident: list[int]) -> list[int]:
+        """The per-device byte counts the loop updates in place (a subclass watches them)."""
+        return resident
 
     def _initial_memory(self) -> list[int]:
         """Each device's resident bytes (Variables, Consts, fed inputs: held the whole step)."""
@@ -349,7 +361,7 @@ class _Run:
         """Every idle device starts its earliest-ready op at time t -- once its process's
         interpreter is free for the op's dispatch share (devices of one process take turns)."""
         running, queues = self.running, self.queues
-        (table, is_async, host, lanes, host_free, out_bytes, resident, mem, peak, stats, contended, live,
+        (table, is_async, host, lanes, host_free, held, resident, mem, peak, stats, contended, live,
          events, start) = self._dispatch_state
         seq = self.seq
         for d in range(self.D):
@@ -373,7 +385,7 @@ class _Run:
                     dur = table.times[i][d]
                     s.busy += dur
                 if not resident[i]:
-                    mem[d] += sum(out_bytes[i])
+                    mem[d] += sum(held[i])
                     if mem[d] > peak[d]:
                         peak[d] = mem[d]
                 s.ops += 1
@@ -398,21 +410,33 @@ class _Run:
             self.rate[d] = 1.0
         finish[i] = max(t, kernel_end[i]) if is_async[d] else t  # when the output exists
         self.done += 1
+        views = self.views
+        base = views[i] if views else None  # a view's base stays until the view is freed
         for j, p in inputs[i]:
             if dev[j] == d:  # `release`, inlined: this is the loop's innermost line
+                if base is not None and (j, p) == base:
+                    continue
                 left = src_refs[(j, p)] - 1
                 src_refs[(j, p)] = left
                 if left == 0 and not resident[j] and (j, p) not in keep_refs:
-                    mem[d] -= out_bytes[j][p]
+                    if views and views[j] is not None:
+                        self.view_freed(j)
+                    else:
+                        mem[d] -= out_bytes[j][p]
             else:
                 key = (j, p, d)
+                if base is not None and key[:2] == base:
+                    continue
                 recv_refs[key] -= 1
                 if recv_refs[key] == 0:
                     mem[d] -= out_bytes[j][p]
         if not resident[i]:
             for p, b in enumerate(out_bytes[i]):
                 if src_refs.get((i, p), 0) == 0 and (i, p) not in keep_refs:
-                    mem[d] -= b  # produced but never read here: dropped at once
+                    if base is not None:
+                        self.view_freed(i)
+                    else:
+                        mem[d] -= b  # produced but never read here: dropped at once
         for c in local_succ[i]:
             pending[c] -= 1
             if pending[c] == 0:
@@ -462,7 +486,26 @@ class _Run:
         left = self.src_refs[key] - 1
         self.src_refs[key] = left
         if left == 0 and not self.table.resident[j] and key not in self.keep_refs:
-            self.mem[self.dev[j]] -= self.table.out_bytes[j][p]
+            if self.views and self.views[j] is not None:
+                self.view_freed(j)
+            else:
+                self.mem[self.dev[j]] -= self.table.out_bytes[j][p]
+
+    def view_freed(self, j: int) -> None:
+        """One output of view node j is freed; once all are, so is its hold on the buffer it views
+        (which may be a view's in turn, or a received copy)."""
+        self.views_left[j] -= 1
+        if self.views_left[j]:
+            return
+        a, q = self.views[j]  # type: ignore[misc]
+        d = self.dev[j]
+        if self.dev[a] == d:
+            self.release(a, q)
+        else:
+            key = (a, q, d)
+            self.recv_refs[key] -= 1
+            if self.recv_refs[key] == 0:
+                self.mem[d] -= self.table.out_bytes[a][q]
 
     def reshare(self, now: float) -> None:
         """Bring each contended process's running ops up to `now` and, where the number of busy
@@ -498,6 +541,101 @@ class _Run:
             links=[links[k] for k in sorted(links)],
             start=dict(zip(names, self.start)), finish=dict(zip(names, self.finish)),
             device_of={names[i]: table.devices[dev[i]] for i in range(self.n)}, problems=problems)
+
+
+@dataclass
+class Held:
+    """A tensor that occupies a device's memory at its peak."""
+
+    node: str
+    port: int
+    bytes: int
+    kind: str  # "resident" (Variables, Consts, fed inputs), "output", or "received" (a copy from another device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Counted(list):  # type: ignore[type-arg]
+    """A run's per-device memory that counts its changes, notes the change at which each device
+    first reached its highest value, and hands the run's state to `at` at chosen changes."""
+
+    def __init__(self, values: list[int], at: Mapping[int, Any]) -> None:
+        super().__init__(values)
+        self.changes = 0
+        self.top = list(values)
+        self.when = [0] * len(values)
+        self.at = at
+
+    def __setitem__(self, d: Any, v: Any) -> None:
+        list.__setitem__(self, d, v)
+        self.changes += 1
+        if v > self.top[d]:
+            self.top[d], self.when[d] = v, self.changes
+        hook = self.at.get(self.changes)
+        if hook is not None:
+            hook()
+
+
+class _Watched(_Run):
+    """A run that can say what each device holds at a chosen change of its memory: every
+    non-resident tensor allocated there (an op dispatched, a copy arrived) and not yet freed."""
+
+    unstarted = -1.0
+
+    def __init__(self, table: CostTable, dev: Sequence[int], cluster: Cluster, keep: Iterable[str],
+                 deps: _Dependencies, snapshots: Mapping[int, int]) -> None:
+        self.hooks = {k: (lambda d=d: self._snapshot(d)) for k, d in snapshots.items()}
+        self.arrived: set[tuple[int, int, int]] = set()
+        self.held: dict[int, list[Held]] = {}
+        super().__init__(table, dev, cluster, keep, deps)
+
+    def memory(self, resident: list[int]) -> list[int]:
+        return _Counted(resident, self.hooks)
+
+    def transfer_arrived(self, key: tuple[int, int, int], t: float) -> None:
+        self.arrived.add(key)
+        super().transfer_arrived(key, t)
+
+    def _snapshot(self, d: int) -> None:
+        t, names = self.table, self.table.names
+        out: list[Held] = []
+        for j in range(self.n):
+            if self.dev[j] != d:
+                continue
+            if t.resident[j]:
+                out += [Held(names[j], p, b, "resident") for p, b in enumerate(t.out_bytes[j]) if b]
+            elif self.start[j] >= 0:
+                running = self.running[d] == j
+                for p, b in enumerate(t.held[j]):
+                    if b and (running or self.src_refs.get((j, p), 0) > 0 or (j, p) in self.keep_refs):
+                        out.append(Held(names[j], p, b, "output"))
+        for (j, p, dd) in self.arrived:
+            if dd == d and p >= 0 and self.recv_refs.get((j, p, dd), 0) > 0:
+                out.append(Held(names[j], p, t.out_bytes[j][p], "received"))
+        self.held[d] = sorted(out, key=lambda h: (-h.bytes, h.node, h.port))
+
+
+def held_at_peak(table: CostTable, dev: Sequence[int], cluster: Cluster, keep: Iterable[str] = ()) -> list[list[Held]]:
+    """Per device, the tensors it holds at its simulated peak, largest first (their bytes add up
+    to the peak). Two runs of the deterministic loop: one finds the change of each device's
+    memory at which its peak is reached, the second stops there to look."""
+    deps = _dependencies(table, dev)
+    first = _Watched(table, dev, cluster, keep, deps, {})
+    first.run()
+    counted = first.mem
+    assert isinstance(counted, _Counted)
+    second = _Watched(table, dev, cluster, keep, deps, {k: d for d, k in enumerate(counted.when) if k})
+    second.run()
+    out = []
+    for d in range(len(table.devices)):
+        if d in second.held:
+            out.append(second.held[d])
+        else:  # the peak is the resident state: never exceeded after the start
+            out.append(sorted((Held(table.names[j], p, b, "resident") for j in range(len(table.names))
+                               if dev[j] == d and table.resident[j] for p, b in enumerate(table.out_bytes[j]) if b),
+                              key=lambda h: (-h.bytes, h.node, h.port)))
+    return out
 
 
 def _keep_refs(table: CostTable, keep: Iterable[str]) -> set[tuple[int, int]]:
@@ -570,6 +708,7 @@ def contention_for(table: CostTable, a: int, b: int, ratio: float, cluster: Clus
         controls=table.controls + [[j + n for j in c] for c in table.controls],
         succ=table.succ + [[j + n for j in c] for c in table.succ],
         resident=table.resident * 2, host=(table.host * 2) if table.host else [],
+        views=table.views + [None if v is None else (v[0] + n, v[1]) for v in table.views],
         issue=table.issue * 2 if table.issue else [], stream=table.stream * 2 if table.stream else [])
     dev = [a] * n + [b] * n
 
