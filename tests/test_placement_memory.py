@@ -284,3 +284,18 @@ def test_a_device_a_little_over_moves_a_small_group_when_no_large_one_fits_elsew
     # tables) overflowed gpu:0 wherever they went; a small group holding the difference fits.
     steps, pl, _ = _nmt_free_steps(2, "k40", "expert")
     assert pl.valid and steps[1] <= 1.10 * steps[0], steps
+
+
+def test_bench_placement_with_learned_steps_gives_the_same_figures_twice() -> None:
+    # A budget in seconds ends wherever the machine's load lets it; in updates the row repeats.
+    from flowctl.bench.placement import placement_suite
+
+    def once() -> dict:
+        return placement_suite(placers=("heft", "learned"), rows="lstm4/2xk40", capped=False, learned_steps=2)
+
+    a, b = once(), once()
+    assert a["learned_steps"] == 2 and a["learned_budget_s"] is None
+    row_a, row_b = a["rows"][0]["results"], b["rows"][0]["results"]
+    assert row_a["learned"]["step_ms"] == row_b["learned"]["step_ms"]
+    assert row_a["learned"]["curve"] == row_b["learned"]["curve"]
+    assert row_a["learned"]["step_ms"] <= row_a["heft"]["step_ms"]

@@ -69,7 +69,7 @@ def _variant(spec_file: str, variant: str, gpus: int, free: bool = False) -> Loa
 
 
 def _row(loaded: LoadedSpec, devices: str, batch: int, placers: tuple[str, ...], budget: float,
-         seed: int, say: Callable[[str], None]) -> dict[str, Any]:
+         seed: int, say: Callable[[str], None], learned_steps: int | None = None) -> dict[str, Any]:
     sg = build_step(build_model(loaded), step_config(loaded))
     cluster = cluster_for(step_config(loaded), devices)
     cost = StaticCostModel(cluster, batch=batch)
@@ -85,7 +85,7 @@ def _row(loaded: LoadedSpec, devices: str, batch: int, placers: tuple[str, ...],
         say(f"{devices}: {alg}")
         started = time.perf_counter()
         try:
-            opts = LearnedOptions(seed=seed, budget_s=budget) if alg == "learned" else None
+            opts = LearnedOptions(seed=seed, budget_s=budget, steps=learned_steps) if alg == "learned" else None
             pl = place(sg.graph, cluster, cost, alg, targets=targets, rules=rules, layers=layers, problem=pb,
                        learned=opts)
         except FlowctlError as e:
@@ -143,8 +143,9 @@ def select_rows(grid: list[tuple[str, int, str]], rows: str) -> list[tuple[str, 
 
 def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, learned_budget: float = 20.0,
                     seed: int = 0, capped: bool = True, rows: str | None = None,
-                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """`rows`: a selection (select_rows) of the grid (`full`) or of the default rows."""
+                    progress: Callable[[str], None] | None = None, learned_steps: int | None = None) -> dict[str, Any]:
+    """`rows`: a selection (select_rows) of the grid (`full`) or of the default rows. `learned_steps`:
+    the learned placer's policy updates per row instead of `learned_budget` seconds."""
     say = progress or (lambda _m: None)
     grid = [(m, g, p) for m, *_ in MODELS for g in (2, 4, 8) for p in ("k40", "v100", "h100")] if full \
         else DEFAULT_ROWS
@@ -163,7 +164,7 @@ def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, lear
                 need = single_device_need(_variant(spec_file, variant, gpus, free=True), devices, batch)
                 dev = f"{devices}:{max(1, int(need * CAP) >> 20)}MiB"
             say(f"{model} on {dev}")
-            results = _row(loaded, dev, batch, placers, learned_budget, seed, say)
+            results = _row(loaded, dev, batch, placers, learned_budget, seed, say, learned_steps)
             steps = {a: r["step_ms"] for a, r in results.items() if "step_ms" in r}
             others = [v for a, v in steps.items() if a != "learned"]
             row = {"model": model, "devices": dev, "batch": batch, "capped": bool(cap), "results": results,
@@ -175,8 +176,8 @@ def placement_suite(full: bool = False, placers: tuple[str, ...] = PLACERS, lear
             if "learned" in steps and others:
                 row["learned_vs_best_other"] = steps["learned"] / min(others)
             out_rows.append(row)
-    return {"suite": "placement", "full": full, "learned_budget_s": learned_budget, "seed": seed,
-            "cap_share": CAP, "rows": out_rows}
+    return {"suite": "placement", "full": full, "learned_budget_s": None if learned_steps else learned_budget,
+            "learned_steps": learned_steps, "seed": seed, "cap_share": CAP, "rows": out_rows}
 
 
 __all__ = ["placement_suite", "select_rows", "single_device_need", "verdict"]

@@ -30,6 +30,9 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion")
               help="Change one spec key (YAML value), e.g. --set training.batch_size=64. Repeatable.")
 @click.option("--full", is_flag=True, help="placement: the whole grid (2/4/8 GPUs x K40/V100/H100).")
 @click.option("--learned-budget", default=20.0, show_default=True, help="placement: seconds per learned row.")
+@click.option("--learned-steps", type=int, default=None,
+              help="placement: policy updates per learned row instead of seconds (the same figures whatever "
+                   "else the machine runs).")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32). placement: models "
               "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40.")
@@ -42,8 +45,8 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion")
               help="A spec target: trace one more step of each placement into this directory "
                    "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
-          rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, rows: str | None,
-          devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None) -> None:
+          rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, learned_steps: int | None,
+          rows: str | None, devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching; `fusion`: training steps with and without element-wise fusion) or a spec file (placements measured on its devices beside the simulator's
@@ -76,7 +79,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
 
         with err.status("benchmarking placement") as status:
             results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget, rows=rows,
-                                      progress=lambda m: status.update(m))
+                                      learned_steps=learned_steps, progress=lambda m: status.update(m))
         render = _render_placement
     elif target == "fusion":
         from flowctl.bench.fusion import fusion_benchmark
