@@ -178,3 +178,20 @@ def test_place_follows_model_parallel_groups_whatever_the_algorithm(tmp_path):
         assert r.exit_code == 0, r.output
         a = json.loads(r.stdout)["assignment"]
         assert a["left/matmul"] == canonical("cpu:0") and a["right/matmul"] == canonical("cpu:1")
+
+
+def test_place_explain_says_what_makes_each_devices_peak() -> None:
+    spec = str(ROOT / "specs" / "lstm4.yaml")
+    r = CliRunner().invoke(cli, ["place", spec, "--devices", "2xgpu:k40", "-a", "heft", "--explain", "--json",
+                                 "--limit", "0"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    peaks = {d["device"]: d["peak_memory"] for d in out["devices"]}
+    held = out["held_at_peak"]
+    assert set(held) == {d for d, p in peaks.items() if p}
+    for dev, tensors in held.items():
+        assert sum(t["bytes"] for t in tensors) == peaks[dev]  # all of them: --limit 0
+        assert tensors[0]["bytes"] == max(t["bytes"] for t in tensors)
+    shown = CliRunner().invoke(cli, ["place", spec, "--devices", "2xgpu:k40", "-a", "heft", "--explain",
+                                     "--limit", "3"])
+    assert "at each device's peak" in shown.output and "loss/xent" in shown.output

@@ -96,6 +96,7 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
             out["layers"] = _by_layer(p)
         if explain:
             out["loops"] = p.loops()
+            out["held_at_peak"] = chosen.held_at_peak(limit=limit or 1 << 30)
         click.echo(json.dumps(out, default=str))
     _render(console, p, explain, by, limit)
 
@@ -180,6 +181,13 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
             console.print(f"note: {n}")
     if not explain:
         return
+    rows = [[_short(dev), h["node"] + ("" if h["port"] == 0 else f":{h['port']}"), h["kind"], _bytes(h["bytes"])]
+            for dev, held in chosen.held_at_peak(limit=3).items() for h in held]
+    if rows:
+        console.print(fit("at each device's peak, its largest tensors (resident state, outputs not yet freed, "
+                          "copies received)",
+                          [Col("device", "right"), Col("tensor"), Col("kind"), Col("size", "right", True)], rows,
+                          width))
     loops = p.loops()
     if loops:
         rows = [[r["loop"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),

@@ -127,6 +127,15 @@ class Placement:
     def __getitem__(self, node: str) -> str:
         return self.assignment[node]
 
+    def held_at_peak(self, limit: int = 5) -> dict[str, list[dict[str, Any]]]:
+        """Per device that computes something: the largest tensors it holds at its simulated peak
+        (what makes `peak_memory`), up to `limit` each."""
+        if self.table is None or not self.device_index or self.cluster is None:
+            return {}
+        held = held_at_peak(self.table, self.device_index, self.cluster)
+        return {s.device: [h.to_dict() for h in held[k][:limit]]
+                for k, s in enumerate(self.simulation.devices) if s.ops}
+
     def memory_report(self, limit: int = 50) -> list[dict[str, Any]]:
         """Per device whose simulated peak exceeds its memory: the peak, the capacity, and what the
         device holds at that moment, largest first (resident state -- Variables, optimizer slots,
