@@ -221,3 +221,41 @@ def test_what_a_device_holds_at_its_peak_adds_up_to_the_peak() -> None:
         used += bool(s.peak_memory > s.resident)
         assert {h.kind for h in held[d]} <= {"resident", "output", "received"}
     assert used >= 2
+
+
+@pytest.mark.parametrize("executor", ["compiled", "dataflow"])
+def test_the_executors_count_a_buffer_once_and_never_a_variables(executor: str) -> None:
+    # RunStats.peak_bytes by the same rule as the simulator: a view costs nothing of its own and
+    # keeps its base counted; a Variable's array and views of it are resident, not the step's.
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (1000,), name="x")
+        w = fc.variable(np.ones((10, 100), np.float32), name="w")
+        rows = fc.split(w, 2, axis=0, name="rows")  # views of the variable: 0 bytes
+        a = fc.relu(x, name="a")  # 4000 B
+        v = fc.reshape(a, [10, 100], name="v")  # a view of a: 0 bytes
+        s = fc.slice_(v, [0, 0], [1, 10], name="s")  # a 40-byte view that keeps a alive
+        t = fc.tile(s, [10, 10], name="t")  # 4000 B, while a is still held by s
+        y = fc.add(fc.reduce_sum(t), fc.add(fc.reduce_sum(rows[0]), fc.reduce_sum(rows[1])), name="y")
+        init = fc.global_variables_initializer()
+    sess = fc.Session(g, store=fc.ContainerStore(), executor=executor)
+    sess.run(init)
+    stats = fc.RunStats()
+    sess.run(y, {x: np.ones(1000, np.float32)}, stats=stats)
+    # a and t at once, plus at most a few 4-byte sums: not 8000 + the views' 4000 + 4040 + w's halves.
+    assert 8000 <= stats.peak_bytes <= 8000 + 4 * 4, stats.peak_bytes
+    assert (stats.peak_bytes - 8000) % 4 == 0
+
+
+def test_run_stats_agree_with_numpy_on_a_training_step(tmp_path: Path) -> None:
+    loaded, text, path = load_training_spec(str(ROOT / "specs" / "lstm_lm.yaml"), overrides=LM)
+    trainer = Trainer(loaded, tmp_path / "run", steps=1, prefetch=0)
+    trainer.start_fresh(text, path)
+    trainer.train()
+    feeds = trainer.program.step.train.feeds(trainer.data.next_batch())
+    feeds[trainer.lr] = np.asarray(0.1, dtype=trainer.lr.dtype)
+    stats = fc.RunStats()
+    trainer.session.run([trainer.loss, trainer.train_op], feeds, stats=stats)
+    trainer.close()
+    real = measured_working_set(str(ROOT / "specs" / "lstm_lm.yaml"), LM, tmp_path / "again")
+    assert 0.9 * real <= stats.peak_bytes <= 1.05 * real, (stats.peak_bytes / real, stats.peak_bytes, real)

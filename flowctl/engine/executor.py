@@ -42,7 +42,8 @@ from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
 from flowctl.engine.frame_executor import FrameTables, run_frames
 from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import COMMUNICATION, SOURCE
+from flowctl.engine.ledger import Ledger
+from flowctl.engine.ops.registry import COMMUNICATION, resident
 from flowctl.kernels.registry import bind, check_finite
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class RunStats:
     """What one step did, from the executor's own accounting."""
 
     nodes_run: list[str] = field(default_factory=list)
-    peak_bytes: int = 0  # peak bytes of live tensors produced in the step (views count in full)
+    peak_bytes: int = 0  # peak bytes of the buffers the step's live values hold (ledger.py: views share theirs)
     # Dataflow executor only: (node, time.perf_counter()) as each node was *started*, in order. For a
     # synchronous kernel start and finish are adjacent; for an async one (Recv) they are not, and
     # this is where §5.2 receive scheduling shows.
@@ -118,10 +119,6 @@ def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
     return need
 
 
-def _nbytes(x: Any) -> int:
-    return int(getattr(x, "nbytes", 0))
-
-
 class Plan:
     def __init__(self, graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str],
                  device: str, resources: Callable[[Node], Any]) -> None:
@@ -158,9 +155,9 @@ class Plan:
         self.float_out = [[is_float(s.dtype) for s in n.outputs] for n in self.nodes]
         self.is_async = [n.opdef.is_async for n in self.nodes]
         self.has_async = any(self.is_async)
-        # Accounting counts what the step produces; constants belong to the plan, feeds to the caller.
-        self.counted = {s for n, outs in zip(self.nodes, self.out_slots) if n.opdef.group != SOURCE
-                        for s in outs}
+        # Accounting counts what the step produces; constants belong to the plan, feeds to the
+        # caller, a Variable's value to its container.
+        self.counted = {s for n, outs in zip(self.nodes, self.out_slots) if not resident(n.opdef) for s in outs}
 
         # Last use of each slot (fetched and fed slots are never released by the step).
         keep = set(self.fetch_slots) | set(range(len(self.feeds)))
@@ -217,7 +214,7 @@ class Plan:
         if key in self._compiled:
             return self._compiled[key]
         filename = f"<flowctl plan {next(_plan_ids)}>"
-        lines: list[str] = ["def step(F, K, _nb, _chk, _ran):"]
+        lines: list[str] = ["def step(F, K, _L, _chk, _ran):"]
         owner: list[int] = [-1]
 
         def emit(text: str, node: int) -> None:
@@ -229,7 +226,8 @@ class Plan:
         if self.nodes:
             emit(", ".join(f"k{i}" for i in range(len(self.nodes))) + ", = K", -1)
         if stats:
-            emit("_live = 0; _peak = 0", -1)
+            for i in range(len(self.feeds)):
+                emit(f"_L.resident(v{i})", -1)
         for i, node in enumerate(self.nodes):
             args = ", ".join(f"v{s}" for s in self.in_slots[i])
             outs = self.out_slots[i]
@@ -242,9 +240,8 @@ class Plan:
                 emit(", ".join(f"v{s}" for s in outs) + f" = {call}", i)
             if stats:
                 emit(f"_ran({i})", i)
-                if outs and node.opdef.group != SOURCE:
-                    emit("_live += " + " + ".join(f"_nb(v{s})" for s in outs), i)
-                    emit("if _live > _peak: _peak = _live", i)
+                for s in outs:
+                    emit(f"_L.{'acquire' if s in self.counted else 'resident'}(v{s})", i)
             if check:
                 for s, f in zip(outs, self.float_out[i]):
                     if f:
@@ -252,12 +249,12 @@ class Plan:
             rel = self.release_after[i]
             if rel:
                 if stats:
-                    counted = [s for s in rel if s in self.counted]
-                    if counted:
-                        emit("_live -= " + " + ".join(f"_nb(v{s})" for s in counted), i)
+                    for s in rel:
+                        if s in self.counted:
+                            emit(f"_L.release(v{s})", i)
                 emit("del " + ", ".join(f"v{s}" for s in rel), i)
         ret = "(" + "".join(f"v{s}, " for s in self.fetch_slots) + ")"
-        emit(f"return {ret}, {'_peak' if stats else 0}", -1)
+        emit(f"return {ret}", -1)
         src = "\n".join(lines) + "\n"
         namespace: dict[str, Any] = {}
         exec(compile(src, filename, "exec"), namespace)
@@ -272,13 +269,14 @@ class Plan:
             return self.run_dataflow(feeds, stats, check_numerics, step)
         fn, filename, owner = self._compile(stats is not None, check_numerics)
         ran: list[int] = []
+        ledger = Ledger() if stats is not None else None
         try:
-            out, peak = fn(feeds, self.kernels, _nbytes, check_finite, ran.append)
+            out = fn(feeds, self.kernels, ledger, check_finite, ran.append)
         except Exception as e:  # noqa: BLE001 -- every kernel failure is reported with its node
             raise self._error(e, self._failing(e.__traceback__, filename, owner)) from e
         if stats is not None:
             stats.nodes_run = [self.order[i] for i in ran]
-            stats.peak_bytes = int(peak)
+            stats.peak_bytes = ledger.peak if ledger is not None else 0
         return list(out)
 
     def _failing(self, tb: TracebackType | None, filename: str, owner: list[int]) -> int:
@@ -323,7 +321,7 @@ class Plan:
                                  f"never ready", device=self.device)
         if stats is not None:
             stats.nodes_run = run.ran
-            stats.peak_bytes = run.peak
+            stats.peak_bytes = run.ledger.peak if run.ledger is not None else 0
             stats.starts = run.starts
             stats.finishes = run.finishes
             stats.idle_s = run.idle
@@ -369,7 +367,10 @@ class _DataflowStep:
         self.ready = deque(i for i, p in enumerate(self.pending) if p == 0 and plan.is_async[i])
         self.ready.extend(i for i, p in enumerate(self.pending) if p == 0 and not plan.is_async[i])
         self.keep = set(plan.fetch_slots) | set(range(len(plan.feeds)))
-        self.live = self.peak = 0
+        self.ledger = Ledger() if timed else None  # memory accounting, for RunStats
+        if self.ledger is not None:
+            for v in feeds:
+                self.ledger.resident(v)
         self.ran: list[str] = []
         self.starts: list[tuple[str, float]] = []
         self.finishes: list[tuple[str, float]] = []
@@ -463,12 +464,14 @@ class _DataflowStep:
         except Exception as e:  # noqa: BLE001
             raise plan._error(e, i) from e
         self.ran.append(node.name)
-        if node.opdef.group != SOURCE:
-            self.live += sum(_nbytes(self.values[s]) for s in outs)
-            self.peak = max(self.peak, self.live)
+        led = self.ledger
+        if led is not None:
+            for s in outs:
+                (led.acquire if s in plan.counted else led.resident)(self.values[s])
         for s in outs:
             if self.uses[s] == 0 and s not in self.keep:
-                self.live -= _nbytes(self.values[s]) if s in plan.counted else 0
+                if led is not None and s in plan.counted:
+                    led.release(self.values[s])
                 self.values[s] = None
 
     def _release(self, i: int) -> None:
@@ -476,6 +479,6 @@ class _DataflowStep:
         for s in plan.in_slots[i]:
             self.uses[s] -= 1
             if self.uses[s] == 0 and s not in self.keep:
-                if s in plan.counted:
-                    self.live -= _nbytes(self.values[s])
+                if self.ledger is not None and s in plan.counted:
+                    self.ledger.release(self.values[s])
                 self.values[s] = None  # §3.1: the buffer goes the moment its last consumer ran

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from flowctl.engine.errors import ExecutionError
 from flowctl.engine.frames import ROOT, assign_frames
 from flowctl.engine.graph import parse_ref
+from flowctl.engine.ledger import Ledger
 from flowctl.kernels.registry import DEAD, check_finite
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ class FrameStep:
         self.outstanding_async = 0
         self.ran: list[str] = []
         self.root_ran = 0
-        self.live = self.peak = 0
+        self.ledger = Ledger() if timed else None  # memory accounting, for RunStats
         self.idle = 0.0  # timed steps: seconds spent waiting with nothing ready
         self.starts: list[tuple[str, float]] = []
         self.finishes: list[tuple[str, float]] = []
@@ -169,6 +170,8 @@ class FrameStep:
         for s, v in enumerate(feeds):
             it0.values[s] = v
             it0.uses[s] = self.t.uses[s]
+            if self.ledger is not None:
+                self.ledger.resident(v)
         for i, p in enumerate(self.plan.pending0):
             if p == 0 and self.t.kind[i] != MERGE:
                 self._queue(i, self.root, 0)
@@ -313,14 +316,20 @@ class FrameStep:
         """Outputs of node i arrive at tag (f, k): store them, count down consumers, feed Merges."""
         plan = self.plan
         it = f.iters[k]
+        led = self.ledger
         for s, v in zip(plan.out_slots[i], outs):
             uses = self.t.uses[s]
-            if uses or s in self.keep:
+            stored = bool(uses) or s in self.keep
+            if stored:
                 it.values[s] = v
                 it.uses[s] = uses
-                if v is not DEAD and s in plan.counted:
-                    self.live += _nbytes(v)
-                    self.peak = max(self.peak, self.live)
+            if led is not None and v is not DEAD:
+                if s not in plan.counted:
+                    led.resident(v)
+                else:
+                    led.acquire(v)
+                    if not stored:  # nobody reads it: dropped at once
+                        led.release(v)
         pending0 = plan.pending0
         if dead:
             it.dead.update(self.t.ctrl_succ[i])
@@ -349,8 +358,8 @@ class FrameStep:
             if left == 0 and s not in self.keep:
                 v = it.values.pop(s)
                 del it.uses[s]
-                if v is not DEAD and s in self.plan.counted:
-                    self.live -= _nbytes(v)  # §3.1: the buffer goes once its last reader ran
+                if v is not DEAD and s in self.plan.counted and self.ledger is not None:
+                    self.ledger.release(v)  # §3.1: the buffer goes once its last reader ran
             else:
                 it.uses[s] = left
 
@@ -388,8 +397,8 @@ class FrameStep:
 
     def _drop_values(self, it: _Iteration) -> None:
         for s, v in it.values.items():
-            if v is not DEAD and s in self.plan.counted:
-                self.live -= _nbytes(v)
+            if v is not DEAD and s in self.plan.counted and self.ledger is not None:
+                self.ledger.release(v)
         it.values.clear()
 
     def _results(self) -> list[Any]:
@@ -411,7 +420,7 @@ class FrameStep:
 
     def fill(self, stats: "RunStats") -> None:
         stats.nodes_run = self.ran
-        stats.peak_bytes = self.peak
+        stats.peak_bytes = self.ledger.peak if self.ledger is not None else 0
         stats.starts = self.starts
         stats.finishes = self.finishes
         stats.idle_s = self.idle
@@ -426,10 +435,6 @@ class _Tagged:
     def append(self, item: tuple[int, Any, BaseException | None]) -> None:
         i, out, err = item
         self.run.completed.append((i, self.f, self.k, out, err))
-
-
-def _nbytes(x: Any) -> int:
-    return int(getattr(x, "nbytes", 0))
 
 
 def run_frames(plan: "Plan", feeds: Sequence[Any], stats: "RunStats | None", check_numerics: bool,

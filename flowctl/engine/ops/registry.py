@@ -206,6 +206,12 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
+def resident(opdef: OpDef) -> bool:
+    """Do the op's outputs live across steps? Sources (Consts, Placeholders) and a Variable's value:
+    state, counted as resident memory, never as a step's own (simulator, executors)."""
+    return opdef.group == SOURCE or opdef.resource == "variable"
+
+
 def register_op(name: str, infer: InferFn, **kw: Any) -> OpDef:
     if name in OPS:
         raise ValueError(f"op {name} registered twice")

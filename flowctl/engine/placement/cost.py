@@ -29,7 +29,8 @@ from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.frames import output_counts, run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import CONTROL, ELEMENTWISE, SOURCE
+from flowctl.engine.ops.registry import CONTROL, ELEMENTWISE
+from flowctl.engine.ops.registry import resident as is_resident
 from flowctl.engine.shapes import TensorSpec, concrete
 
 MEASURED_VERSION = 1
@@ -477,7 +478,7 @@ class CostTable:
             controls.append(ctrl)
             for j in dict.fromkeys([j for j, _ in ins] + ctrl):
                 succ[j].append(i)
-            resident.append(node.opdef.group == SOURCE or node.op == "Variable")
+            resident.append(is_resident(node.opdef))
         host_time = getattr(model, "host_time", None)
         host = [float(host_time(graph.nodes[n])) if host_time else 0.0 for n in names]
         procs: dict[tuple[str, int], int] = {}
