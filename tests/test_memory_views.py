@@ -259,3 +259,14 @@ def test_run_stats_agree_with_numpy_on_a_training_step(tmp_path: Path) -> None:
     trainer.close()
     real = measured_working_set(str(ROOT / "specs" / "lstm_lm.yaml"), LM, tmp_path / "again")
     assert 0.9 * real <= stats.peak_bytes <= 1.05 * real, (stats.peak_bytes / real, stats.peak_bytes, real)
+
+
+def test_inspect_counts_no_activation_bytes_for_a_view_layer() -> None:
+    # `flatten` is a Reshape of its input: it holds that buffer, not one of its own.
+    from flowctl.spec.loader import load_text
+    from flowctl.spec.summary import summarize
+
+    loaded = load_text(CONV, filename="conv.yaml")
+    layers = {r["name"]: r for r in summarize(loaded)["layers"]}
+    assert layers["flat"]["activation_bytes"] == 0
+    assert layers["c2"]["activation_bytes"] >= 16 * 16 * 16 * 32 * 4  # batch 16, 16x16x32 after the pool

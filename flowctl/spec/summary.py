@@ -2,7 +2,8 @@
 step and an activation-memory estimate, all read off the graph actually built.
 
 FLOPs come from each op's own cost function (OpDef.estimate, whitepaper §3.2.1's cost model), with
-unknown (batch) dimensions set to the per-replica batch. A training step is the forward pass, the
+unknown (batch) dimensions set to the per-replica batch. Activation bytes are every forward op's
+outputs once; a view (a Reshape, a Split part: its input's buffer, OpDef.view) adds none. A training step is the forward pass, the
 backward pass (`fc.gradients` of the loss w.r.t. every trainable variable) and the batch-norm
 moving-average updates; the optimizer's update ops belong to the training stage and are not counted.
 """
@@ -17,6 +18,7 @@ from flowctl.engine.dtypes import itemsize
 from flowctl.engine.executor import needed_nodes
 from flowctl.engine.graph import Graph
 from flowctl.engine.ops.registry import SOURCE, STATE
+from flowctl.engine.placement.cost import concrete_shapes, views_of
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel, build_model
 
@@ -56,6 +58,9 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
     total_fwd = total_step = 0.0
     activations = 0
     runs = run_counts(g)  # §4.4: an op in a loop counts once per expected iteration
+    order = g.topo_order()
+    views = views_of(g, order, {n: i for i, n in enumerate(order)}, concrete_shapes(g, batch))
+    is_view = {n for n, v in zip(order, views) if v is not None} if views else set()
     for n in step:
         if n in free:
             continue
@@ -68,7 +73,7 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
             per_layer[owner]["step_flops"] += flops
         if n in forward:
             total_fwd += flops
-            b = int(_bytes(g, n, batch) * runs.get(n, 1.0))
+            b = 0 if n in is_view else int(_bytes(g, n, batch) * runs.get(n, 1.0))  # a view holds its input's buffer
             activations += b
             if owner is not None:
                 per_layer[owner]["forward_flops"] += flops
