@@ -270,3 +270,45 @@ def test_inspect_counts_no_activation_bytes_for_a_view_layer() -> None:
     layers = {r["name"]: r for r in summarize(loaded)["layers"]}
     assert layers["flat"]["activation_bytes"] == 0
     assert layers["c2"]["activation_bytes"] >= 16 * 16 * 16 * 32 * 4  # batch 16, 16x16x32 after the pool
+
+
+def test_an_embeddings_update_comes_last_and_the_step_holds_less(tmp_path: Path, monkeypatch) -> None:
+    # Where updates make new arrays (the trainer holds a snapshot of the variables before each
+    # step; a GPU always), an embedding update applied first copies the whole table while every
+    # other gradient still waits for its update; applied last, beside none of them.
+    import flowctl.engine.optimizers as optimizers
+
+    big_table = ["training.batch_size=4", "model.layers.lstm_1.units=64", "model.layers.lstm_2.units=64",
+                 "model.layers.embedding.dim=64", "model.layers.embedding.vocab=20000",
+                 "model.layers.tokens.classes=20000", "model.layers.targets.classes=20000",
+                 "model.layers.softmax.units=20000", "model.layers.tokens.shape=[5]", "model.layers.targets.shape=[5]"]
+
+    def step_peak(where: Path) -> tuple[int, list[str]]:
+        loaded, text, path = load_training_spec(str(ROOT / "specs" / "lstm_lm.yaml"), overrides=big_table)
+        trainer = Trainer(loaded, where, steps=1, prefetch=0)
+        trainer.start_fresh(text, path)
+        trainer.train()
+        feeds = trainer.program.step.train.feeds(trainer.data.next_batch())
+        feeds[trainer.lr] = np.asarray(0.1, dtype=trainer.lr.dtype)
+        graph = trainer.program.step.graph
+        updates = [n for n in graph.topo_order() if n.endswith("/update")]
+        snapshot = trainer.session.variable_values()  # as the trainer holds it: no update in place
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            trainer.session.run([trainer.loss, trainer.train_op], feeds)
+            peak = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+            trainer.close()
+        del snapshot
+        return peak, updates
+
+    last, order = step_peak(tmp_path / "last")
+    assert order[-1] == "embedding/table/SGD/update", order
+    monkeypatch.setattr(optimizers, "_embedding_gradient", lambda grad: False)
+    first, old_order = step_peak(tmp_path / "first")
+    assert old_order[0] == "embedding/table/SGD/update", old_order
+    table = 20000 * 64 * 4
+    assert first - last >= 0.5 * table, (first, last)  # the softmax kernel's gradient (20000 x 64) no longer beside the copy

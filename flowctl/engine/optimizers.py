@@ -78,10 +78,19 @@ class Optimizer:
 
     def apply_gradients(self, grads_and_vars: Sequence[tuple[Tensor | None, Tensor]],
                         name: str | None = None) -> Tensor:
-        """One Group target that applies every (gradient, variable) pair, in the given order.
-        Pairs whose gradient is None are skipped; all of them None is an error."""
+        """One Group target that applies every (gradient, variable) pair, in the given order except
+        that an embedding table's comes last. Pairs whose gradient is None are skipped; all of them
+        None is an error.
+
+        Why the table last: its update writes a whole new table wherever it cannot write in place
+        (on a GPU always, on the CPU while anyone holds the old array, as the trainer's pre-step
+        snapshot does), and updates that become ready together (after clip_by_global_norm) run in
+        graph order. Applied first, that copy stood beside every other gradient still waiting for
+        its update: lstm_lm's training step on the CPU held 100.2 MiB beyond its parameters, 86.5
+        with the table last (tracemalloc), and on two GPUs capped at 97 MiB its placements fit."""
         pairs = [(g, v) for g, v in grads_and_vars]
         live = [(g, v) for g, v in pairs if g is not None]
+        live.sort(key=lambda gv: _embedding_gradient(gv[0]))  # stable: the rest keep their order
         if not live:
             raise GraphError(f"{self.name}: no gradients for any of the variables "
                              f"{[v.node for _, v in pairs]}; does the loss depend on them?")
@@ -179,6 +188,11 @@ class SGD(Optimizer):
             if sparse is not None:
                 return sparse_apply_gradient_descent(var, alpha, *sparse, name="update")
             return apply_gradient_descent(var, alpha, delta, name="update")
+
+
+def _embedding_gradient(grad: Tensor) -> bool:
+    """Is `grad` an embedding table's (a GatherGrad, under clip_by_global_norm's scaling or not)?"""
+    return _scaled(grad)[0].op.op == "GatherGrad"
 
 
 def _scaled(grad: Tensor) -> tuple[Tensor, Tensor | None]:
