@@ -158,26 +158,41 @@ training: {optimizer: {type: adam}, learning_rate: 0.01, batch_size: 16, steps: 
 """
 
 
+class OneStep:
+    """A trainer after its first step (every variable and slot made), ready to run the next."""
+
+    def __init__(self, spec: str, overrides: list[str], run_dir: Path) -> None:
+        loaded, text, path = load_training_spec(spec, overrides=overrides)
+        self.trainer = Trainer(loaded, run_dir, steps=1, prefetch=0)
+        self.trainer.start_fresh(text, path)
+        self.trainer.train()
+        self.feeds = self.trainer.program.step.train.feeds(self.trainer.data.next_batch())
+        self.feeds[self.trainer.lr] = np.asarray(0.1, dtype=self.trainer.lr.dtype)
+
+    def run(self, stats: fc.RunStats | None = None) -> None:
+        self.trainer.session.run([self.trainer.loss, self.trainer.train_op], self.feeds, stats=stats)
+
+    def allocated(self) -> int:
+        """The bytes numpy allocates during the step beyond what it held before (tracemalloc's peak)."""
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            self.run()
+            return tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
 def measured_working_set(spec: str, overrides: list[str], tmp_path: Path) -> int:
-    """The bytes numpy allocates during one training step beyond what it held before the step
-    (tracemalloc's peak), after a first step has made every variable and slot."""
-    loaded, text, path = load_training_spec(spec, overrides=overrides)
-    trainer = Trainer(loaded, tmp_path / "run", steps=1, prefetch=0)
-    trainer.start_fresh(text, path)
-    trainer.train()
-    feeds = trainer.program.step.train.feeds(trainer.data.next_batch())
-    feeds[trainer.lr] = np.asarray(0.1, dtype=trainer.lr.dtype)
-    fetches = [trainer.loss, trainer.train_op]
-    gc.collect()
-    tracemalloc.start()
+    step = OneStep(spec, overrides, tmp_path / "run")
     try:
-        before = tracemalloc.get_traced_memory()[0]
-        trainer.session.run(fetches, feeds)
-        peak = tracemalloc.get_traced_memory()[1]
+        return step.allocated()
     finally:
-        tracemalloc.stop()
-        trainer.close()
-    return peak - before
+        step.close()
 
 
 @pytest.mark.parametrize("which", ["lstm_lm", "conv"])
@@ -248,16 +263,11 @@ def test_the_executors_count_a_buffer_once_and_never_a_variables(executor: str) 
 
 
 def test_run_stats_agree_with_numpy_on_a_training_step(tmp_path: Path) -> None:
-    loaded, text, path = load_training_spec(str(ROOT / "specs" / "lstm_lm.yaml"), overrides=LM)
-    trainer = Trainer(loaded, tmp_path / "run", steps=1, prefetch=0)
-    trainer.start_fresh(text, path)
-    trainer.train()
-    feeds = trainer.program.step.train.feeds(trainer.data.next_batch())
-    feeds[trainer.lr] = np.asarray(0.1, dtype=trainer.lr.dtype)
+    step = OneStep(str(ROOT / "specs" / "lstm_lm.yaml"), LM, tmp_path / "run")
     stats = fc.RunStats()
-    trainer.session.run([trainer.loss, trainer.train_op], feeds, stats=stats)
-    trainer.close()
-    real = measured_working_set(str(ROOT / "specs" / "lstm_lm.yaml"), LM, tmp_path / "again")
+    step.run(stats)
+    real = step.allocated()
+    step.close()
     assert 0.9 * real <= stats.peak_bytes <= 1.05 * real, (stats.peak_bytes / real, stats.peak_bytes, real)
 
 
@@ -284,24 +294,11 @@ def test_an_embeddings_update_comes_last_and_the_step_holds_less(tmp_path: Path,
                  "model.layers.softmax.units=20000", "model.layers.tokens.shape=[5]", "model.layers.targets.shape=[5]"]
 
     def step_peak(where: Path) -> tuple[int, list[str]]:
-        loaded, text, path = load_training_spec(str(ROOT / "specs" / "lstm_lm.yaml"), overrides=big_table)
-        trainer = Trainer(loaded, where, steps=1, prefetch=0)
-        trainer.start_fresh(text, path)
-        trainer.train()
-        feeds = trainer.program.step.train.feeds(trainer.data.next_batch())
-        feeds[trainer.lr] = np.asarray(0.1, dtype=trainer.lr.dtype)
-        graph = trainer.program.step.graph
-        updates = [n for n in graph.topo_order() if n.endswith("/update")]
-        snapshot = trainer.session.variable_values()  # as the trainer holds it: no update in place
-        gc.collect()
-        tracemalloc.start()
-        try:
-            before = tracemalloc.get_traced_memory()[0]
-            trainer.session.run([trainer.loss, trainer.train_op], feeds)
-            peak = tracemalloc.get_traced_memory()[1] - before
-        finally:
-            tracemalloc.stop()
-            trainer.close()
+        step = OneStep(str(ROOT / "specs" / "lstm_lm.yaml"), big_table, where)
+        updates = [n for n in step.trainer.program.step.graph.topo_order() if n.endswith("/update")]
+        snapshot = step.trainer.session.variable_values()  # as the trainer holds it: no update in place
+        peak = step.allocated()
+        step.close()
         del snapshot
         return peak, updates
 
