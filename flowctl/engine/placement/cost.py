@@ -328,8 +328,8 @@ def views_of(graph: Graph, names: list[str], index: dict[str, int],
     """Per step node (topological `names`): the (producer, port) of input 0 whose buffer its outputs
     view (OpDef.view), or None. C-contiguity is followed through the step, since a Reshape of a
     strided view copies: a fresh output is contiguous, except an element-wise op's over a strided
-    input (numpy keeps the input's layout); a tensor from outside the step counts as contiguous. A
-    view of a value from outside the step (none in a step's own graph) is not one here."""
+    input (numpy keeps the input's layout); a tensor from outside the step counts as contiguous,
+    and a view of one is counted as a copy (the simulator holds no buffer for it to keep alive)."""
     contiguous: dict[tuple[int, int], bool] = {}
     out: list[tuple[int, int] | None] = []
     for i, name in enumerate(names):

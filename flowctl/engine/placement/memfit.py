@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from flowctl.engine.placement.explain import Decision, Placement
-from flowctl.engine.placement.grouping import build_units, climb
+from flowctl.engine.placement.grouping import Units, build_units, climb
 from flowctl.engine.placement.problem import Problem, build_placement, complete, finalize
 from flowctl.engine.placement.simulator import SimResult, fmt_bytes, simulate_table
 
@@ -112,18 +112,20 @@ def polish(pb: Problem, pl: Placement, algorithm: str, started: float,
         starts += [(f"{algorithm}'s own placement, overflow weighted x{w:g}", list(origin.device_index), w)
                    for w in PENALTIES]
     total = max(50 * len(LEVELS), int(POLISH_WORK / max(1, len(pb.step))))
-    alive = [(name, dev, weight, (float("inf"), float("inf"))) for name, dev, weight in starts]
+    alive: list[tuple[tuple[float, float], str, list[int], float, dict[str, str]]] = [
+        ((float("inf"), float("inf")), name, dev, weight, {}) for name, dev, weight in starts]
     used = 0
     for level, n_units in enumerate(LEVELS):
         per = max(20, total // len(LEVELS) // len(alive))
         went_on = []
-        for name, dev, weight, _ in alive:
-            key, dev, spent = _climb_level(pb, dev, n_units, per, fixed, cap, weight if level == 0 else 0.0)
+        for _, name, dev, weight, _ in alive:
+            key, units, cur, spent = _climb_level(pb, dev, n_units, per, fixed, cap, weight if level == 0 else 0.0)
             used += spent
-            went_on.append((name, dev, weight, key))
-        went_on.sort(key=lambda x: x[3])
+            went_on.append((key, name, units.node_devices(cur).tolist(), weight,
+                            units.assignment(pb, cur) if level == len(LEVELS) - 1 else {}))
+        went_on.sort(key=lambda x: x[0])
         alive = went_on[:max(1, (len(went_on) + 1) // 2)]
-    name, dev, _, key = alive[0]
+    key, name, dev, _, assignment = alive[0]
     if key >= (_overflow(pl), pl.step_time):
         return pl
     before = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
@@ -134,7 +136,7 @@ def polish(pb: Problem, pl: Placement, algorithm: str, started: float,
     now = f"{key[1] * 1e3:.2f} ms" if key[0] == 0 else f"{fmt_bytes(key[0])} over"
     notes = pl.notes + [f"memory: a local search over {'/'.join(map(str, LEVELS))} units from {name} "
                         f"({was} -> {now}, {used} simulations)"]
-    out = build_placement(pb, algorithm, _assignment(pb, dev), decisions, started, notes)
+    out = build_placement(pb, algorithm, assignment, decisions, started, notes)
     # The units hold whole runs of groups; a group the search left apart from the neighbour it
     # exchanges the most with may still rejoin it (nmt_free on two capped H100s, heft: 23.9 ->
     # 22.0 ms).
@@ -142,10 +144,10 @@ def polish(pb: Problem, pl: Placement, algorithm: str, started: float,
 
 
 def _climb_level(pb: Problem, dev: list[int], n_units: int, budget: int, fixed: frozenset[int], cap: float,
-                 weight: float) -> tuple[tuple[float, float], list[int], int]:
+                 weight: float) -> tuple[tuple[float, float], Units, np.ndarray, int]:
     """One level of `polish` from `dev` (a device per step node): units built to express it, a
     climb by the step weighted by overflow first where `weight` is set, then by (overflow, step).
-    Returns the key reached, the devices and the simulations spent."""
+    Returns the key reached, the units, a device per unit and the simulations spent."""
     units = build_units(pb, None, n_units, dev)
     frozen = frozenset(u for u, atoms in enumerate(units.groups) if any(units.atoms[a][0] in fixed for a in atoms))
 
@@ -161,20 +163,7 @@ def _climb_level(pb: Problem, dev: list[int], n_units: int, budget: int, fixed: 
     if weight:
         cur, _, used = climb(units, cur, weighted(cur), weighted, budget // 2, swaps=True, frozen=frozen)
     cur, key, more = climb(units, cur, score(cur), score, budget - used, swaps=True, frozen=frozen)
-    return key, units.node_devices(cur).tolist(), used + more + 1
-
-
-def _assignment(pb: Problem, dev: list[int]) -> dict[str, str]:
-    """Every node on a device: step nodes as `dev` has them; the rest with the step nodes of their
-    colocation group (an initialiser with its Variable), else of their coarse group (`complete`)."""
-    feas, co = pb.feas, pb.coarse
-    gd: dict[int, int] = {}
-    hard: dict[int, int] = {}
-    for i, g in enumerate(pb.step_group):
-        gd.setdefault(g, dev[i])
-        hard.setdefault(feas.group_of[feas.index[pb.step[i]]], dev[i])
-    gd = complete(pb, gd)
-    return {n: pb.devices[hard.get(feas.group_of[i], gd[co.group_of[i]])] for i, n in enumerate(feas.order)}
+    return key, units, cur, used + more + 1
 
 
 def descend(pb: Problem, pl: Placement, algorithm: str, started: float,

@@ -626,16 +626,11 @@ def held_at_peak(table: CostTable, dev: Sequence[int], cluster: Cluster, keep: I
     counted = first.mem
     assert isinstance(counted, _Counted)
     second = _Watched(table, dev, cluster, keep, deps, {k: d for d, k in enumerate(counted.when) if k})
+    for d, k in enumerate(counted.when):
+        if not k:  # never above its resident state: that is its peak, seen before anything runs
+            second._snapshot(d)
     second.run()
-    out = []
-    for d in range(len(table.devices)):
-        if d in second.held:
-            out.append(second.held[d])
-        else:  # the peak is the resident state: never exceeded after the start
-            out.append(sorted((Held(table.names[j], p, b, "resident") for j in range(len(table.names))
-                               if dev[j] == d and table.resident[j] for p, b in enumerate(table.out_bytes[j]) if b),
-                              key=lambda h: (-h.bytes, h.node, h.port)))
-    return out
+    return [second.held[d] for d in range(len(table.devices))]
 
 
 def _keep_refs(table: CostTable, keep: Iterable[str]) -> set[tuple[int, int]]:
