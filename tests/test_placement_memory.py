@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -226,12 +227,16 @@ def test_the_expert_moves_ruled_stages_too_where_moving_the_rest_cannot_fit() ->
     # NMT's layer-per-GPU stages wrapped over two H100s capped at 60% of the one-device need
     # (bench placement's nmt_free/2xh100 row): moving only what no rule placed leaves a GPU over,
     # so the ruled stages move too and the placement fits; the local search after the moves
-    # takes it from 32.1 ms back to within 10% of the uncapped 20.0.
+    # makes it faster. (Before buffer forwarding the need, and so the cap, was 13% larger: the
+    # search came back to within 10% of the uncapped 20.0 ms; at 763 MiB it reaches 25.0.)
     steps, pl, c = _nmt_free_steps(2, "h100", "expert")
     assert pl.valid and all(d.peak_memory <= c.devices[0].profile.memory for d in pl.devices)
     assert any("ruled groups moved too" in n for n in pl.notes)
-    assert any("local search" in n for n in pl.notes)
-    assert steps[1] <= 1.10 * steps[0], steps
+    search = [n for n in pl.notes if "local search" in n]
+    assert search
+    before, after = (float(x) for x in re.findall(r"\(([\d.]+) ms -> ([\d.]+) ms", search[0])[0])
+    assert after < before and steps[1] <= after * 1e-3 + 1e-9, (search, steps)
+    assert steps[1] <= 1.30 * steps[0], steps
 
 
 def test_climb_exchanges_two_units_where_no_single_move_fits() -> None:

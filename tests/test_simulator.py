@@ -127,14 +127,25 @@ def test_cross_device_control_edge_costs_the_link_latency() -> None:
 
 
 def test_memory_peak_of_a_chain_counts_resident_input_and_two_live_tensors() -> None:
-    # x (resident, 4000 B) -> r0 -> r1 -> r2 -> r3, each 4000 B. While r_i runs its input and its
-    # output are both live; the input is freed when r_i finishes. r3's output has no consumer.
+    # x (resident, 4000 B) -> r0 -> r1 -> r2 -> r3, ReLUs of 4000 B each. r0 makes a buffer (x is
+    # fed: never written); each later ReLU, its input's last reader, takes that buffer (buffer
+    # forwarding), so one lives at a time. r3's output has no consumer.
     g = chain(4, size=1000)
     r = simulate(g, on(g, D0), cluster(), fixed({}, default=1e-3))
     assert r.device(D0).resident == 4000
-    assert r.device(D0).peak_memory == 4000 + 2 * 4000
-    # Fetched outputs stay: keeping r1 alive adds it on top while r2 and r3 run.
+    assert r.device(D0).peak_memory == 4000 + 4000
+    # A fetched output stays and is never written over: r2 makes its own buffer beside r1.
     kept = simulate(g, on(g, D0), cluster(), fixed({}, default=1e-3), keep=["r1:0"])
+    assert kept.device(D0).peak_memory == 4000 + 2 * 4000
+    # Without forwarding, while r_i runs its input and its output are both live; the input is
+    # freed when r_i finishes, and keeping r1 adds it on top while r2 and r3 run.
+    from dataclasses import replace
+
+    from flowctl.engine.placement.simulator import simulate_table
+
+    t = replace(CostTable.build(g, cluster(), fixed({}, default=1e-3), step_nodes(g)), forward=[])
+    assert simulate_table(t, [0] * len(t.names), cluster()).device(D0).peak_memory == 4000 + 2 * 4000
+    kept = simulate_table(t, [0] * len(t.names), cluster(), keep=["r1:0"])
     assert kept.device(D0).peak_memory == 4000 + 3 * 4000
 
 

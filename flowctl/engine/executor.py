@@ -13,6 +13,17 @@ Two ways to run a plan:
   holds one always runs this way (`run` hands over).
 Both keep the same accounting: bytes of live tensors and their peak, and which nodes ran.
 
+Buffer forwarding (TensorFlow's forward_input_or_allocate_output). An op whose OpDef lists
+`forward` inputs (Add, Mul, BiasAdd, ReluGrad, XentGrad, ...) writes its output into one of those
+inputs' buffers instead of a new one when the step owns that buffer outright: the op is the
+value's last reader, nobody fetched or fed it, and nothing else holds the array -- the value
+slot's reference is the only one (`sys.getrefcount`, as numpy's own temporary elision decides),
+and the array owns its buffer or views all of one that only it holds (`whole`) -- which rules
+out a Variable's array, a snapshot, a view's base and a tensor another device of this process
+still reads. Such a step holds one buffer where it held
+two (NMT's logits and their BiasAdd: 293 MB). The in-place kernels give the allocating kernels'
+bits. The frame executor (loops, conditionals) does not forward.
+
 Asynchronous kernels (§5.3). An op whose OpDef says `is_async` has a kernel of the form
 `start(step, inputs, done)`: `step` is the per-step context (a `StepContext` from
 `flowctl.engine.rendezvous`: step id, rendezvous, frame; None under a plain `Session`, where only
@@ -30,6 +41,8 @@ arrived while a kernel ran counting as ready before that kernel's outputs; an as
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -44,12 +57,54 @@ from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ledger import Ledger
 from flowctl.engine.ops.registry import COMMUNICATION, resident
-from flowctl.kernels.registry import bind, check_finite
+from flowctl.kernels.registry import array_module, bind, bind_into, check_finite
 
 if TYPE_CHECKING:
     from flowctl.engine.rendezvous import StepContext
 
 _plan_ids = itertools.count()
+
+# Buffer forwarding on (see the module doc); FLOWCTL_FORWARD=0 turns it off, for comparisons.
+FORWARD = os.environ.get("FLOWCTL_FORWARD", "1") != "0"
+
+
+def _sole_counts() -> tuple[int, int]:
+    """sys.getrefcount of an array held by nothing but one local variable, and by nothing but one
+    list item, read the way the compiled step and the dataflow step read their values: the
+    counts at which the step owns the array outright."""
+    import numpy as np
+
+    def local() -> int:
+        v0 = np.empty(1)
+        return sys.getrefcount(v0)
+
+    def listed() -> int:
+        values = [np.empty(1)]
+        return sys.getrefcount(values[0])
+
+    return local(), listed()
+
+
+def _base_refs(v: Any) -> int:
+    b = v.base
+    return sys.getrefcount(b)
+
+
+SOLE_LOCAL, SOLE_LISTED = _sole_counts()
+SOLE_BASE = _base_refs(__import__("numpy").empty(2).reshape(1, 2))  # a base nothing else holds
+
+
+def whole(v: Any) -> bool:
+    """`v` owns its buffer, or is a C-contiguous view of all of a buffer that nothing but `v` holds
+    (the logits a Reshape hands on): writing into `v` then overwrites nothing anyone will read."""
+    if not getattr(v.flags, "writeable", True):  # a read-only array (a restored, mapped one); cupy has no flag
+        return False
+    if v.base is None:
+        return True
+    if _base_refs(v) != SOLE_BASE:  # counted first: a local holding the base would count too
+        return False
+    b = v.base
+    return type(b) is type(v) and b.base is None and v.nbytes == b.nbytes and v.flags.c_contiguous
 
 
 class CompletionQueue(Protocol):
@@ -190,6 +245,7 @@ class Plan:
         for ins in self.in_slots:
             for s in ins:
                 self.slot_uses[s] += 1
+        self._plan_forwarding(graph, resources, keep)
 
         self._compiled: dict[tuple[bool, bool], tuple[Callable[..., Any], str, list[int]]] = {}
         # §4.4: a plan with control flow runs on the frame-aware executor (tagged values).
@@ -199,14 +255,53 @@ class Plan:
         self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) or dead_recv else None
 
     def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
+        try:
+            return bind(node.op, self.device_type, self._attrs(node, resources))
+        except KeyError:
+            raise GraphError(f"node '{node.name}' ({node.op}) has no kernel for device {self.device}") from None
+
+    @staticmethod
+    def _attrs(node: Node, resources: Callable[[Node], Any]) -> dict[str, Any]:
         attrs = dict(node.attrs)
         attrs["_node"] = node.name
         if node.opdef.resource:
             attrs["_resource"] = resources(node)
-        try:
-            return bind(node.op, self.device_type, attrs)
-        except KeyError:
-            raise GraphError(f"node '{node.name}' ({node.op}) has no kernel for device {self.device}") from None
+        return attrs
+
+    def _plan_forwarding(self, graph: Graph, resources: Callable[[Node], Any], keep: set[int]) -> None:
+        """Per node, the (input position, slot) pairs whose buffer its output may take (OpDef.forward),
+        in order of preference, and its in-place kernel: where the input is made by this step (not
+        fed, fetched, nor a Variable's or Const's), read once by the node, and of the output's dtype
+        and shape. Whether the step owns the buffer is decided when the node runs."""
+        self.forward: list[list[tuple[int, int]]] = [[] for _ in self.nodes]
+        self.into: list[Callable[..., Any] | None] = [None] * len(self.nodes)
+        self.ndarray: Any = None
+        if not FORWARD:
+            return
+        for i, node in enumerate(self.nodes):
+            if not node.opdef.forward or not node.outputs:
+                continue
+            positions = [k for k in range(len(node.inputs)) if k not in node.opdef.ref_inputs]
+            out = node.outputs[node.opdef.forward_to]
+            cands = []
+            for k in node.opdef.forward:
+                if k not in positions:
+                    continue
+                pos = positions.index(k)
+                s = self.in_slots[i][pos]
+                src, port = parse_ref(node.inputs[k])
+                spec = graph.nodes[src].outputs[port]
+                if (s in keep or s not in self.counted or self.in_slots[i].count(s) != 1
+                        or spec.dtype != out.dtype or spec.shape != out.shape):
+                    continue
+                cands.append((pos, s))
+            if not cands:
+                continue
+            fn = bind_into(node.op, self.device_type, self._attrs(node, resources))
+            if fn is not None:
+                self.forward[i], self.into[i] = cands, fn
+        if any(self.forward):
+            self.ndarray = array_module(self.device_type).ndarray
 
     # ------------------------------------------------------------------ straight-line execution
     def _compile(self, stats: bool, check: bool) -> tuple[Callable[..., Any], str, list[int]]:
@@ -228,16 +323,25 @@ class Plan:
         if stats:
             for i in range(len(self.feeds)):
                 emit(f"_L.resident(v{i})", -1)
+        namespace: dict[str, Any] = {"_nd": self.ndarray, "_rc": sys.getrefcount, "_whole": whole}
         for i, node in enumerate(self.nodes):
             args = ", ".join(f"v{s}" for s in self.in_slots[i])
             outs = self.out_slots[i]
             call = f"k{i}({args})"
-            if not outs:
+            lhs = ", ".join(f"v{s}" for s in outs) + ("," if len(outs) > 1 else "")
+            owned = [(pos, s) for pos, s in self.forward[i] if self.last_use.get(s) == i]
+            if owned:  # buffer forwarding: into the first input the step owns outright
+                namespace[f"i{i}"] = self.into[i]
+                for n, (pos, s) in enumerate(owned):
+                    emit(f"{'if' if n == 0 else 'elif'} type(v{s}) is _nd and _rc(v{s}) == {SOLE_LOCAL} "
+                         f"and _whole(v{s}):", i)
+                    emit(f"    {lhs} = i{i}({pos}, {args})", i)
+                emit("else:", i)
+                emit(f"    {lhs} = {call}", i)
+            elif not outs:
                 emit(call, i)
-            elif len(outs) == 1:
-                emit(f"v{outs[0]} = {call}", i)
             else:
-                emit(", ".join(f"v{s}" for s in outs) + f" = {call}", i)
+                emit(f"{lhs} = {call}", i)
             if stats:
                 emit(f"_ran({i})", i)
                 for s in outs:
@@ -256,7 +360,6 @@ class Plan:
         ret = "(" + "".join(f"v{s}, " for s in self.fetch_slots) + ")"
         emit(f"return {ret}", -1)
         src = "\n".join(lines) + "\n"
-        namespace: dict[str, Any] = {}
         exec(compile(src, filename, "exec"), namespace)
         result = (namespace["step"], filename, owner)
         self._compiled[key] = result
@@ -401,6 +504,7 @@ class _DataflowStep:
                 return
             if done is not None:
                 self._finish(*done)
+                done = None  # the outputs' only references are their slots (buffer forwarding)
 
     def _take_completion(self) -> tuple[int, Any]:
         i, out, err = self.completed.popleft()
@@ -416,13 +520,14 @@ class _DataflowStep:
         plan = self.plan
         if self.timed:
             self.starts.append((plan.order[i], time.perf_counter()))
+        into = self._owned(i) if plan.forward[i] else -1
         inputs = [self.values[s] for s in plan.in_slots[i]]
         if plan.is_async[i]:
             self.outstanding += 1
             plan._start_async(i, self.step, tuple(inputs), self.completed, self.cond)
             return None
         try:
-            out = plan.kernels[i](*inputs)
+            out = plan.kernels[i](*inputs) if into < 0 else plan.into[i](into, *inputs)  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001
             raise plan._error(e, i) from e
         if self.timed:
@@ -433,6 +538,16 @@ class _DataflowStep:
             self.deferred = (i, out)
             return None
         return i, out
+
+    def _owned(self, i: int) -> int:
+        """The input position whose buffer node i may write its output into (buffer forwarding: its
+        last reader, the slot's reference the array's only one, and the buffer all its own), or -1."""
+        values, nd = self.values, self.plan.ndarray
+        for pos, s in self.plan.forward[i]:
+            if (self.uses[s] == 1 and type(values[s]) is nd and sys.getrefcount(values[s]) == SOLE_LISTED
+                    and whole(values[s])):
+                return pos
+        return -1
 
     def _finish(self, i: int, out: Any) -> None:
         """Node i finished with outputs `out`: store them, release inputs, wake successors."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from flowctl.kernels.registry import kernel
+from flowctl.kernels.registry import into, kernel
 
 Fn = Callable[..., Any]
 
@@ -24,6 +24,30 @@ for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"),
     _direct(_op, _f)
 
 
+def _ufunc_into(fname: str) -> Callable[[Any, dict[str, Any]], Fn]:
+    """The in-place variant of a ufunc kernel (registry.INTO): its output written into input k."""
+    def factory(xp: Any, attrs: dict[str, Any]) -> Fn:
+        f = getattr(xp, fname)
+
+        def run(k: int, *a: Any) -> Any:
+            try:
+                return f(*a, out=a[k])
+            except ValueError:  # broadcast to a larger shape than input k's: a buffer of its own
+                return f(*a)
+
+        return run
+
+    return factory
+
+
+# Exactly rounded operations only: an in-place result is the allocating kernel's, bit for bit
+# (a transcendental's vector and scalar loops need not agree, and which one runs can depend on
+# where the buffer lies).
+for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"), ("Maximum", "maximum"),
+                ("Minimum", "minimum"), ("Neg", "negative"), ("Square", "square"), ("Abs", "abs")):
+    into(_op)(_ufunc_into(_f))
+
+
 @kernel("Div")
 def div(xp: Any, attrs: dict[str, Any]) -> Fn:
     """Floats: true division. Integers: floor division (Python's `//`, TensorFlow's FloorDiv), so the
@@ -40,6 +64,13 @@ def div(xp: Any, attrs: dict[str, Any]) -> Fn:
         return xp.floor_divide(x, y)
 
     return run
+
+
+@into("Div")
+def div_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    plain = div(xp, attrs)
+    true_divide = _ufunc_into("true_divide")(xp, attrs)
+    return lambda k, x, y: true_divide(k, x, y) if x.dtype.kind in "fc" else plain(x, y)
 
 
 @kernel("FloorMod")
@@ -99,6 +130,11 @@ def relu(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda x: xp.maximum(x, 0)
 
 
+@into("Relu")
+def relu_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return lambda k, x: xp.maximum(x, 0, out=x)
+
+
 @kernel("Sigmoid")
 def sigmoid(xp: Any, attrs: dict[str, Any]) -> Fn:
     # 0.5 (1 + tanh(x/2)) equals 1/(1+e^-x) and never overflows.
@@ -118,6 +154,47 @@ def sigmoid_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
 @kernel("TanhGrad")
 def tanh_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda dy, y: dy * (1.0 - y * y)
+
+
+# The gradient pairs in place: what reads the buffer being written is computed first, and the
+# operations are the allocating kernels' in their order.
+def _same_shape(a: Any, b: Any) -> bool:
+    return tuple(a.shape) == tuple(b.shape)
+
+
+@into("ReluGrad")
+def relu_grad_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(k: int, dy: Any, y: Any) -> Any:
+        if not _same_shape(dy, y):
+            return dy * (y > 0)
+        return xp.multiply(dy, y > 0, out=(dy, y)[k])
+
+    return run
+
+
+@into("SigmoidGrad")
+def sigmoid_grad_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(k: int, dy: Any, y: Any) -> Any:
+        if not _same_shape(dy, y):
+            return dy * y * (1.0 - y)
+        buf = (dy, y)[k]
+        t = 1.0 - y
+        xp.multiply(dy, y, out=buf)
+        return xp.multiply(buf, t, out=buf)
+
+    return run
+
+
+@into("TanhGrad")
+def tanh_grad_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(k: int, dy: Any, y: Any) -> Any:
+        if not _same_shape(dy, y):
+            return dy * (1.0 - y * y)
+        t = y * y
+        xp.subtract(1.0, t, out=t)
+        return xp.multiply(dy, t, out=(dy, y)[k])
+
+    return run
 
 
 @kernel("Cast")
@@ -147,6 +224,23 @@ def add_n(xp: Any, attrs: dict[str, Any]) -> Fn:
         if len(xs) == 1:
             return xs[0]
         out = xs[0] + xs[1]  # a fresh buffer, so the rest can accumulate in place
+        for x in xs[2:]:
+            out += x
+        return out
+
+    return run
+
+
+@into("AddN")
+def add_n_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Into input 0 or 1 (OpDef.forward), which the first sum reads before it writes; a later
+    input would be overwritten before it is added."""
+    plain = add_n(xp, attrs)
+
+    def run(k: int, *xs: Any) -> Any:
+        if len(xs) == 1 or any(not _same_shape(x, xs[k]) for x in xs):
+            return plain(*xs)
+        out = xp.add(xs[0], xs[1], out=xs[k])
         for x in xs[2:]:
             out += x
         return out

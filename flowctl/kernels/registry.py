@@ -21,14 +21,21 @@ from typing import Any, Callable, Iterable
 from flowctl.kernels.backend import (DEAD, Ready, array_module, check_finite, cupy_or_none, gpu_count,
                                      gpu_properties, to_host)
 
-__all__ = ["DEAD", "DEVICE_TYPES", "KERNELS", "KernelFactory", "Ready", "array_module", "check_finite", "bind", "cupy_or_none", "device_types_for",
-           "gpu_count", "gpu_properties", "has_kernel", "kernel", "to_host"]
+__all__ = ["DEAD", "DEVICE_TYPES", "INTO", "KERNELS", "KernelFactory", "Ready", "array_module", "check_finite", "bind",
+           "bind_into", "cupy_or_none", "device_types_for", "gpu_count", "gpu_properties", "has_kernel", "into",
+           "kernel", "to_host"]
 
 KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]
 
 DEVICE_TYPES = ("cpu", "gpu")
 KERNELS: dict[tuple[str, str], KernelFactory] = {}
 _SPECIFIC: set[tuple[str, str]] = set()
+# Buffer forwarding (TensorFlow's forward_input_or_allocate_output): for an op whose OpDef names
+# `forward` inputs, a factory `factory(xp, attrs) -> fn(k, *inputs)` of a kernel that writes its
+# output 0 into input k's buffer and returns it. The executor calls it only when it owns that
+# buffer outright (no other reader, view or holder) and the op is its last reader; the result is
+# bit for bit the allocating kernel's (exactly rounded element-wise operations in the same order).
+INTO: dict[tuple[str, str], KernelFactory] = {}
 
 
 def kernel(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[KernelFactory], KernelFactory]:
@@ -50,6 +57,24 @@ def kernel(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[Ker
         return factory
 
     return deco
+
+
+def into(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[KernelFactory], KernelFactory]:
+    """Register `factory` as `op`'s in-place variant (see INTO) on each device type."""
+    def deco(factory: KernelFactory) -> KernelFactory:
+        for t in device_types:
+            if (op, t) in INTO:
+                raise ValueError(f"in-place kernel for {(op, t)} registered twice")
+            INTO[(op, t)] = factory
+        return factory
+
+    return deco
+
+
+def bind_into(op: str, device_type: str, attrs: dict[str, Any]) -> Callable[..., Any] | None:
+    """The step-time in-place variant of one node's kernel (INTO), or None where it has none."""
+    factory = INTO.get((op, device_type))
+    return None if factory is None else factory(array_module(device_type), attrs)
 
 
 def has_kernel(op: str, device_type: str) -> bool:

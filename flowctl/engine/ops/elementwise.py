@@ -206,15 +206,20 @@ for _name in ("Erf", "Sin", "Cos") + ROUNDING:
 for _name in FLOAT_TESTS:
     register_op(_name, _float_test_infer, num_inputs=1, group=ELEMENTWISE, differentiable=False)
 
+# Element-wise ops whose output may take an input's buffer (OpDef.forward): exactly rounded ones.
+_FORWARD_UNARY = ("Neg", "Square", "Abs", "Relu")
+_FORWARD_BINARY = ("Add", "Sub", "Mul", "Div", "Maximum", "Minimum")
+
 for _name in UNARY:
     register_op(_name, _float_unary_infer if _name not in ("Neg", "Abs", "Sign", "Square") else _numeric_unary_infer,
-                num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name])
+                num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name],
+                forward=(0,) if _name in _FORWARD_UNARY else ())
 
 for _name, _g in zip(BINARY + ("FloorMod",),
                      (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum, _g_floormod)):
     # Maximum / Minimum of bools are or / and, as numpy gives them; the rest is arithmetic.
     register_op(_name, _binary_infer if _name in ("Maximum", "Minimum") else _arith_infer, num_inputs=2,
-                group=ELEMENTWISE, grad=_g)
+                group=ELEMENTWISE, grad=_g, forward=(0, 1) if _name in _FORWARD_BINARY else ())
 
 for _name in COMPARE:
     register_op(_name, _compare_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
@@ -228,7 +233,7 @@ _SECOND_ORDER = {
                                g[0] * op.inputs[0] * op.inputs[1] * -2.0],
 }
 for _name, _g2 in _SECOND_ORDER.items():
-    register_op(_name, _grad_pair_infer, num_inputs=2, group=ELEMENTWISE, grad=_g2)
+    register_op(_name, _grad_pair_infer, num_inputs=2, group=ELEMENTWISE, grad=_g2, forward=(0, 1))
 
 register_op("Select", _select_infer, num_inputs=3, group=ELEMENTWISE, grad=_g_select)
 register_op("Cast", _cast_infer, num_inputs=1, attrs={"dtype": ("dtype", "float32")}, group=ELEMENTWISE,
@@ -247,7 +252,7 @@ def _bf16_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec
 register_op("RoundBF16", _bf16_infer, num_inputs=1, group=ELEMENTWISE,
             grad=lambda op, dy: [make1("RoundBF16", [dy[0]])])
 register_op("AddN", _addn_infer, min_inputs=1, group=ELEMENTWISE,
-            grad=lambda op, dy: [dy[0]] * len(op.inputs))
+            grad=lambda op, dy: [dy[0]] * len(op.inputs), forward=(0, 1))
 register_op("ZerosLike", _unary_infer, num_inputs=1, group=ELEMENTWISE, cost=movement_cost,
             differentiable=False)
 register_op("OnesLike", _unary_infer, num_inputs=1, group=ELEMENTWISE, cost=movement_cost,

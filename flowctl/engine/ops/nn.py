@@ -262,12 +262,13 @@ for _op in ("SoftmaxGrad", "LogSoftmaxGrad"):
 register_op("SoftmaxCrossEntropyWithLogits", _xent_infer, num_inputs=2, group=NN, grad=_g_xent,
             cost=_XENT_COST)
 register_op("SparseSoftmaxCrossEntropyWithLogits", _sparse_xent_infer, num_inputs=2, group=NN,
-            grad=_g_sparse_xent, cost=_XENT_COST)
+            grad=_g_sparse_xent, cost=_XENT_COST, forward=(0,), forward_to=1)
 # XentGrad(dy, m) = dy[:, None] * m: scales each row of m by that example's loss gradient.
 register_op("XentGrad", _xent_grad_infer, num_inputs=2, group=NN,
-            cost=_one_per_output)
+            cost=_one_per_output, forward=(1,))
 
-register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add, cost=_one_per_output)
+register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add, cost=_one_per_output,
+            forward=(0,))
 # ChannelAffine(x, scale, shift) = activation(x * scale + shift), per channel (the last axis), in one
 # pass: batch norm in inference, whose scale and shift come from the moving statistics. The same
 # bits as the Mul, Add (and Relu) it replaces.

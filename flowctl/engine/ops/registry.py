@@ -163,6 +163,13 @@ class OpDef:
     # waits for nor passes them, so Assign can initialise a Variable that holds nothing yet.
     ref_inputs: tuple[int, ...] = ()
     view: ViewFn | None = None  # the kernel may return a view of input 0 (ViewFn above)
+    # Buffer forwarding (TensorFlow's forward_input_or_allocate_output): the inputs, in order of
+    # preference, whose buffer output `forward_to` may take when the op is that buffer's last
+    # reader and the two agree in shape and dtype; every device type's kernel has an in-place
+    # variant (kernels.registry.INTO). The executors forward what they own outright; the
+    # simulator counts it.
+    forward: tuple[int, ...] = ()
+    forward_to: int = 0  # the output that may take a `forward` input's buffer
 
     def normalize_attrs(self, attrs: dict[str, Any], node: str) -> dict[str, Any]:
         unknown = set(attrs) - set(self.attrs)

@@ -27,9 +27,9 @@ from flowctl.engine.cluster import Cluster, Link
 from flowctl.engine.dtypes import itemsize
 from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
-from flowctl.engine.frames import output_counts, run_counts
+from flowctl.engine.frames import has_control_flow, output_counts, run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import CONTROL, ELEMENTWISE
+from flowctl.engine.ops.registry import CONTROL, ELEMENTWISE, view_reshape, view_same
 from flowctl.engine.ops.registry import resident as is_resident
 from flowctl.engine.shapes import TensorSpec, concrete
 
@@ -349,6 +349,49 @@ def views_of(graph: Graph, names: list[str], index: dict[str, int],
     return out if any(v is not None for v in out) else []
 
 
+def forwards_of(graph: Graph, names: list[str], index: dict[str, int], inputs: list[list[tuple[int, int]]],
+                out_bytes: list[list[int]], resident: list[bool],
+                views: list[tuple[int, int] | None]) -> list[tuple[int, ...]]:
+    """Per step node, the positions in `inputs[i]` whose buffer its output `forward_to` may take
+    (OpDef.forward), as the executors' `Plan` finds them: an input made by the step (no Variable,
+    Const or feed), read once by the node, of the output's dtype and shape, and owning its buffer
+    or a whole-buffer view of one (Reshape, ExpandDims, Identity: the executors' `whole`). None
+    in a step with control flow (its frames run on the frame executor, which does not forward)."""
+    if not any(graph.nodes[n].opdef.forward for n in names) or has_control_flow(graph.nodes[n] for n in names):
+        return []
+    out: list[tuple[int, ...]] = []
+    for i, name in enumerate(names):
+        node = graph.nodes[name]
+        cands: list[int] = []
+        for k in node.opdef.forward if node.outputs else ():
+            if k >= len(node.inputs) or node.inputs.count(node.inputs[k]) != 1:
+                continue
+            src, port = parse_ref(node.inputs[k])
+            j = index.get(src)
+            if j is None or (j, port) not in inputs[i] or not _whole_buffer(graph, names, j, port, out_bytes,
+                                                                            resident, views):
+                continue
+            spec, o = graph.nodes[src].outputs[port], node.outputs[node.opdef.forward_to]
+            if spec.dtype == o.dtype and spec.shape == o.shape and out_bytes[j][port] == out_bytes[i][node.opdef.forward_to]:
+                cands.append(inputs[i].index((j, port)))
+        out.append(tuple(cands))
+    return out if any(out) else []
+
+
+def _whole_buffer(graph: Graph, names: list[str], j: int, p: int, out_bytes: list[list[int]], resident: list[bool],
+                  views: list[tuple[int, int] | None]) -> bool:
+    """Whether output (j, p) is a step-made buffer, or a chain of views each of all of one
+    (view_same / view_reshape, the same bytes) down to a step-made buffer."""
+    while views and views[j] is not None:
+        if graph.nodes[names[j]].opdef.view not in (view_same, view_reshape):
+            return False
+        a, q = views[j]  # type: ignore[misc]
+        if out_bytes[a][q] != out_bytes[j][p]:
+            return False
+        j, p = a, q
+    return not resident[j]
+
+
 @dataclass
 class CostTable:
     """One step's nodes (topological order) with their costs on every device of the cluster.
@@ -393,6 +436,10 @@ class CostTable:
     # [node] the (producer, port) whose buffer the node's outputs are views of (None: outputs of
     # its own): a view holds no bytes and keeps that buffer alive while it lives. Empty: no views.
     views: list[tuple[int, int] | None] = field(default_factory=list)
+    # [node] positions in `inputs[i]` whose buffer output 0 may take when the node is its last
+    # reader (OpDef.forward, the executors' buffer forwarding): inputs the step makes, no views,
+    # of the output's bytes. Empty: no node forwards.
+    forward: list[tuple[int, ...]] = field(default_factory=list)
     _held: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -494,6 +541,8 @@ class CostTable:
             is_async = []
         crossings = output_counts(graph)
         out_runs = [float(crossings.get(n, 1.0)) for n in names] if crossings else []
+        views = views_of(graph, names, index, static.shapes(graph))
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
                    host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
-                   float(getattr(model, "jitter", 0.0)), out_runs, views_of(graph, names, index, static.shapes(graph)))
+                   float(getattr(model, "jitter", 0.0)), out_runs, views,
+                   forwards_of(graph, names, index, inputs, out_bytes, resident, views))

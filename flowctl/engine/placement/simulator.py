@@ -15,7 +15,10 @@ The model, chosen to match what the runtime does:
   producer's device, once its outgoing transfers are done). Outputs of Variables, Consts and fed
   Placeholders are resident for the whole step. A view (a Reshape, a Split, a Slice: the kernel
   hands back its input's buffer, `CostTable.views`) allocates nothing and keeps the buffer it views
-  alive until the view itself is freed, as numpy and cupy do; what crosses a link is a copy. A
+  alive until the view itself is freed, as numpy and cupy do; what crosses a link is a copy. An
+  op that forwards (OpDef.forward: Add, Mul, BiasAdd, ...) allocates nothing when it starts as
+  the last reader of one of those inputs (`CostTable.forward`; no other reader, view, transfer or
+  fetch holds it): its output takes that buffer over, as the executors do. A
   device whose peak exceeds its memory makes the placement invalid: `SimResult.valid` is false
   and `check()` raises `PlacementError`.
 - Contention: synchronous devices of one process (virtual CPU devices) share caches and memory
@@ -294,6 +297,12 @@ class _Run:
         # Views: per view node, how many of its outputs are still alive here (its base lives on).
         self.views = table.views
         self.views_left = [len(b) for b in table.out_bytes] if table.views else []
+        # Buffer forwarding: the (producer, port, device) of each buffer an op's output took over
+        # from an input (or from the buffer an input views), which its release then leaves alone,
+        # until the old owner frees it (the op finished). A received tensor is the receiver's own copy
+        # only on a device that copies in (a GPU); virtual CPUs of one process share the array.
+        self.taken: set[tuple[int, int, int]] = set()  # buffers so taken, until their old owner frees them
+        self.copies_in = [cluster.device(name).type != "cpu" for name in table.devices]
         self.slow = 1.0 / table.contention if table.contention > 0 else 1.0
         # What dispatch and op_finished read, aliased: these lists are mutated, never rebound.
         self._dispatch_state = (table, self.is_async, self.host, self.lanes, self.host_free, table.held,
@@ -385,7 +394,7 @@ class _Run:
                     dur = table.times[i][d]
                     s.busy += dur
                 if not resident[i]:
-                    mem[d] += sum(held[i])
+                    mem[d] += sum(held[i]) - (self.take(i, d) if table.forward and table.forward[i] else 0)
                     if mem[d] > peak[d]:
                         peak[d] = mem[d]
                 s.ops += 1
@@ -397,6 +406,32 @@ class _Run:
                 live[i] = seq
                 heapq.heappush(events, (begin + dur, seq, 0, i))
         self.seq = seq
+
+    def take(self, i: int, d: int) -> int:
+        """Buffer forwarding as the executors do it: node i, starting on device d, writes its output
+        into the first of its `forward` inputs it is the last reader of (no other reader, view,
+        transfer or fetch holds it); the bytes it so does not allocate."""
+        table, views = self.table, self.views
+        for pos in table.forward[i]:
+            j, p = table.inputs[i][pos]
+            while True:  # down a chain of whole-buffer views (forwards_of), each held only by the next
+                if self.dev[j] == d:
+                    if self.src_refs[(j, p)] != 1 or (j, p) in self.keep_refs:
+                        break
+                elif not self.copies_in[d] or self.recv_refs.get((j, p, d)) != 1:
+                    break
+                if self.dev[j] != d or not views or views[j] is None:
+                    self.taken.add((j, p, d))
+                    return table.out_bytes[j][p]
+                j, p = views[j]  # type: ignore[misc]
+        return 0
+
+    def freed(self, j: int, p: int, d: int) -> None:
+        """Buffer (j, p) on device d (its own or a received copy) has no reader left."""
+        if self.taken and (j, p, d) in self.taken:
+            self.taken.discard((j, p, d))  # an op's output holds it now
+        else:
+            self.mem[d] -= self.table.out_bytes[j][p]
 
     def op_finished(self, i: int, t: float) -> None:
         """Node i's op ends at t: free its device, release what it read, wake its local
@@ -412,6 +447,7 @@ class _Run:
         self.done += 1
         views = self.views
         base = views[i] if views else None  # a view's base stays until the view is freed
+        taken = self.taken
         for j, p in inputs[i]:
             if dev[j] == d:  # `release`, inlined: this is the loop's innermost line
                 if base is not None and (j, p) == base:
@@ -421,6 +457,8 @@ class _Run:
                 if left == 0 and not resident[j] and (j, p) not in keep_refs:
                     if views and views[j] is not None:
                         self.view_freed(j)
+                    elif taken:
+                        self.freed(j, p, d)
                     else:
                         mem[d] -= out_bytes[j][p]
             else:
@@ -429,7 +467,7 @@ class _Run:
                     continue
                 recv_refs[key] -= 1
                 if recv_refs[key] == 0:
-                    mem[d] -= out_bytes[j][p]
+                    self.freed(j, p, d)
         if not resident[i]:
             for p, b in enumerate(out_bytes[i]):
                 if src_refs.get((i, p), 0) == 0 and (i, p) not in keep_refs:
@@ -489,7 +527,7 @@ class _Run:
             if self.views and self.views[j] is not None:
                 self.view_freed(j)
             else:
-                self.mem[self.dev[j]] -= self.table.out_bytes[j][p]
+                self.freed(j, p, self.dev[j])
 
     def view_freed(self, j: int) -> None:
         """One output of view node j is freed; once all are, so is its hold on the buffer it views
@@ -505,7 +543,7 @@ class _Run:
             key = (a, q, d)
             self.recv_refs[key] -= 1
             if self.recv_refs[key] == 0:
-                self.mem[d] -= self.table.out_bytes[a][q]
+                self.freed(a, q, d)
 
     def reshare(self, now: float) -> None:
         """Bring each contended process's running ops up to `now` and, where the number of busy
@@ -599,6 +637,7 @@ class _Watched(_Run):
 
     def _snapshot(self, d: int) -> None:
         t, names = self.table, self.table.names
+        taken = self.taken  # buffers a running op has taken over: listed as its output
         out: list[Held] = []
         for j in range(self.n):
             if self.dev[j] != d:
@@ -608,10 +647,11 @@ class _Watched(_Run):
             elif self.start[j] >= 0:
                 running = self.running[d] == j
                 for p, b in enumerate(t.held[j]):
-                    if b and (running or self.src_refs.get((j, p), 0) > 0 or (j, p) in self.keep_refs):
+                    if (b and (running or self.src_refs.get((j, p), 0) > 0 or (j, p) in self.keep_refs)
+                            and (j, p, d) not in taken):
                         out.append(Held(names[j], p, b, "output"))
         for (j, p, dd) in self.arrived:
-            if dd == d and p >= 0 and self.recv_refs.get((j, p, dd), 0) > 0:
+            if dd == d and p >= 0 and self.recv_refs.get((j, p, dd), 0) > 0 and (j, p, dd) not in taken:
                 out.append(Held(names[j], p, t.out_bytes[j][p], "received"))
         self.held[d] = sorted(out, key=lambda h: (-h.bytes, h.node, h.port))
 
@@ -704,6 +744,7 @@ def contention_for(table: CostTable, a: int, b: int, ratio: float, cluster: Clus
         succ=table.succ + [[j + n for j in c] for c in table.succ],
         resident=table.resident * 2, host=(table.host * 2) if table.host else [],
         views=table.views + [None if v is None else (v[0] + n, v[1]) for v in table.views],
+        forward=table.forward * 2,
         issue=table.issue * 2 if table.issue else [], stream=table.stream * 2 if table.stream else [])
     dev = [a] * n + [b] * n
 
