@@ -30,6 +30,7 @@ from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
 from flowctl.engine.distributed.session import WorkerEvent
 from flowctl.engine.errors import PlacementError, SpecError
+from flowctl.engine.executor import needed_nodes
 from flowctl.engine.fusion import fuse
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.mixed_precision import LossScale, LossScaleOptimizer
@@ -192,6 +193,7 @@ class Step:
     fixed: dict[str, str] | None = None
     layers: dict[str, str] = field(default_factory=dict)  # node -> layer (backward nodes: their forward's)
     loss_scale: LossScale | None = None  # fp16: the scale and skipped-step Variables and their updates
+    guard: str | None = None  # the loss's CheckNumerics that every state write of the step waits for
 
     @property
     def graph(self) -> Graph:
@@ -291,6 +293,8 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         else:
             raise SpecError(f"unknown parallelism.strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
         init = fc.global_variables_initializer(g)
+        # fp16's loss scaling skips a non-finite step in the graph (mixed_precision): no guard there.
+        guard = guard_state(g, train) if train is not None and config.precision != "fp16" else None
     fixed = astep.placement if astep is not None else (train.placement if train is not None else None)
     if fixed is not None:
         fixed = st.complete_placement(g, fixed, devices[0])  # the initializer, made after the step
@@ -298,10 +302,27 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
     apply_constraints(config, g, layers)
     batch = config.per_replica_batch if astep is not None else config.global_batch
     scaling = opt.state if isinstance(opt, LossScaleOptimizer) else None
-    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers, scaling)
+    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers, scaling, guard)
     if config.fuse:
         fuse_step(step)
     return step
+
+
+def guard_state(g: Graph, train: st.TrainStep) -> str:
+    """Make every state write of the step (optimizer updates and slots, batch norm's moving
+    statistics) wait for a CheckNumerics of the step's loss, so a step whose loss is not finite
+    stops before it changes anything: the trainer can replay it to find the first non-finite
+    node without holding a copy of every variable before every step (such a copy kept the CPU's
+    updates from writing in place, and on a GPU moved every variable to the host each step).
+    The writes come after the loss anyway (they need its gradient, or, for the moving statistics,
+    nothing that is late): the guard costs one check of a scalar and a token per device."""
+    writers = [n for n in needed_nodes(g, [train.train_op.node], set())
+               if g.nodes[n].opdef.resource in ("variable_input", "variable_inputs")]
+    with g.as_default(), g.absolute_scope(), g.colocate_with(train.loss):
+        guard = fc.check_numerics(train.loss, message="the step's loss", name="loss_guard")
+    for n in writers:
+        g.nodes[n].control_inputs.append(guard.node)
+    return guard.node
 
 
 def step_keep(step: Step) -> set[str]:

@@ -334,9 +334,13 @@ class Trainer:
             feeds: dict[Any, Any] = step_feeds(self.data.next_batch())
             lr = checked_learning_rate(self.spec.training.learning_rate, self.step)
             feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
-            # Assignments replace arrays, so holding the references is free here; a remote run would
-            # pull every variable across the network, so it keeps none.
-            snapshot = None if self.program.remote else (self.session.variable_values(), self.session.rng_states())
+            # What a replay of this step needs should its loss not be finite: the random states; and
+            # the variables, unless the step's guard (program.guard_state) keeps a non-finite step
+            # from writing any -- holding them would keep every update from writing in place. A
+            # remote run would pull every variable across the network, so it keeps none.
+            guard = self.program.step.guard
+            snapshot = None if self.program.remote else (
+                None if guard else self.session.variable_values(), self.session.rng_states())
             stats = RunStats() if self.trace_step == self.step + 1 else None
             ts = time.perf_counter()
             try:
@@ -344,6 +348,10 @@ class Trainer:
             except WorkerLostError as e:
                 self._recover(e, metrics)
                 continue
+            except NonFiniteError as e:
+                if guard is None or e.node != guard:
+                    raise
+                self._explain_non_finite(snapshot, fetches, feeds)
             dt = time.perf_counter() - ts
             if stats is not None:
                 self.write_trace(stats, fetches, feeds)
@@ -425,15 +433,16 @@ class Trainer:
                     t0: float) -> tuple[float, list[float], str | None, bool, dict[str, Any]]:
         return _AsyncRun(self, metrics, writer, t0).run(stop)
 
-    def _explain_non_finite(self, snapshot: tuple[dict[str, Any], dict[str, Any]] | None, fetches: list[Any],
+    def _explain_non_finite(self, snapshot: tuple[dict[str, Any] | None, dict[str, Any]] | None, fetches: list[Any],
                             feeds: dict[Any, Any]) -> None:
         """The loss went NaN/Inf: put back the state from before the step, replay it with every
         output checked, and stop with the first node that produced a non-finite value (§6)."""
         if snapshot is None:
             raise NonFiniteError(f"step {self.step + 1}: the loss is not finite (resume the last checkpoint in a "
                                  f"local run to find the node that produced it)")
-        values, rng = snapshot
-        self.session.load_variables(values)
+        values, rng = snapshot  # values None: the step's guard left every variable as it was
+        if values is not None:
+            self.session.load_variables(values)
         self.session.set_rng_states(rng)
         # One device replays it: the step's own where it has one, else the host (variables move to it).
         device = self.session.device if self.program.cluster is None else CPU0
@@ -442,7 +451,8 @@ class Trainer:
         try:
             checker.run(fetches, feeds)
         except NonFiniteError as e:
-            self.session.load_variables(values)
+            if values is not None:
+                self.session.load_variables(values)
             raise NonFiniteError(f"step {self.step + 1}: the loss is not finite; {e}", node=e.node, op=e.op,
                                  device=e.device) from None
         raise ExecutionError(f"step {self.step + 1}: the loss is not finite, but replaying the step with every "
