@@ -378,6 +378,21 @@ def forwards_of(graph: Graph, names: list[str], index: dict[str, int], inputs: l
     return out if any(out) else []
 
 
+def writes_of(graph: Graph, names: list[str], index: dict[str, int]) -> list[int]:
+    """Per step node, the index of the Variable its first ref input names where it writes state
+    (OpDef.resource "variable_input(s)"), else -1; empty where no node does."""
+    out = []
+    for name in names:
+        node = graph.nodes[name]
+        j = -1
+        if node.opdef.resource in ("variable_input", "variable_inputs") and node.opdef.ref_inputs:
+            k = node.opdef.ref_inputs[0]
+            if k < len(node.inputs):
+                j = index.get(parse_ref(node.inputs[k])[0], -1)
+        out.append(j)
+    return out if any(j >= 0 for j in out) else []
+
+
 def _whole_buffer(graph: Graph, names: list[str], j: int, p: int, out_bytes: list[list[int]], resident: list[bool],
                   views: list[tuple[int, int] | None]) -> bool:
     """Whether output (j, p) is a step-made buffer, or a chain of views each of all of one
@@ -440,6 +455,11 @@ class CostTable:
     # reader (OpDef.forward, the executors' buffer forwarding): inputs the step makes, no views,
     # of the output's bytes. Empty: no node forwards.
     forward: list[tuple[int, ...]] = field(default_factory=list)
+    # [node] the Variable a state write (an optimizer update, an Assign) writes, -1 for other
+    # nodes; empty: none. On the CPU a write goes into the variable's own array once nothing else
+    # reads that array (kernels/state.updatable_in_place), holding no new bytes; a GPU's makes a
+    # new array.
+    writes: list[int] = field(default_factory=list)
     _held: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -545,4 +565,4 @@ class CostTable:
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
                    host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
                    float(getattr(model, "jitter", 0.0)), out_runs, views,
-                   forwards_of(graph, names, index, inputs, out_bytes, resident, views))
+                   forwards_of(graph, names, index, inputs, out_bytes, resident, views), writes_of(graph, names, index))

@@ -18,8 +18,9 @@ The model, chosen to match what the runtime does:
   alive until the view itself is freed, as numpy and cupy do; what crosses a link is a copy. An
   op that forwards (OpDef.forward: Add, Mul, BiasAdd, ...) allocates nothing when it starts as
   the last reader of one of those inputs (`CostTable.forward`; no other reader, view, transfer or
-  fetch holds it): its output takes that buffer over, as the executors do. A
-  device whose peak exceeds its memory makes the placement invalid: `SimResult.valid` is false
+  fetch holds it): its output takes that buffer over, as the executors do. A state write (an
+  optimizer update) on a CPU writes into its variable's array once no reader of the variable's
+  value is left, holding nothing new; on a GPU it makes a new array. A device whose peak exceeds its memory makes the placement invalid: `SimResult.valid` is false
   and `check()` raises `PlacementError`.
 - Contention: synchronous devices of one process (virtual CPU devices) share caches and memory
   bandwidth. While two or more of them run ops, each progresses at 1/`contention` of its measured
@@ -394,7 +395,12 @@ class _Run:
                     dur = table.times[i][d]
                     s.busy += dur
                 if not resident[i]:
-                    mem[d] += sum(held[i]) - (self.take(i, d) if table.forward and table.forward[i] else 0)
+                    if table.forward and table.forward[i]:
+                        mem[d] += sum(held[i]) - self.take(i, d)
+                    elif table.writes and table.writes[i] >= 0 and self.in_place(i, d):
+                        pass  # the update writes into its variable's array: no new bytes
+                    else:
+                        mem[d] += sum(held[i])
                     if mem[d] > peak[d]:
                         peak[d] = mem[d]
                 s.ops += 1
@@ -425,6 +431,16 @@ class _Run:
                     return table.out_bytes[j][p]
                 j, p = views[j]  # type: ignore[misc]
         return 0
+
+    def in_place(self, i: int, d: int) -> bool:
+        """Whether state write i, starting on device d, writes into its variable's array: on a
+        CPU once no reader of the variable's value is left (kernels/state.updatable_in_place);
+        a GPU's update makes a new array. Its outputs (that array) then hold nothing new."""
+        if self.copies_in[d] or self.src_refs.get((self.table.writes[i], 0), 0):
+            return False
+        for p in range(len(self.table.out_bytes[i])):
+            self.taken.add((i, p, d))
+        return True
 
     def freed(self, j: int, p: int, d: int) -> None:
         """Buffer (j, p) on device d (its own or a received copy) has no reader left."""
@@ -473,6 +489,8 @@ class _Run:
                 if src_refs.get((i, p), 0) == 0 and (i, p) not in keep_refs:
                     if base is not None:
                         self.view_freed(i)
+                    elif taken:
+                        self.freed(i, p, d)
                     else:
                         mem[d] -= b  # produced but never read here: dropped at once
         for c in local_succ[i]:
@@ -744,7 +762,7 @@ def contention_for(table: CostTable, a: int, b: int, ratio: float, cluster: Clus
         succ=table.succ + [[j + n for j in c] for c in table.succ],
         resident=table.resident * 2, host=(table.host * 2) if table.host else [],
         views=table.views + [None if v is None else (v[0] + n, v[1]) for v in table.views],
-        forward=table.forward * 2,
+        forward=table.forward * 2, writes=table.writes + [j + n if j >= 0 else -1 for j in table.writes],
         issue=table.issue * 2 if table.issue else [], stream=table.stream * 2 if table.stream else [])
     dev = [a] * n + [b] * n
 
