@@ -20,9 +20,9 @@ value's last reader, nobody fetched or fed it, and nothing else holds the array 
 slot's reference is the only one (`sys.getrefcount`, as numpy's own temporary elision decides),
 and the array owns its buffer or views all of one that only it holds (`whole`) -- which rules
 out a Variable's array, a snapshot, a view's base and a tensor another device of this process
-still reads. Such a step holds one buffer where it held
-two (NMT's logits and their BiasAdd: 293 MB). The in-place kernels give the allocating kernels'
-bits. The frame executor (loops, conditionals) does not forward.
+still reads. Such a step holds one buffer where it held two (NMT's logits and their BiasAdd:
+293 MB). The in-place kernels give the allocating kernels' bits. The frame executor (loops,
+conditionals) does not forward.
 
 Asynchronous kernels (§5.3). An op whose OpDef says `is_async` has a kernel of the form
 `start(step, inputs, done)`: `step` is the per-step context (a `StepContext` from
@@ -68,10 +68,16 @@ _plan_ids = itertools.count()
 FORWARD = os.environ.get("FLOWCTL_FORWARD", "1") != "0"
 
 
-def _sole_counts() -> tuple[int, int]:
-    """sys.getrefcount of an array held by nothing but one local variable, and by nothing but one
-    list item, read the way the compiled step and the dataflow step read their values: the
-    counts at which the step owns the array outright."""
+def _base_refs(v: Any) -> int:
+    b = v.base
+    return sys.getrefcount(b)
+
+
+def _sole_counts() -> tuple[int, int, int]:
+    """sys.getrefcount of an array held by nothing but one local variable, by nothing but one list
+    item (read the way the compiled step and the dataflow step read their values), and of a base
+    held by nothing but one view (through `_base_refs`): the counts at which the step owns the
+    array outright, measured on this interpreter."""
     import numpy as np
 
     def local() -> int:
@@ -82,16 +88,10 @@ def _sole_counts() -> tuple[int, int]:
         values = [np.empty(1)]
         return sys.getrefcount(values[0])
 
-    return local(), listed()
+    return local(), listed(), _base_refs(np.empty(2).reshape(1, 2))
 
 
-def _base_refs(v: Any) -> int:
-    b = v.base
-    return sys.getrefcount(b)
-
-
-SOLE_LOCAL, SOLE_LISTED = _sole_counts()
-SOLE_BASE = _base_refs(__import__("numpy").empty(2).reshape(1, 2))  # a base nothing else holds
+SOLE_LOCAL, SOLE_LISTED, SOLE_BASE = _sole_counts()
 
 
 def whole(v: Any) -> bool:
