@@ -78,7 +78,7 @@ def fit_memory(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm:
         one = _one_move(pb, pl, algorithm, list(decisions), started, notes, fixed)
         tries += [one] if one is not None else []
     fits = [x for x in tries if x.valid]
-    best = min(fits, key=lambda x: x.step_time) if fits else min(tries, key=_overflow)
+    best = min(fits, key=lambda x: x.step_time) if fits else min(tries, key=overflow)
     if not best.valid and order == "any":
         best = descend(pb, best, algorithm, started, fixed)
     if best.valid:
@@ -126,13 +126,13 @@ def polish(pb: Problem, pl: Placement, algorithm: str, started: float,
         went_on.sort(key=lambda x: x[0])
         alive = went_on[:max(1, (len(went_on) + 1) // 2)]
     key, name, dev, _, assignment = alive[0]
-    if key >= (_overflow(pl), pl.step_time):
+    if key >= (overflow(pl), pl.step_time):
         return pl
     before = {g: pl.device_index[i] for i, g in enumerate(pb.step_group)}
     after = {g: dev[i] for i, g in enumerate(pb.step_group)}
     decisions = pl.decisions + [pb.decision(g, d, "moved by the local search under the memory cap")
                                 for g, d in after.items() if before[g] != d]
-    was = f"{pl.step_time * 1e3:.2f} ms" if pl.valid else f"{fmt_bytes(_overflow(pl))} over"
+    was = f"{pl.step_time * 1e3:.2f} ms" if pl.valid else f"{fmt_bytes(overflow(pl))} over"
     now = f"{key[1] * 1e3:.2f} ms" if key[0] == 0 else f"{fmt_bytes(key[0])} over"
     notes = pl.notes + [f"memory: a local search over {'/'.join(map(str, LEVELS))} units from {name} "
                         f"({was} -> {now}, {used} simulations)"]
@@ -206,7 +206,7 @@ def descend(pb: Problem, pl: Placement, algorithm: str, started: float,
         _, _, g, x = best
         gd[g] = moved[g] = x
         sim = simulate_table(t, [gd[k] for k in pb.step_group], pb.cluster)
-    if not moved or _overflow_of(sim) >= _overflow(pl):
+    if not moved or _overflow_of(sim) >= overflow(pl):
         return pl
     notes = pl.notes + [f"memory: {len(moved)} group(s) moved one at a time where the simulator said the "
                         f"overflow shrank most"]
@@ -315,7 +315,7 @@ def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
     fp = footprint(pb)
     first = _forward_position(pb)
     gd = complete(pb, group_dev)
-    best, best_over = pl, _overflow(pl)
+    best, best_over = pl, overflow(pl)
     notes = list(notes)
     for _ in range(ROUNDS):
         sim = best.simulation
@@ -346,7 +346,7 @@ def _fit(pb: Problem, pl: Placement, group_dev: dict[int, int], algorithm: str,
         notes.append(f"memory: moved {k} group(s), {fmt_bytes(moved)}, off {pb.devices[d]} "
                      f"(over by {fmt_bytes(over[d])})")
         cand = finalize(pb, algorithm, dict(gd), decisions, started, notes)
-        o = _overflow(cand)
+        o = overflow(cand)
         if o >= best_over and not cand.valid:
             break
         best, best_over = cand, o
@@ -451,8 +451,10 @@ def _fastest_cut(pb: Problem, gd: dict[int, int], moves: list[tuple[int, int]], 
     return best[1] if best else fewest
 
 
-def _overflow(pl: Placement) -> float:
+def overflow(pl: Placement) -> float:
+    """Bytes over capacity, summed over the devices (0: the placement fits)."""
     return _overflow_of(pl.simulation)
 
 
-__all__ = ["ORDERS", "descend", "fit_memory", "footprint", "polish"]
+
+__all__ = ["ORDERS", "descend", "fit_memory", "footprint", "overflow", "polish"]
