@@ -451,9 +451,9 @@ class CostTable:
     # [node] the (producer, port) whose buffer the node's outputs are views of (None: outputs of
     # its own): a view holds no bytes and keeps that buffer alive while it lives. Empty: no views.
     views: list[tuple[int, int] | None] = field(default_factory=list)
-    # [node] positions in `inputs[i]` whose buffer output 0 may take when the node is its last
-    # reader (OpDef.forward, the executors' buffer forwarding): inputs the step makes, no views,
-    # of the output's bytes. Empty: no node forwards.
+    # [node] positions in `inputs[i]` whose buffer output `forward_to` may take when the node is
+    # its last reader (OpDef.forward, the executors' buffer forwarding): inputs the step makes, or
+    # whole-buffer views of them, of the output's bytes (`forwards_of`). Empty: no node forwards.
     forward: list[tuple[int, ...]] = field(default_factory=list)
     # [node] the Variable a state write (an optimizer update, an Assign) writes, -1 for other
     # nodes; empty: none. On the CPU a write goes into the variable's own array once nothing else

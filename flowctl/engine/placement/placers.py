@@ -277,15 +277,14 @@ def place_mincut(pb: Problem, seed: int = 0) -> Placement:
             if gj != gi:
                 key = (min(gi, gj), max(gi, gj))
                 edges[key] = edges.get(key, 0) + 1
-    tries = []
-    for k in range(1 if D == 1 or len(groups) <= D else MINCUT_SEEDS):
-        if D == 1 or len(groups) <= 1:
-            part = [0] * len(groups)
-        elif len(groups) <= D:
-            part = list(range(len(groups)))
-        else:
-            part = _metis(len(groups), edges, [max(1, round(w * 1e6)) for w in vw], pb, seed + k)
-        tries.append(_mincut_placement(pb, groups, vid, vw, part, edges, seed + k, started))
+    if D == 1 or len(groups) <= 1:
+        parts = [[0] * len(groups)]
+    elif len(groups) <= D:
+        parts = [list(range(len(groups)))]
+    else:
+        weights = [max(1, round(w * 1e6)) for w in vw]
+        parts = [_metis(len(groups), edges, weights, pb, seed + k) for k in range(MINCUT_SEEDS)]
+    tries = [_mincut_placement(pb, groups, vid, vw, part, edges, seed + k, started) for k, part in enumerate(parts)]
     # The fastest partition, repaired by memfit where it overflows, against the fastest that fits.
     pl, gd, decisions, notes = min(tries, key=lambda x: x[0].step_time)
     best = fit_memory(pb, pl, gd, "mincut", decisions, started, notes)

@@ -20,8 +20,9 @@ The model, chosen to match what the runtime does:
   the last reader of one of those inputs (`CostTable.forward`; no other reader, view, transfer or
   fetch holds it): its output takes that buffer over, as the executors do. A state write (an
   optimizer update) on a CPU writes into its variable's array once no reader of the variable's
-  value is left, holding nothing new; on a GPU it makes a new array. A device whose peak exceeds its memory makes the placement invalid: `SimResult.valid` is false
-  and `check()` raises `PlacementError`.
+  value is left, holding nothing new; on a GPU it makes a new array. A device whose peak exceeds
+  its memory makes the placement invalid: `SimResult.valid` is false and `check()` raises
+  `PlacementError`.
 - Contention: synchronous devices of one process (virtual CPU devices) share caches and memory
   bandwidth. While two or more of them run ops, each progresses at 1/`contention` of its measured
   speed (processor sharing; the cost model's `contention`, 1 by default, measured by `bench`).
@@ -306,9 +307,12 @@ class _Run:
         self.copies_in = [cluster.device(name).type != "cpu" for name in table.devices]
         self.slow = 1.0 / table.contention if table.contention > 0 else 1.0
         # What dispatch and op_finished read, aliased: these lists are mutated, never rebound.
+        # Per node: forwarding candidates or a state write to look at when it starts (None: neither).
+        special = [bool(table.forward and table.forward[i]) or bool(table.writes and table.writes[i] >= 0)
+                   for i in range(n)] if (table.forward or table.writes) else [False] * n
         self._dispatch_state = (table, self.is_async, self.host, self.lanes, self.host_free, table.held,
                                 table.resident, self.mem, self.peak, self.stats, self.contended, self.live,
-                                self.events, self.start)
+                                self.events, self.start, special)
         self._finish_state = (table.times, table.inputs, table.out_bytes, table.resident, dev, self.mem,
                               self.running, self.finish, self.kernel_end, self.is_async, self.contended,
                               self.recv_refs, self.src_refs, self.keep_refs, self.pending, self.local_succ,
@@ -372,7 +376,7 @@ class _Run:
         interpreter is free for the op's dispatch share (devices of one process take turns)."""
         running, queues = self.running, self.queues
         (table, is_async, host, lanes, host_free, held, resident, mem, peak, stats, contended, live,
-         events, start) = self._dispatch_state
+         events, start, special) = self._dispatch_state
         seq = self.seq
         for d in range(self.D):
             if running[d] < 0 and queues[d]:
@@ -395,12 +399,7 @@ class _Run:
                     dur = table.times[i][d]
                     s.busy += dur
                 if not resident[i]:
-                    if table.forward and table.forward[i]:
-                        mem[d] += sum(held[i]) - self.take(i, d)
-                    elif table.writes and table.writes[i] >= 0 and self.in_place(i, d):
-                        pass  # the update writes into its variable's array: no new bytes
-                    else:
-                        mem[d] += sum(held[i])
+                    mem[d] += sum(held[i]) - (self.reused(i, d) if special[i] else 0)
                     if mem[d] > peak[d]:
                         peak[d] = mem[d]
                 s.ops += 1
@@ -412,6 +411,14 @@ class _Run:
                 live[i] = seq
                 heapq.heappush(events, (begin + dur, seq, 0, i))
         self.seq = seq
+
+    def reused(self, i: int, d: int) -> int:
+        """The bytes of node i's outputs that are not new memory on device d: a buffer it forwards
+        into (`take`), or its variable's array for a state write in place (`in_place`)."""
+        table = self.table
+        if table.forward and table.forward[i]:
+            return self.take(i, d)
+        return sum(table.held[i]) if self.in_place(i, d) else 0
 
     def take(self, i: int, d: int) -> int:
         """Buffer forwarding as the executors do it: node i, starting on device d, writes its output
