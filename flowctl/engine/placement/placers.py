@@ -467,6 +467,8 @@ def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str 
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise PlacementError(f"unknown placement algorithm '{algorithm}'{hint} (known: {', '.join(ALGORITHMS)})")
     pb = problem or prepare(graph, cluster, cost_model, targets)
+    if layers and pb.layers is None:
+        pb.layers = layers
     try:
         if algorithm == "learned":
             seed, alternatives = heuristic_seed(pb, rules, layers)

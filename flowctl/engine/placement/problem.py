@@ -8,7 +8,7 @@ attaches the explanation data.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ class Problem:
     coarse: Coarsening
     step_group: list[int]  # per step index: its group id
     memo: dict[str, Any] = field(default_factory=dict)  # what every placer of this problem shares (pinned.py)
+    layers: Mapping[str, str] | None = None  # node -> layer of a spec-built model (place() sets it)
 
     @property
     def devices(self) -> list[str]:
