@@ -155,3 +155,48 @@ def test_a_spec_gpu_is_planned_as_the_gpu_this_machine_has():
     planned = cluster_for(step_config(spec))
     assert planned.devices[0].profile == found
     assert planned.devices[1].profile.name == "k40"  # no eighth GPU here: the documented default
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "adam", "assign_sub"])
+def test_updates_on_a_gpu_write_in_place_to_the_bits_of_new_arrays(kind):
+    """kernels/state.updatable_in_place on cupy arrays: once nothing else holds a variable's array,
+    an update writes into it (its device address stays: a captured CUDA graph needs that, and no
+    second copy of the state is held); the bits are those of the path that makes new arrays,
+    taken where the caller holds every array."""
+    from flowctl.engine.ops.training import apply_adam, apply_gradient_descent, apply_momentum
+
+    rng = np.random.default_rng(4)
+    w0 = rng.standard_normal((300, 250)).astype(np.float32)
+    grads = [rng.standard_normal(w0.shape).astype(np.float32) for _ in range(3)]
+    g = fc.Graph()
+    with g.as_default():
+        w = fc.variable(w0, name="w")
+        s1 = fc.variable(np.zeros_like(w0), name="s1")
+        s2 = fc.variable(np.full_like(w0, 0.5), name="s2")
+        d = fc.placeholder("float32", w0.shape, name="d")
+        lr = np.float32(0.01)
+        step = {"sgd": lambda: apply_gradient_descent(w, lr, d),
+                "momentum": lambda: apply_momentum(w, s1, lr, d, 0.8),
+                "adam": lambda: apply_adam(w, s1, s2, lr, d, 0.85, 0.99, 1e-6),
+                "assign_sub": lambda: fc.assign_sub(w, d * lr)}[kind]()
+        init = fc.global_variables_initializer()
+    names = {"sgd": ["w"], "momentum": ["w", "s1"], "adam": ["w", "s1", "s2"], "assign_sub": ["w"]}[kind]
+
+    def run(hold: bool) -> list[np.ndarray]:
+        store = fc.ContainerStore()
+        sess = fc.Session(g, device="gpu:0", store=store)
+        sess.run(init)
+        sess.run(step, {d: grads[0]})  # replaces the initial values (the initializers' Consts hold those)
+        slots = [store.get().slot(n) for n in names]
+        held = []
+        for gr in grads[1:]:
+            ptrs = [s.value.data.ptr for s in slots]
+            if hold:
+                held.append([s.value for s in slots])  # the device arrays themselves
+            sess.run(step, {d: gr})
+            same = [s.value.data.ptr for s in slots] == ptrs
+            assert same != hold, (kind, hold)
+        return [np.asarray(s.value.get()) for s in slots]
+
+    for a, b in zip(run(False), run(True)):
+        np.testing.assert_array_equal(a, b)

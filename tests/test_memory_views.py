@@ -318,9 +318,10 @@ def test_an_embeddings_update_comes_last_and_the_step_holds_less(tmp_path: Path,
     assert first - last >= 0.5 * table, (first, last)  # the softmax kernel's gradient (20000 x 64) no longer beside the copy
 
 
-def test_a_state_write_holds_nothing_new_on_a_cpu_and_a_new_array_on_a_gpu() -> None:
-    # kernels/state.updatable_in_place: on the CPU an update writes into its variable's array once
-    # no reader of the variable's value is left; a GPU's update makes a new array.
+def test_a_state_write_holds_nothing_new_unless_the_step_fetches_its_variable() -> None:
+    # kernels/state.updatable_in_place: an update writes into its variable's array (numpy's or
+    # cupy's) once no reader of the variable's value is left; a value the step fetches is held
+    # by the caller, so the update makes a new array and the fetched one keeps its bits.
     from flowctl.engine.optimizers import SGD
 
     g = fc.Graph()
@@ -328,12 +329,38 @@ def test_a_state_write_holds_nothing_new_on_a_cpu_and_a_new_array_on_a_gpu() -> 
         w = fc.variable(np.ones(1000, np.float32), name="w")
         x = fc.placeholder("float32", (1000,), name="x")
         grad = fc.relu(fc.mul(x, w, name="xw"), name="grad")  # 4000 B (the ReLU takes xw's buffer)
-        SGD(0.1).apply_gradients([(grad, w)], name="train")
+        train = SGD(0.1).apply_gradients([(grad, w)], name="train")
+        init = fc.global_variables_initializer()
     peaks = {}
     for kind in ("cpu", "gpu"):
-        prof = DeviceProfile("test", kind, 1e9, 1e9, 1 << 30, 0.0)
-        c = Cluster([Device(canonical(f"{kind}:0"), prof)], default_link=Link(1e6, 1e-3))
-        t = CostTable.build(g, c, FixedCosts(c, {}, 1e-3), step_nodes(g, ["train"]))
-        r = simulate_table(t, [0] * len(t.names), c)
-        peaks[kind] = r.devices[0].peak_memory - r.devices[0].resident
-    assert peaks == {"cpu": KB4, "gpu": 2 * KB4}, peaks
+        for keep in ((), ("w",)):
+            prof = DeviceProfile("test", kind, 1e9, 1e9, 1 << 30, 0.0)
+            c = Cluster([Device(canonical(f"{kind}:0"), prof)], default_link=Link(1e6, 1e-3))
+            t = CostTable.build(g, c, FixedCosts(c, {}, 1e-3), step_nodes(g, ["train", "w"]))
+            r = simulate_table(t, [0] * len(t.names), c, keep)
+            peaks[(kind, keep)] = r.devices[0].peak_memory - r.devices[0].resident
+    assert peaks == {("cpu", ()): KB4, ("cpu", ("w",)): 2 * KB4, ("gpu", ()): KB4, ("gpu", ("w",)): 2 * KB4}, peaks
+    # What the CPU kernels do, as counted: the same array after a step that does not fetch it, a
+    # new one (and the fetched value unchanged) after one that does. (The first update replaces
+    # the initial value, the initializer's Const's array.)
+    sess = fc.Session(g, store=fc.ContainerStore())
+    sess.run(init)
+    feeds = {x: np.full(1000, 2.0, np.float32)}
+    sess.run(train, feeds)
+
+    def expected(v: np.ndarray) -> np.ndarray:  # SGD's update, in float32
+        return v - np.float32(0.1) * np.maximum(feeds[x] * v, 0)
+
+    prev = sess.run(w)
+    ident, want = id(prev), expected(prev)
+    del prev
+    sess.run(train, feeds)
+    after = sess.run(w)
+    assert id(after) == ident
+    np.testing.assert_array_equal(after, want)
+    del after
+    fetched, _ = sess.run([w, train], feeds)
+    kept = fetched.copy()
+    assert sess.run(w) is not fetched
+    np.testing.assert_array_equal(fetched, want)
+    np.testing.assert_array_equal(sess.run(w), expected(kept))

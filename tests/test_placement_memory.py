@@ -227,14 +227,13 @@ def test_the_expert_moves_ruled_stages_too_where_moving_the_rest_cannot_fit() ->
     # NMT's layer-per-GPU stages wrapped over two H100s capped at 60% of the one-device need
     # (bench placement's nmt_free/2xh100 row): moving only what no rule placed leaves a GPU over,
     # so the ruled stages move too and the placement fits; the local search after the moves
-    # makes it faster. Over runs of groups cut anywhere it stopped at 25.0 ms against the
-    # uncapped 20.05; over the model's layers (split where one is heavy), the moves a person
-    # would make, it reaches 21.87, within 10%.
+    # makes it faster, to within 10% of the uncapped 20.05 ms (before the search also ran over
+    # the model's layers, and before GPU updates wrote in place, 25.0).
     steps, pl, c = _nmt_free_steps(2, "h100", "expert")
     assert pl.valid and all(d.peak_memory <= c.devices[0].profile.memory for d in pl.devices)
     assert any("ruled groups moved too" in n for n in pl.notes)
     search = [n for n in pl.notes if "local search" in n]
-    assert search and "by layers" in search[0], pl.notes
+    assert search, pl.notes
     before, after = (float(x) for x in re.findall(r"\(([\d.]+) ms -> ([\d.]+) ms", search[0])[0])
     assert after < before and steps[1] <= (after + 0.005) * 1e-3, (search, steps)  # the note rounds to 0.01 ms
     assert steps[1] <= 1.10 * steps[0], steps

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from flowctl.kernels.backend import cupy_or_none
 from flowctl.kernels.registry import kernel
 
 
@@ -65,17 +66,34 @@ def _alone() -> int:
 _ALONE = _alone()
 
 
+def _owns_buffer(v: Any) -> bool:
+    """A numpy or cupy array that is not a view and may be written (a cupy array always may)."""
+    if type(v) is np.ndarray:
+        return v.base is None and bool(v.flags.writeable)
+    if type(v).__module__.startswith("cupy"):
+        cp = cupy_or_none()
+        return cp is not None and type(v) is cp.ndarray and v.base is None
+    return False
+
+
 def updatable_in_place(slot: Any) -> bool:
-    """May an update write into the slot's numpy array instead of replacing it? Only when nothing
-    else can see it: no fetched copy held by a caller, no reader of this step still waiting for
-    it (the executor drops a value after its last reader), no view of it or its base, nor an
-    array that is not its own (a Const's, a fed one, a read-only restored one). Otherwise the
-    update makes a new array, so a value read before the update keeps its bits (§4.7)."""
+    """May an update write into the slot's array (numpy's or cupy's) instead of replacing it?
+    Only when nothing else can see it: no fetched copy held by a caller, no reader of this step
+    still waiting for it (the executor drops a value after its last reader; a copy off a GPU
+    holds it until the copy is done), no view of it or its base, nor an array that is not its own
+    (a Const's, a fed one, a read-only restored one). Otherwise the update makes a new array, so
+    a value read before the update keeps its bits (§4.7). On a GPU a write in place also keeps the
+    array's address, which a captured CUDA graph needs, and holds no second copy of the state."""
     v = slot.value
-    if type(v) is not np.ndarray or v.base is not None or not v.flags.writeable:
+    if not _owns_buffer(v):
         return False
     del v
     return _held(slot) <= _ALONE
+
+
+def dtype_of(x: Any) -> Any:
+    """An array's or scalar's dtype for np.result_type, which would convert a cupy array to read it."""
+    return getattr(x, "dtype", x)
 
 
 @kernel("Variable")
@@ -108,9 +126,9 @@ def assign(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
 
 def _assign_op(xp: Any, slot: Any, value: Any, op: Any) -> Any:
     _resident(xp, slot)
-    alone = xp is np and updatable_in_place(slot)  # asked before any local name holds the array
+    alone = updatable_in_place(slot)  # asked before any local name holds the array
     current = slot.value
-    if alone and np.result_type(current, value) == current.dtype \
+    if alone and np.result_type(current.dtype, dtype_of(value)) == current.dtype \
             and np.broadcast_shapes(current.shape, np.shape(value)) == current.shape:
         return op(current, value, out=current)  # the same bits as op(current, value), no new array
     new = op(current, value)

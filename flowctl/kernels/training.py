@@ -7,7 +7,7 @@ from typing import Any, Callable
 import numpy as np
 
 from flowctl.kernels.registry import kernel
-from flowctl.kernels.state import _resident, updatable_in_place
+from flowctl.kernels.state import _resident, dtype_of, updatable_in_place
 
 Fn = Callable[..., Any]
 
@@ -33,12 +33,19 @@ def l2_loss(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 
 # In-place updates go through the parameter in runs of this many values, the step times the
-# gradient held in a cache-sized scratch buffer between its two passes.
+# gradient held in a scratch buffer between its two passes: cache-sized on a CPU; on a GPU, runs
+# long enough that each op is one launch for most parameters (16 MiB of float32 scratch).
 _RUN = 1 << 16
+_GPU_RUN = 1 << 22
 
 
-def _runs(size: int) -> list[slice]:
-    return [slice(s, min(size, s + _RUN)) for s in range(0, size, _RUN)]
+def _run_length(xp: Any) -> int:
+    return _RUN if xp is np else _GPU_RUN
+
+
+def _runs(size: int, xp: Any = np) -> list[slice]:
+    n = _run_length(xp)
+    return [slice(s, min(size, s + n)) for s in range(0, size, n)]
 
 
 @kernel("ApplyGradientDescent")
@@ -47,9 +54,9 @@ def apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
 
     def run(alpha: Any, delta: Any) -> Any:
         _resident(xp, slot)
-        if xp is np and updatable_in_place(slot) and delta.shape == slot.value.shape \
-                and np.result_type(delta, alpha) == slot.value.dtype:
-            return _subtract_scaled(slot.value, delta, alpha)
+        if updatable_in_place(slot) and delta.shape == slot.value.shape \
+                and np.result_type(dtype_of(delta), dtype_of(alpha)) == slot.value.dtype:
+            return _subtract_scaled(xp, slot.value, delta, alpha)
         # A new array, as AssignSub makes (§4.7: a value read before the update keeps its bits):
         # alpha * delta in it, then the subtraction in place, two passes and one buffer.
         new = xp.multiply(delta, alpha)
@@ -60,15 +67,15 @@ def apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
     return run
 
 
-def _subtract_scaled(var: Any, delta: Any, alpha: Any) -> Any:
+def _subtract_scaled(xp: Any, var: Any, delta: Any, alpha: Any) -> Any:
     """var -= delta * alpha in place, run by run: each product rounded to var's dtype first, so the
     bits are those of the out-of-place update."""
-    flat, d = var.reshape(-1), np.ascontiguousarray(delta).reshape(-1)
-    scratch = np.empty(min(_RUN, flat.size), dtype=var.dtype)
-    for r in _runs(flat.size):
+    flat, d = var.reshape(-1), xp.ascontiguousarray(delta).reshape(-1)
+    scratch = xp.empty(min(_run_length(xp), flat.size), dtype=var.dtype)
+    for r in _runs(flat.size, xp):
         t = scratch[:r.stop - r.start]
-        np.multiply(d[r], alpha, out=t)
-        np.subtract(flat[r], t, out=flat[r])
+        xp.multiply(d[r], alpha, out=t)
+        xp.subtract(flat[r], t, out=flat[r])
     return var
 
 
@@ -77,7 +84,7 @@ def _alone(xp: Any, slots: tuple[Any, ...]) -> bool:
     any local name holds an array, which would count as a holder.)"""
     for slot in slots:
         _resident(xp, slot)
-    return xp is np and all(updatable_in_place(slot) for slot in slots)
+    return all(updatable_in_place(slot) for slot in slots)
 
 
 @kernel("ApplyMomentum")
@@ -86,7 +93,7 @@ def apply_momentum(xp: Any, attrs: dict[str, Any]) -> Fn:
     momentum, nesterov = attrs["momentum"], attrs["nesterov"]
 
     def run(lr: Any, grad: Any) -> Any:
-        alone = _alone(xp, slots) and np.result_type(grad, lr) == slots[0].value.dtype \
+        alone = _alone(xp, slots) and np.result_type(dtype_of(grad), dtype_of(lr)) == slots[0].value.dtype \
             and grad.shape == slots[0].value.shape
         var, accum = (slot.value for slot in slots)
         m = xp.asarray(momentum, dtype=var.dtype)
@@ -96,19 +103,19 @@ def apply_momentum(xp: Any, attrs: dict[str, Any]) -> Fn:
             new = var - lr * step
             slots[1].value, slots[0].value = new_accum, new
             return new
-        v, a, g = var.reshape(-1), accum.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
-        t = np.empty(min(_RUN, v.size), dtype=var.dtype)
-        for r in _runs(v.size):
+        v, a, g = var.reshape(-1), accum.reshape(-1), xp.ascontiguousarray(grad).reshape(-1)
+        t = xp.empty(min(_run_length(xp), v.size), dtype=var.dtype)
+        for r in _runs(v.size, xp):
             tr = t[:r.stop - r.start]
-            np.multiply(a[r], m, out=a[r])
-            np.add(a[r], g[r], out=a[r])
+            xp.multiply(a[r], m, out=a[r])
+            xp.add(a[r], g[r], out=a[r])
             if nesterov:
-                np.multiply(a[r], m, out=tr)
-                np.add(g[r], tr, out=tr)
-                np.multiply(lr, tr, out=tr)
+                xp.multiply(a[r], m, out=tr)
+                xp.add(g[r], tr, out=tr)
+                xp.multiply(lr, tr, out=tr)
             else:
-                np.multiply(lr, a[r], out=tr)
-            np.subtract(v[r], tr, out=v[r])
+                xp.multiply(lr, a[r], out=tr)
+            xp.subtract(v[r], tr, out=v[r])
         return var
 
     return run
@@ -119,7 +126,7 @@ def apply_adam(xp: Any, attrs: dict[str, Any]) -> Fn:
     slots = attrs["_resource"]
 
     def run(lr_t: Any, grad: Any) -> Any:
-        alone = _alone(xp, slots) and np.result_type(grad, lr_t) == slots[0].value.dtype \
+        alone = _alone(xp, slots) and np.result_type(dtype_of(grad), dtype_of(lr_t)) == slots[0].value.dtype \
             and grad.shape == slots[0].value.shape
         var, m, v = (slot.value for slot in slots)
         b1, c1, b2, c2, eps = (xp.asarray(c, dtype=var.dtype) for c in (
@@ -131,23 +138,23 @@ def apply_adam(xp: Any, attrs: dict[str, Any]) -> Fn:
             slots[1].value, slots[2].value, slots[0].value = new_m, new_v, new
             return new
         w, mf, vf = var.reshape(-1), m.reshape(-1), v.reshape(-1)
-        g = np.ascontiguousarray(grad).reshape(-1)
-        t = np.empty(min(_RUN, w.size), dtype=var.dtype)
-        u = np.empty_like(t)
-        for r in _runs(w.size):
+        g = xp.ascontiguousarray(grad).reshape(-1)
+        t = xp.empty(min(_run_length(xp), w.size), dtype=var.dtype)
+        u = xp.empty_like(t)
+        for r in _runs(w.size, xp):
             tr, ur = t[:r.stop - r.start], u[:r.stop - r.start]
-            np.multiply(g[r], c1, out=tr)
-            np.multiply(mf[r], b1, out=mf[r])
-            np.add(mf[r], tr, out=mf[r])
-            np.square(g[r], out=tr)
-            np.multiply(tr, c2, out=tr)
-            np.multiply(vf[r], b2, out=vf[r])
-            np.add(vf[r], tr, out=vf[r])
-            np.sqrt(vf[r], out=tr)
-            np.add(tr, eps, out=tr)
-            np.multiply(lr_t, mf[r], out=ur)
-            np.divide(ur, tr, out=tr)
-            np.subtract(w[r], tr, out=w[r])
+            xp.multiply(g[r], c1, out=tr)
+            xp.multiply(mf[r], b1, out=mf[r])
+            xp.add(mf[r], tr, out=mf[r])
+            xp.square(g[r], out=tr)
+            xp.multiply(tr, c2, out=tr)
+            xp.multiply(vf[r], b2, out=vf[r])
+            xp.add(vf[r], tr, out=vf[r])
+            xp.sqrt(vf[r], out=tr)
+            xp.add(tr, eps, out=tr)
+            xp.multiply(lr_t, mf[r], out=ur)
+            xp.divide(ur, tr, out=tr)
+            xp.subtract(w[r], tr, out=w[r])
         return var
 
     return run
@@ -205,7 +212,7 @@ def sparse_apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
 
     def run(alpha: Any, ids: Any, rows: Any) -> Any:
         _resident(xp, slot)
-        if xp is np and updatable_in_place(slot):
+        if updatable_in_place(slot):
             slot.value[ids] -= rows * alpha  # only the touched rows are read or written
             return slot.value
         # A copy for the slot, as ApplyGradientDescent makes, then only the touched rows change.

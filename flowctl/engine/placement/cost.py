@@ -456,9 +456,8 @@ class CostTable:
     # whole-buffer views of them, of the output's bytes (`forwards_of`). Empty: no node forwards.
     forward: list[tuple[int, ...]] = field(default_factory=list)
     # [node] the Variable a state write (an optimizer update, an Assign) writes, -1 for other
-    # nodes; empty: none. On the CPU a write goes into the variable's own array once nothing else
-    # reads that array (kernels/state.updatable_in_place), holding no new bytes; a GPU's makes a
-    # new array.
+    # nodes; empty: none. A write goes into the variable's own array once nothing else reads that
+    # array (kernels/state.updatable_in_place, on a CPU and a GPU alike), holding no new bytes.
     writes: list[int] = field(default_factory=list)
     _held: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 

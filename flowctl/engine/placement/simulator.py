@@ -19,10 +19,10 @@ The model, chosen to match what the runtime does:
   op that forwards (OpDef.forward: Add, Mul, BiasAdd, ...) allocates nothing when it starts as
   the last reader of one of those inputs (`CostTable.forward`; no other reader, view, transfer or
   fetch holds it): its output takes that buffer over, as the executors do. A state write (an
-  optimizer update) on a CPU writes into its variable's array once no reader of the variable's
-  value is left, holding nothing new; on a GPU it makes a new array. A device whose peak exceeds
-  its memory makes the placement invalid: `SimResult.valid` is false and `check()` raises
-  `PlacementError`.
+  optimizer update) writes into its variable's array once no reader of the variable's value is
+  left, holding nothing new, on a CPU and a GPU alike (kernels/state.updatable_in_place). A
+  device whose peak exceeds its memory makes the placement invalid: `SimResult.valid` is false
+  and `check()` raises `PlacementError`.
 - Contention: synchronous devices of one process (virtual CPU devices) share caches and memory
   bandwidth. While two or more of them run ops, each progresses at 1/`contention` of its measured
   speed (processor sharing; the cost model's `contention`, 1 by default, measured by `bench`).
@@ -440,10 +440,12 @@ class _Run:
         return 0
 
     def in_place(self, i: int, d: int) -> bool:
-        """Whether state write i, starting on device d, writes into its variable's array: on a
-        CPU once no reader of the variable's value is left (kernels/state.updatable_in_place);
-        a GPU's update makes a new array. Its outputs (that array) then hold nothing new."""
-        if self.copies_in[d] or self.src_refs.get((self.table.writes[i], 0), 0):
+        """Whether state write i, starting on device d, writes into its variable's array: once no
+        reader of the variable's value is left (kernels/state.updatable_in_place, numpy's and
+        cupy's arrays alike) and the step does not fetch it (a fetched value keeps its bits). Its
+        outputs (that array) then hold nothing new."""
+        var = self.table.writes[i]
+        if self.src_refs.get((var, 0), 0) or (var, 0) in self.keep_refs:
             return False
         for p in range(len(self.table.out_bytes[i])):
             self.taken.add((i, p, d))
