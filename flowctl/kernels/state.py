@@ -130,6 +130,8 @@ def _assign_op(xp: Any, slot: Any, value: Any, op: Any) -> Any:
     current = slot.value
     if alone and np.result_type(current.dtype, dtype_of(value)) == current.dtype \
             and np.broadcast_shapes(current.shape, np.shape(value)) == current.shape:
+        if xp is not np:
+            value = xp.asarray(value)  # cupy's ufuncs reject a host operand
         return op(current, value, out=current)  # the same bits as op(current, value), no new array
     new = op(current, value)
     slot.value = new
