@@ -96,6 +96,13 @@ def dtype_of(x: Any) -> Any:
     return getattr(x, "dtype", x)
 
 
+def on_device(xp: Any, x: Any) -> Any:
+    """An operand of an in-place update where its ufuncs take it: cupy's reject a host array (the
+    expressions of the new-array path reach them through operator dispatch); numpy's as it is, so
+    a Python float stays weakly typed."""
+    return x if xp is np else xp.asarray(x)
+
+
 @kernel("Variable")
 def variable(xp: Any, attrs: dict[str, Any]) -> Callable[[], Any]:
     slot = attrs["_resource"]
@@ -130,9 +137,7 @@ def _assign_op(xp: Any, slot: Any, value: Any, op: Any) -> Any:
     current = slot.value
     if alone and np.result_type(current.dtype, dtype_of(value)) == current.dtype \
             and np.broadcast_shapes(current.shape, np.shape(value)) == current.shape:
-        if xp is not np:
-            value = xp.asarray(value)  # cupy's ufuncs reject a host operand
-        return op(current, value, out=current)  # the same bits as op(current, value), no new array
+        return op(current, on_device(xp, value), out=current)  # the same bits as op(current, value), no new array
     new = op(current, value)
     slot.value = new
     return new

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import numpy as np
 
 from flowctl.kernels.registry import kernel
-from flowctl.kernels.state import _resident, dtype_of, updatable_in_place
+from flowctl.kernels.state import _resident, dtype_of, on_device, updatable_in_place
 
 Fn = Callable[..., Any]
 
@@ -43,13 +43,6 @@ def _run_length(xp: Any) -> int:
     return _RUN if xp is np else _GPU_RUN
 
 
-def _on_device(xp: Any, x: Any) -> Any:
-    """A scalar operand of the in-place loops where their ufuncs take it: cupy's reject a host
-    array (the expressions of the new-array path reach them through operator dispatch). numpy's
-    as it is: a Python float stays weakly typed."""
-    return x if xp is np else xp.asarray(x)
-
-
 def _runs(size: int, xp: Any = np) -> list[slice]:
     n = _run_length(xp)
     return [slice(s, min(size, s + n)) for s in range(0, size, n)]
@@ -78,7 +71,7 @@ def _subtract_scaled(xp: Any, var: Any, delta: Any, alpha: Any) -> Any:
     """var -= delta * alpha in place, run by run: each product rounded to var's dtype first, so the
     bits are those of the out-of-place update."""
     flat, d = var.reshape(-1), xp.ascontiguousarray(delta).reshape(-1)
-    alpha = _on_device(xp, alpha)
+    alpha = on_device(xp, alpha)
     scratch = xp.empty(min(_run_length(xp), flat.size), dtype=var.dtype)
     for r in _runs(flat.size, xp):
         t = scratch[:r.stop - r.start]
@@ -112,7 +105,7 @@ def apply_momentum(xp: Any, attrs: dict[str, Any]) -> Fn:
             slots[1].value, slots[0].value = new_accum, new
             return new
         v, a, g = var.reshape(-1), accum.reshape(-1), xp.ascontiguousarray(grad).reshape(-1)
-        lr = _on_device(xp, lr)
+        lr = on_device(xp, lr)
         t = xp.empty(min(_run_length(xp), v.size), dtype=var.dtype)
         for r in _runs(v.size, xp):
             tr = t[:r.stop - r.start]
@@ -148,7 +141,7 @@ def apply_adam(xp: Any, attrs: dict[str, Any]) -> Fn:
             return new
         w, mf, vf = var.reshape(-1), m.reshape(-1), v.reshape(-1)
         g = xp.ascontiguousarray(grad).reshape(-1)
-        lr_t = _on_device(xp, lr_t)
+        lr_t = on_device(xp, lr_t)
         t = xp.empty(min(_run_length(xp), w.size), dtype=var.dtype)
         u = xp.empty_like(t)
         for r in _runs(w.size, xp):
