@@ -396,6 +396,20 @@ def test_a_detected_gpu_profile_comes_from_the_driver(monkeypatch, props, expect
         return
     assert (p.name, p.type, p.memory) == (expect[0], "gpu", expect[3])
     assert p.peak_flops == pytest.approx(expect[1]) and p.mem_bandwidth == pytest.approx(expect[2])
+    assert p.bus == ("pcie5" if "h100" in p.name else "pcie3")  # a known model's host interface
+
+
+def test_gpus_talk_over_their_own_pcie_generation_unless_a_link_is_named():
+    from flowctl.engine.cluster import LINKS
+
+    def bw(text: str) -> float:
+        return Cluster.from_spec(text).link("gpu:0", "gpu:1").bandwidth
+
+    assert bw("2xgpu:k40") == bw("2xgpu:v100") == LINKS["pcie3"].bandwidth
+    assert bw("2xgpu:h100") == LINKS["pcie5"].bandwidth > bw("2xgpu:a100") == LINKS["pcie4"].bandwidth
+    assert bw("2xgpu:h100:2GiB") == LINKS["pcie5"].bandwidth  # a memory cap keeps the bus
+    assert bw("gpu:k40+gpu:h100") == LINKS["pcie3"].bandwidth  # the slower end sets the pace
+    assert bw("2xgpu:h100@nvlink") == LINKS["nvlink"].bandwidth
 
 
 def test_devices_of_one_process_slow_each_other_while_both_run():

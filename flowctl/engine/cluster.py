@@ -29,6 +29,7 @@ class DeviceProfile:
     mem_bandwidth: float  # bytes/s
     memory: int  # bytes
     op_overhead: float = 5e-6  # s per op: kernel launch or Python dispatch
+    bus: str = "pcie3"  # the host interface (a LINKS key) two such GPUs talk over by default
 
 
 def detected_gpu_profile(index: int) -> DeviceProfile | None:
@@ -42,13 +43,14 @@ def detected_gpu_profile(index: int) -> DeviceProfile | None:
     lanes = 64 if p["capability"] in ((6, 0), (7, 0), (7, 5), (8, 0)) else 128
     flops = p["multiprocessors"] * lanes * 2 * p["clock_khz"] * 1e3
     bandwidth = 2 * p["memory_clock_khz"] * 1e3 * p["bus_bits"] / 8
+    bus = PROFILES[known].bus if known is not None else "pcie3"
     if known is not None:
         flops = flops or PROFILES[known].peak_flops
         bandwidth = bandwidth or PROFILES[known].mem_bandwidth
     elif not flops or not bandwidth:
         return None  # an unknown model with no clocks: better the documented default than a guess
     slug = re.sub(r"[^a-z0-9]+", "_", p["name"].lower()).strip("_")
-    return DeviceProfile(slug, "gpu", float(flops), float(bandwidth), p["memory"] or 16 * GiB, 5e-6)
+    return DeviceProfile(slug, "gpu", float(flops), float(bandwidth), p["memory"] or 16 * GiB, 5e-6, bus)
 
 
 @dataclass(frozen=True)
@@ -57,15 +59,18 @@ class Link:
     latency: float  # s
 
 
-# Published peak figures (float32, boost clock) and memory sizes; link figures are typical
-# effective rates (PCIe 3.0 x16 about 12 GB/s, NVLink 2.0 about 25 GB/s per direction per link).
+# Published peak figures (float32, boost clock), memory sizes and host interfaces (each GPU's
+# PCIe generation: a K40 to a V100 PCIe 3.0 x16, an A100 PCIe 4.0, an H100 PCIe 5.0); link figures
+# are typical effective rates per direction (PCIe 3.0 x16 about 12 GB/s, 4.0 about 24, 5.0 about 50
+# -- published peer-to-peer measurements of Gen5 x16 pairs give 50-56 GB/s of 63 -- and NVLink 2.0
+# about 25 GB/s per link).
 PROFILES: dict[str, DeviceProfile] = {
-    "k40": DeviceProfile("k40", "gpu", 4.29e12, 288e9, 12 * GiB, 8e-6),
-    "k80": DeviceProfile("k80", "gpu", 4.37e12, 240e9, 12 * GiB, 8e-6),
-    "p100": DeviceProfile("p100", "gpu", 9.3e12, 732e9, 16 * GiB, 6e-6),
-    "v100": DeviceProfile("v100", "gpu", 15.7e12, 900e9, 16 * GiB, 5e-6),
-    "a100": DeviceProfile("a100", "gpu", 19.5e12, 1555e9, 40 * GiB, 5e-6),
-    "h100": DeviceProfile("h100", "gpu", 67e12, 3350e9, 80 * GiB, 4e-6),
+    "k40": DeviceProfile("k40", "gpu", 4.29e12, 288e9, 12 * GiB, 8e-6, "pcie3"),
+    "k80": DeviceProfile("k80", "gpu", 4.37e12, 240e9, 12 * GiB, 8e-6, "pcie3"),
+    "p100": DeviceProfile("p100", "gpu", 9.3e12, 732e9, 16 * GiB, 6e-6, "pcie3"),
+    "v100": DeviceProfile("v100", "gpu", 15.7e12, 900e9, 16 * GiB, 5e-6, "pcie3"),
+    "a100": DeviceProfile("a100", "gpu", 19.5e12, 1555e9, 40 * GiB, 5e-6, "pcie4"),
+    "h100": DeviceProfile("h100", "gpu", 67e12, 3350e9, 80 * GiB, 4e-6, "pcie5"),
     # One modern server core with AVX2 FMA: 2 FMA units x 8 float32 lanes x 2 FLOP x ~3 GHz.
     "cpu_core": DeviceProfile("cpu_core", "cpu", 96e9, 10e9, 8 * GiB, 3e-6),
 }
@@ -82,6 +87,8 @@ def gpu_profile_for(name: str) -> DeviceProfile:
 
 LINKS: dict[str, Link] = {
     "pcie3": Link(12e9, 10e-6),
+    "pcie4": Link(24e9, 10e-6),
+    "pcie5": Link(50e9, 10e-6),
     "nvlink": Link(25e9, 5e-6),
     # Between virtual CPU devices of one process: no copy (arrays are shared), but a Send/Recv hop
     # costs a rendezvous and a wake-up of the other device's thread: measured 33-35 µs per hop on a
@@ -94,6 +101,13 @@ LINKS: dict[str, Link] = {
     # per 4-byte crossing and 0.66-0.84 GB/s for 4 MiB. Across machines the network adds its own.
     "ray": Link(0.7e9, 1.0e-3),
 }
+
+
+def bus_link(profiles: list[DeviceProfile]) -> Link:
+    """The link GPUs of these profiles share by default: the slowest of their host interfaces
+    (PCIe 3.0 where there is no GPU)."""
+    return min((LINKS[p.bus] for p in profiles if p.type == "gpu"), key=lambda k: k.bandwidth,
+               default=LINKS["pcie3"])
 
 
 @dataclass
@@ -151,11 +165,13 @@ class Cluster:
     @classmethod
     def from_spec(cls, text: str) -> "Cluster":
         """What-if clusters from profiles: `4xgpu:k40`, `2xgpu:v100+cpu`, `gpu:p100,gpu:p100`.
-        Devices are numbered per type in order; GPUs are linked by PCIe unless `@nvlink` follows.
+        Devices are numbered per type in order; GPUs are linked by PCIe of their own generation
+        (the slowest of the GPUs named: `gpu:k40+gpu:h100` talk at PCIe 3.0 rates) unless a link
+        follows, `4xgpu:h100@nvlink`.
         A memory size after the profile caps each device's memory: `4xgpu:k40:2GiB` (GiB, MiB)."""
         devices: list[Device] = []
         counters: dict[str, int] = {}
-        link = LINKS["pcie3"]
+        link: Link | None = None
         for part in re.split(r"[,+]", text.replace(" ", "")):
             if not part:
                 continue
@@ -187,7 +203,7 @@ class Cluster:
                 devices.append(Device(canonical(f"{dtype}:{idx}"), profile))
         if not devices:
             raise PlacementError(f"no devices in '{text}'")
-        return cls(devices, default_link=link)
+        return cls(devices, default_link=link or bus_link([d.profile for d in devices]))
 
     def describe(self) -> list[dict[str, object]]:
         return [{"name": d.name, "profile": d.profile.name, "type": d.type, "threads": d.threads,

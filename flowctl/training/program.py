@@ -25,7 +25,7 @@ from typing import Any
 
 import flowctl as fc
 from flowctl.engine import strategies as st
-from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, gpu_profile_for
+from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, bus_link, gpu_profile_for
 from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
 from flowctl.engine.distributed.session import WorkerEvent
@@ -166,12 +166,12 @@ def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
         prof = base if not custom else DeviceProfile(
             name=f"{base.name}*", type=base.type, peak_flops=d.peak_flops or base.peak_flops,
             mem_bandwidth=d.memory_bandwidth or base.mem_bandwidth, memory=d.memory or base.memory,
-            op_overhead=base.op_overhead)
+            op_overhead=base.op_overhead, bus=base.bus)
         out.append(Device(d.name, prof, threads=1 if is_gpu else local.devices[0].threads))
         for peer, bandwidth, latency in d.links:
             links[(d.name, peer)] = Link(bandwidth, latency)
-    any_gpu = any(parse_device(d.name).type == "gpu" for d in config.devices)
-    default = Cluster.from_spec("gpu").default_link if any_gpu else local.default_link
+    any_gpu = any(d.type == "gpu" for d in out)
+    default = bus_link([d.profile for d in out]) if any_gpu else local.default_link
     return Cluster(out, default_link=default, links=links)
 
 
