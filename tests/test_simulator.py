@@ -409,7 +409,9 @@ def test_gpus_talk_over_their_own_pcie_generation_unless_a_link_is_named():
     assert bw("2xgpu:h100") == LINKS["pcie5"].bandwidth > bw("2xgpu:a100") == LINKS["pcie4"].bandwidth
     assert bw("2xgpu:h100:2GiB") == LINKS["pcie5"].bandwidth  # a memory cap keeps the bus
     assert bw("gpu:k40+gpu:h100") == LINKS["pcie3"].bandwidth  # the slower end sets the pace
-    assert bw("2xgpu:h100@nvlink") == LINKS["nvlink"].bandwidth
+    assert bw("2xgpu:h100@nvlink") == LINKS["nvlink"].bandwidth < bw("2xgpu:h100@nvlink4")
+    with pytest.raises(fc.PlacementError, match="did you mean 'nvlink4'"):
+        Cluster.from_spec("2xgpu:h100@nvlnk4")
 
 
 def test_devices_of_one_process_slow_each_other_while_both_run():

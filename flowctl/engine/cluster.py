@@ -89,7 +89,11 @@ LINKS: dict[str, Link] = {
     "pcie3": Link(12e9, 10e-6),
     "pcie4": Link(24e9, 10e-6),
     "pcie5": Link(50e9, 10e-6),
-    "nvlink": Link(25e9, 5e-6),
+    "nvlink": Link(25e9, 5e-6),  # NVLink 2.0, one link (a V100 pair in a DGX-1's hybrid cube mesh)
+    # Through NVSwitch every pair has a GPU's whole NVLink bandwidth; the published figures per
+    # direction (A100: 12 links, 300 GB/s; H100: 18 links, 450 GB/s), not measured here.
+    "nvlink3": Link(300e9, 5e-6),
+    "nvlink4": Link(450e9, 5e-6),
     # Between virtual CPU devices of one process: no copy (arrays are shared), but a Send/Recv hop
     # costs a rendezvous and a wake-up of the other device's thread: measured 33-35 µs per hop on a
     # 50-hop ping-pong between two devices on the 2-core CI machine.
@@ -178,7 +182,11 @@ class Cluster:
             if "@" in part:
                 part, link_name = part.split("@", 1)
                 if link_name not in LINKS:
-                    raise PlacementError(f"unknown link '{link_name}'; known: {', '.join(LINKS)}")
+                    import difflib
+
+                    close = difflib.get_close_matches(link_name, LINKS, n=1)
+                    hint = f"; did you mean '{close[0]}'?" if close else ""
+                    raise PlacementError(f"unknown link '{link_name}'{hint} (known: {', '.join(LINKS)})")
                 link = LINKS[link_name]
             m = re.fullmatch(r"(?:(\d+)x)?(cpu|gpu)(?::([a-z]\w*))?(?::(\d+(?:\.\d+)?)(GiB|MiB))?", part)
             if m is None:
