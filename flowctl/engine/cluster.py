@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from flowctl.engine.devices import canonical, parse_device
-from flowctl.engine.errors import PlacementError
+from flowctl.engine.errors import PlacementError, did_you_mean
 from flowctl.kernels import registry as kernels
 
 GiB = 1 << 30
@@ -43,8 +43,9 @@ def detected_gpu_profile(index: int) -> DeviceProfile | None:
     lanes = 64 if p["capability"] in ((6, 0), (7, 0), (7, 5), (8, 0)) else 128
     flops = p["multiprocessors"] * lanes * 2 * p["clock_khz"] * 1e3
     bandwidth = 2 * p["memory_clock_khz"] * 1e3 * p["bus_bits"] / 8
-    bus = PROFILES[known].bus if known is not None else "pcie3"
+    bus = "pcie3"
     if known is not None:
+        bus = PROFILES[known].bus
         flops = flops or PROFILES[known].peak_flops
         bandwidth = bandwidth or PROFILES[known].mem_bandwidth
     elif not flops or not bandwidth:
@@ -182,11 +183,8 @@ class Cluster:
             if "@" in part:
                 part, link_name = part.split("@", 1)
                 if link_name not in LINKS:
-                    import difflib
-
-                    close = difflib.get_close_matches(link_name, LINKS, n=1)
-                    hint = f"; did you mean '{close[0]}'?" if close else ""
-                    raise PlacementError(f"unknown link '{link_name}'{hint} (known: {', '.join(LINKS)})")
+                    raise PlacementError(f"unknown link '{link_name}'{did_you_mean(link_name, LINKS)} "
+                                         f"(known: {', '.join(LINKS)})")
                 link = LINKS[link_name]
             m = re.fullmatch(r"(?:(\d+)x)?(cpu|gpu)(?::([a-z]\w*))?(?::(\d+(?:\.\d+)?)(GiB|MiB))?", part)
             if m is None:
@@ -197,11 +195,8 @@ class Cluster:
             if prof is None:
                 prof = "k40" if dtype == "gpu" else "cpu_core"
             if prof not in PROFILES:
-                import difflib
-
-                close = difflib.get_close_matches(prof, PROFILES, n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise PlacementError(f"unknown device profile '{prof}'{hint} (known: {', '.join(PROFILES)})")
+                raise PlacementError(f"unknown device profile '{prof}'{did_you_mean(prof, PROFILES)} "
+                                     f"(known: {', '.join(PROFILES)})")
             if PROFILES[prof].type != dtype:
                 raise PlacementError(f"profile '{prof}' describes a {PROFILES[prof].type}, not a {dtype}")
             profile = PROFILES[prof] if cap is None else replace(PROFILES[prof], memory=cap)

@@ -1,6 +1,15 @@
 """The error hierarchy every stage raises; the CLI maps each to one message and an exit code."""
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: object, choices: Iterable[object]) -> str:
+    """"; did you mean 'X'?" for the choice closest to a mistyped `word`, or "" where none is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
 
 class FlowctlError(Exception):
     """Base of every error a user can act on. The CLI prints `str(err)` and exits with `exit_code`."""

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from flowctl.engine.dtypes import as_dtype
-from flowctl.engine.errors import GraphError
+from flowctl.engine.errors import GraphError, did_you_mean
 from flowctl.engine.ops.registry import OpDef, get_op
 from flowctl.engine.shapes import InferError, TensorSpec
 
@@ -300,7 +300,7 @@ class Graph:
     def tensor(self, ref: str) -> Tensor:
         node, port = parse_ref(ref)
         if node not in self.nodes:
-            raise GraphError(f"no node named '{node}'" + _did_you_mean(node, self.nodes))
+            raise GraphError(f"no node named '{node}'" + did_you_mean(node, self.nodes))
         if port >= len(self.nodes[node].outputs):
             raise GraphError(f"node '{node}' has no output {port}")
         return Tensor(self, node, port)
@@ -477,13 +477,6 @@ def default_graph() -> Graph:
 
 def reset_default_graph() -> None:
     _default.__dict__["implicit"] = Graph()
-
-
-def _did_you_mean(name: str, choices: Iterable[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def attrs_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flowctl.engine.errors import did_you_mean
 from flowctl.spec.schema import BlockUse
-from flowctl.spec.source import LocDict, LocList, Problems, copy_tree, did_you_mean, locate
+from flowctl.spec.source import LocDict, LocList, Problems, copy_tree, locate
 from flowctl.spec.validation import report_validation
 
 _REF = re.compile(r"\$\{([^}]*)\}")

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flowctl.engine.devices import device_matches, parse_constraint
-from flowctl.engine.errors import PlacementError
+from flowctl.engine.errors import PlacementError, did_you_mean
 from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.blocks import Expansion, Instance
 from flowctl.spec.layers import Layer, LayerError, Weight, count
 from flowctl.spec.layers.base import fmt
 from flowctl.spec.schema import ArrayData, ParallelTextData, Spec, TextData
-from flowctl.spec.source import LocDict, Mark, Problems, did_you_mean, locate
+from flowctl.spec.source import LocDict, Mark, Problems, locate
 
 DEFAULT_BATCH = 32
 

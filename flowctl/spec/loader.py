@@ -8,13 +8,13 @@ from typing import Sequence
 
 from pydantic import ValidationError
 
-from flowctl.engine.errors import SpecError
+from flowctl.engine.errors import SpecError, did_you_mean
 from flowctl.spec.blocks import expand
 from flowctl.spec.check import LoadedSpec, check
 from flowctl.spec.layers import LAYERS
 from flowctl.spec.overrides import apply as apply_overrides
 from flowctl.spec.schema import Spec
-from flowctl.spec.source import LocDict, LocList, Problems, did_you_mean, load_yaml
+from flowctl.spec.source import LocDict, LocList, Problems, load_yaml
 from flowctl.spec.validation import report_validation
 
 

@@ -12,10 +12,10 @@ from typing import Any, Sequence, Union, cast, get_args, get_origin
 
 from pydantic import BaseModel
 
-from flowctl.engine.errors import SpecError
+from flowctl.engine.errors import SpecError, did_you_mean
 from flowctl.spec.layers import LAYERS
 from flowctl.spec.schema import BlockUse, Spec
-from flowctl.spec.source import LocDict, LocList, did_you_mean, load_yaml
+from flowctl.spec.source import LocDict, LocList, load_yaml
 
 
 def parse(override: str) -> tuple[list[str], Any]:

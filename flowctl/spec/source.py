@@ -7,7 +7,6 @@ ordinary mappings and sequences, and an error's `loc` path is walked back throug
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -228,11 +227,6 @@ def dotted(root: Any, loc: Sequence[Any]) -> str:
             out += ("." if out else "") + str(part)
             node = None
     return out
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def copy_tree(node: Any, via: tuple[str, ...] = ()) -> Any:

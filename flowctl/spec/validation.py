@@ -9,9 +9,10 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
+from flowctl.engine.errors import did_you_mean
 from flowctl.spec.layers import LAYERS
 from flowctl.spec.schema import Spec
-from flowctl.spec.source import Problems, did_you_mean, dotted, locate
+from flowctl.spec.source import Problems, dotted, locate
 
 
 def report_validation(root: Any, err: ValidationError, problems: Problems, prefix: tuple = (),

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from flowctl.engine.dtypes import as_dtype, itemsize
-from flowctl.engine.errors import GraphError
+from flowctl.engine.errors import GraphError, did_you_mean
 from flowctl.engine.shapes import TensorSpec, concrete
 
 # Op groups: passes branch on these named sets, never on name prefixes.
@@ -231,11 +231,7 @@ def get_op(name: str) -> OpDef:
     try:
         return OPS[name]
     except KeyError:
-        import difflib
-
-        close = difflib.get_close_matches(name, OPS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise GraphError(f"unknown op '{name}'{hint}") from None
+        raise GraphError(f"unknown op '{name}'{did_you_mean(name, OPS)}") from None
 
 
 def ops_in_group(group: str) -> frozenset[str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.devices import canonical, device_matches
-from flowctl.engine.errors import PlacementError
+from flowctl.engine.errors import PlacementError, did_you_mean
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel
 from flowctl.engine.placement.explain import Decision, Placement, with_largest
@@ -461,11 +461,8 @@ def place(graph: Graph, cluster: Cluster, cost_model: CostModel, algorithm: str 
     Raises PlacementError when the constraints cannot be met or the result would overflow a
     device's memory."""
     if algorithm not in ALGORITHMS:
-        import difflib
-
-        close = difflib.get_close_matches(algorithm, ALGORITHMS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise PlacementError(f"unknown placement algorithm '{algorithm}'{hint} (known: {', '.join(ALGORITHMS)})")
+        raise PlacementError(f"unknown placement algorithm '{algorithm}'{did_you_mean(algorithm, ALGORITHMS)} "
+                             f"(known: {', '.join(ALGORITHMS)})")
     pb = problem or prepare(graph, cluster, cost_model, targets)
     if layers and pb.layers is None:
         pb.layers = layers
