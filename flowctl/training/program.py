@@ -25,7 +25,7 @@ from typing import Any
 
 import flowctl as fc
 from flowctl.engine import strategies as st
-from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link, bus_link, gpu_profile_for
+from flowctl.engine.cluster import Cluster, Device, Link, bus_link, gpu_profile_for
 from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
 from flowctl.engine.distributed.session import WorkerEvent
@@ -163,10 +163,9 @@ def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
         is_gpu = parse_device(d.name).type == "gpu"
         base = gpu_profile_for(d.name) if is_gpu else local_cpu
         custom = (d.peak_flops, d.memory_bandwidth, d.memory) != (None, None, None)
-        prof = base if not custom else DeviceProfile(
-            name=f"{base.name}*", type=base.type, peak_flops=d.peak_flops or base.peak_flops,
-            mem_bandwidth=d.memory_bandwidth or base.mem_bandwidth, memory=d.memory or base.memory,
-            op_overhead=base.op_overhead, bus=base.bus)
+        prof = base if not custom else dataclasses.replace(
+            base, name=f"{base.name}*", peak_flops=d.peak_flops or base.peak_flops,
+            mem_bandwidth=d.memory_bandwidth or base.mem_bandwidth, memory=d.memory or base.memory)
         out.append(Device(d.name, prof, threads=1 if is_gpu else local.devices[0].threads))
         for peer, bandwidth, latency in d.links:
             links[(d.name, peer)] = Link(bandwidth, latency)

@@ -468,5 +468,4 @@ def overflow(pl: Placement) -> float:
     return _overflow_of(pl.simulation)
 
 
-
 __all__ = ["ORDERS", "descend", "fit_memory", "footprint", "overflow", "polish"]
