@@ -56,22 +56,51 @@ def gpu_properties(index: int) -> dict[str, Any] | None:
     return out
 
 
+# A stand-in array module per device type (`override_array_module`): the launch ledger runs a GPU
+# plan's kernels on the CPU this way, through the same interface the device module gives them.
+_override: dict[str, Any] = {}
+
+
 def array_module(device_type: str) -> Any:
+    """numpy for `cpu`; for `gpu` the device module (cupy's names, capture-safe products, our own
+    kernels' launcher: `kernels/cuda/xp.py`), or the stand-in a test put there."""
+    if device_type in _override:
+        return _override[device_type]
     if device_type == "cpu":
         return np
     if device_type == "gpu":
         cp = cupy_or_none()
         if cp is None:
             raise RuntimeError("device type 'gpu' requested but cupy or a CUDA device is not available")
-        return cp
+        from flowctl.kernels.cuda.xp import device_module
+
+        return device_module(cp)
     raise ValueError(f"unknown device type {device_type!r}")
+
+
+class override_array_module:
+    """Within the block, `array_module(device_type)` is `module` (the launch ledger, say)."""
+
+    def __init__(self, device_type: str, module: Any) -> None:
+        self.device_type, self.module = device_type, module
+
+    def __enter__(self) -> Any:
+        self.before = _override.get(self.device_type)
+        _override[self.device_type] = self.module
+        return self.module
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.before is None:
+            _override.pop(self.device_type, None)
+        else:
+            _override[self.device_type] = self.before
 
 
 def to_host(x: Any) -> Any:
     """A numpy array (or scalar) from a numpy or cupy array."""
     get = getattr(x, "get", None)
-    if get is not None and not isinstance(x, np.ndarray):
-        return get()
+    if get is not None and (not isinstance(x, np.ndarray) or type(x).__module__ == "flowctl.kernels.ledger"):
+        return get()  # a cupy array, or the launch ledger's stand-in for one (an ndarray subclass)
     return x
 
 
@@ -185,3 +214,33 @@ class _Dead:
 
 
 DEAD = _Dead()
+
+
+class StepGuard:
+    """A step's "every value finite" flag on the device (issue 30: no host branch inside a captured
+    step). The step's CheckNumerics of its loss writes it -- on a GPU inside a capture by a kernel,
+    elsewhere by raising as before -- and every state write that waits for that check reads it: an
+    update on a device skips itself where the flag is 0, so a non-finite step changes nothing, and
+    the host learns of it after the step (`ok()`). One flag array per array module."""
+
+    __slots__ = ("name", "_flags")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._flags: dict[int, Any] = {}
+
+    def flag(self, xp: Any) -> Any:
+        """The int32 flag array (shape (1,), 1 = finite) on `xp`'s device, made once (never inside
+        a capture: the plan asks for it when it binds its kernels)."""
+        f = self._flags.get(id(xp))
+        if f is None:
+            f = self._flags[id(xp)] = xp.ones(1, dtype="int32")
+        return f
+
+    def ok(self) -> bool:
+        """Did the last step find its values finite? (A host read of each device's flag.)"""
+        return all(int(to_host(f)[0]) == 1 for f in self._flags.values())
+
+    def reset(self) -> None:
+        for f in self._flags.values():
+            f[...] = 1

@@ -264,7 +264,7 @@ def conv2d_forward(xp: Any, x: Any, f: Any, strides: tuple, padding: str, rows: 
     if kh == kw == 1:
         # 1x1: a plain matmul over the (strided) pixels; no copy at stride 1.
         xs = x if sh == sw == 1 else xp.ascontiguousarray(x[:, ::sh, ::sw])
-        return (xs.reshape(-1, c) @ f.reshape(c, co)).reshape(n, ho, wo, co)
+        return xp.matmul(xs.reshape(-1, c), f.reshape(c, co)).reshape(n, ho, wo, co)
     y = xp.empty((n, ho, wo, co), dtype=x.dtype)
     src = _pad_for_windows(xp, x, kh, kw, sh, sw, ph, pw, ho, wo)
     return _window_gemm(xp, src, f.reshape(kh * kw * c, co), kh, kw, sh, sw, y, rows)
@@ -277,7 +277,7 @@ def conv2d_backprop_input(xp: Any, dy: Any, f: Any, x_shape: tuple, strides: tup
     x_shape = (n,) + tuple(x_shape[1:])
     sh, sw, ph, pw, h, w, ho, wo = _geometry(x_shape, kh, kw, strides, padding)
     if kh == kw == 1:
-        g = (xp.ascontiguousarray(dy).reshape(-1, co) @ f.reshape(c, co).T).reshape(n, ho, wo, c)
+        g = xp.matmul(xp.ascontiguousarray(dy).reshape(-1, co), f.reshape(c, co).T).reshape(n, ho, wo, c)
         if sh == sw == 1:
             return g
         dx = xp.zeros(x_shape, dtype=dy.dtype)
@@ -303,7 +303,7 @@ def conv2d_backprop_filter(xp: Any, x: Any, dy: Any, f_shape: tuple, strides: tu
     sh, sw, ph, pw, h, w, ho, wo = _geometry(x.shape, kh, kw, strides, padding)
     if kh == kw == 1:
         xs = x if sh == sw == 1 else xp.ascontiguousarray(x[:, ::sh, ::sw])
-        return (xs.reshape(-1, c).T @ xp.ascontiguousarray(dy).reshape(-1, co)).reshape(1, 1, c, co)
+        return xp.matmul(xs.reshape(-1, c).T, xp.ascontiguousarray(dy).reshape(-1, co)).reshape(1, 1, c, co)
     src = _pad_for_windows(xp, x, kh, kw, sh, sw, ph, pw, ho, wo)
     return _window_gemm_t(xp, src, dy, kh, kw, sh, sw, rows).reshape(kh, kw, c, co)
 

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from flowctl.kernels.backend import (DEAD, Ready, array_module, check_finite, cupy_or_none, gpu_count,
-                                     gpu_properties, to_host)
+from flowctl.kernels.backend import (DEAD, Ready, StepGuard, array_module, check_finite, cupy_or_none,
+                                     gpu_count, gpu_properties, override_array_module, to_host)
+from flowctl.kernels.cuda.blas import fp32_products, set_fp32_products
+from flowctl.kernels.cuda.graphs import capture_backend
 
-__all__ = ["DEAD", "DEVICE_TYPES", "INTO", "KERNELS", "KernelFactory", "Ready", "array_module", "check_finite", "bind",
-           "bind_into", "cupy_or_none", "device_types_for", "gpu_count", "gpu_properties", "has_kernel", "into",
-           "kernel", "to_host"]
+__all__ = ["DEAD", "DEVICE_TYPES", "INTO", "KERNELS", "KernelFactory", "Ready", "StepGuard", "array_module",
+           "bind", "bind_into", "capture_backend", "check_finite", "cupy_or_none", "device_types_for", "fp32_products", "gpu_count",
+           "gpu_properties", "has_kernel", "into", "kernel", "override_array_module", "set_fp32_products",
+           "to_host"]
 
 KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]
 
