@@ -68,7 +68,7 @@ _ALONE = _alone()
 
 def _owns_buffer(v: Any) -> bool:
     """A numpy or cupy array that is not a view and may be written (a cupy array always may)."""
-    if type(v) is np.ndarray:
+    if type(v) is np.ndarray or type(v).__module__ == "flowctl.kernels.ledger":  # (or the launch ledger's)
         return v.base is None and bool(v.flags.writeable)
     if type(v).__module__.startswith("cupy"):
         cp = cupy_or_none()
