@@ -1,0 +1,802 @@
+"""GPU kernels of our own (issue 30: a training step captured as one CUDA graph), written once in
+numba-cuda's Python (`jit.py`): on a GPU they run on cupy arrays on the current stream; with
+NUMBA_ENABLE_CUDASIM=1 numba's simulator runs the same source on numpy arrays (tests).
+
+Each replaces, on `gpu` only, a generic kernel that would touch the host inside a step or launch
+many kernels where one does:
+
+- `Dropout`: the mask drawn on the device, Philox4x32-10 keyed by the op's seed and the element's
+  index (`philox.py`), the draw number read from the op's device counter (`RngState.device_counter`)
+  and advanced by a second tiny launch, so a captured graph draws afresh on every replay.
+- `LSTMBlockCell`, `LSTMBlockCellGrad`: one launch each, a thread per (row, unit) doing all four
+  gates.
+- `ApplyGradientDescent`, `ApplyMomentum`, `ApplyAdam`, `AssignAdd`, `AssignSub`,
+  `SparseApplyGradientDescent`: one launch writing into the variable's array in place, the generic
+  in-place path's operations in its order (the same bits), skipped entirely where the step's guard
+  flag (`StepGuard`, set by the loss's CheckNumerics) is 0.
+- `CheckNumerics`: under a capture, a kernel that writes the guard flag instead of raising.
+- `GatherGradRows`: fixed-size outputs (no `unique`, whose size needs a host read): the indices
+  sorted, each run's rows summed in order at the run's first position, zeros elsewhere.
+- `L2Loss`: a two-launch block reduction in a fixed order (no cuBLAS dot per 64K block).
+
+Scalars of the arithmetic are typed numpy scalars (a Python float literal would make numba compute
+in float64), and each float32 result is rounded as numpy rounds it, so the simulator and the GPU
+give the generic kernels' bits where the generic kernels are exactly rounded."""
+from __future__ import annotations
+
+import functools
+import os
+import math
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from flowctl.kernels.cuda import philox
+from flowctl.kernels.cuda.jit import blocks, numba_cuda, simulated
+from flowctl.kernels.recurrent import lstm_block_cell, lstm_block_cell_grad
+from flowctl.kernels.registry import StepGuard, kernel
+from flowctl.kernels.state import _resident, check_numerics, dtype_of, updatable_in_place
+from flowctl.kernels.training import (_alone, apply_adam, apply_gradient_descent, apply_momentum, l2_loss,
+                                      sparse_apply_gradient_descent)
+
+Fn = Callable[..., Any]
+
+# Threads per block of every launch here (the reductions' shared arrays are this long). In numba's
+# CUDA simulator, which runs a Python thread per CUDA thread, 32: a block's reduction order
+# differs from the GPU's there, so its bits too, within float32 rounding.
+THREADS = 32 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else 256
+_FLOATS = ("float32", "float64")  # what the in-place updates run on (others: the generic kernel)
+_MAX_REDUCE_BLOCKS = 1024  # L2Loss's first pass: at most this many partial sums
+
+
+# numba.cuda once a kernel is wanted. A module global, not a local of `_kernels`: the simulator
+# swaps its own module in for every global that names numba.cuda while a kernel runs.
+cuda: Any = None
+
+
+@functools.cache
+def _kernels() -> Any:
+    """Every kernel of this module, compiled lazily by numba (imported here, not at module load)."""
+    global cuda
+    cuda = numba_cuda()
+    if cuda is None:
+        raise RuntimeError("numba-cuda is not installed: the GPU kernels of flowctl/kernels/cuda need it")
+    from numba import float32 as nb_float32
+
+    dev = philox.device_functions()
+    d_philox, d_uniform = dev.philox, dev.to_uniform  # names numba can type (not a namespace's attributes)
+    f32 = np.float32
+    u64 = np.uint64
+    ONE_U64 = u64(1)
+    MASK32 = u64(0xFFFFFFFF)
+    S32 = u64(32)
+    HALF, ONE = f32(0.5), f32(1.0)
+    ZERO32 = f32(0.0)
+
+    # A float32 product rounded on its own: NVVM contracts a*b + c into one fused multiply-add by
+    # default (fastmath or not), which rounds once where numpy rounds twice. libdevice's
+    # __fmul_rn is never contracted; the simulator (numpy scalars) needs no such care.
+    if simulated():
+        @cuda.jit(device=True)
+        def mul(a: Any, b: Any) -> Any:
+            return a * b
+    else:
+        from numba.cuda import libdevice
+
+        @cuda.jit(device=True)
+        def mul(a: Any, b: Any) -> Any:
+            return libdevice.fmul_rn(a, b)
+
+    # ---------------------------------------------------------------- Dropout
+    @cuda.jit(device=True)
+    def drop_one(x: Any, y: Any, mask: Any, i: Any, word: Any, rate: Any, scale: Any, zero: Any) -> None:
+        u = d_uniform(word)
+        m = scale if u >= rate else zero
+        mask[i] = m
+        y[i] = x[i] * m
+
+    @cuda.jit
+    def dropout(x: Any, y: Any, mask: Any, counter: Any, size: Any, k0: Any, k1: Any, rate: Any, scale: Any,
+                zero: Any) -> None:
+        t = cuda.grid(1)
+        base = t * 4
+        if base >= size:
+            return
+        n = counter[0]
+        tu = u64(t)
+        w0, w1, w2, w3 = d_philox(tu & MASK32, tu >> S32, n & MASK32, n >> S32, k0, k1)
+        drop_one(x, y, mask, base, w0, rate, scale, zero)
+        if base + 1 < size:
+            drop_one(x, y, mask, base + 1, w1, rate, scale, zero)
+        if base + 2 < size:
+            drop_one(x, y, mask, base + 2, w2, rate, scale, zero)
+        if base + 3 < size:
+            drop_one(x, y, mask, base + 3, w3, rate, scale, zero)
+
+    @cuda.jit
+    def bump(counter: Any) -> None:
+        if cuda.grid(1) == 0:
+            counter[0] = counter[0] + ONE_U64
+
+    # ---------------------------------------------------------------- LSTM cell
+    @cuda.jit(device=True)
+    def sigmoid(v: Any) -> Any:  # 0.5 (1 + tanh(x/2)) as the generic kernel rounds it
+        t = f32(math.tanh(mul(v, HALF)))
+        return mul(t, HALF) + HALF
+
+    @cuda.jit
+    def lstm_cell(xw: Any, hw: Any, has_hw: Any, c_prev: Any, has_c: Any, forget_bias: Any, add_bias: Any,
+                  h: Any, c: Any, act: Any, rows: Any, units: Any) -> None:
+        t = cuda.grid(1)
+        if t >= rows * units:
+            return
+        b = t // units
+        j = t - b * units
+        ai = f32(xw[b, j])
+        af = f32(xw[b, units + j])
+        ag = f32(xw[b, 2 * units + j])
+        ao = f32(xw[b, 3 * units + j])
+        if has_hw:
+            ai = ai + f32(hw[b, j])
+            af = af + f32(hw[b, units + j])
+            ag = ag + f32(hw[b, 2 * units + j])
+            ao = ao + f32(hw[b, 3 * units + j])
+        if add_bias:
+            af = af + forget_bias
+        # Each gate stored, then read back: in float16 the cell then uses the rounded gates, as
+        # the gradient (which reads `act`) will.
+        act[b, j] = sigmoid(ai)
+        act[b, units + j] = sigmoid(af)
+        act[b, 2 * units + j] = f32(math.tanh(ag))
+        act[b, 3 * units + j] = sigmoid(ao)
+        gi = f32(act[b, j])
+        gf = f32(act[b, units + j])
+        gg = f32(act[b, 2 * units + j])
+        go = f32(act[b, 3 * units + j])
+        cv = mul(gi, gg)
+        if has_c:
+            cv = cv + mul(gf, f32(c_prev[b, j]))
+        c[b, j] = cv
+        cv = f32(c[b, j])
+        h[b, j] = mul(f32(math.tanh(cv)), go)
+
+    @cuda.jit
+    def lstm_cell_grad(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any, has_c: Any, dz: Any, dc_prev: Any,
+                       rows: Any, units: Any) -> None:
+        t = cuda.grid(1)
+        if t >= rows * units:
+            return
+        b = t // units
+        j = t - b * units
+        gi = f32(act[b, j])
+        gf = f32(act[b, units + j])
+        gg = f32(act[b, 2 * units + j])
+        go = f32(act[b, 3 * units + j])
+        vdh = f32(dh[b, j])
+        tc = f32(math.tanh(f32(c[b, j])))
+        dct = mul(mul(ONE - mul(tc, tc), go), vdh) + f32(dc[b, j])
+        dz[b, 3 * units + j] = mul(mul(vdh, tc), mul(ONE - go, go))
+        dz[b, j] = mul(mul(mul(ONE - gi, gi), gg), dct)
+        dz[b, 2 * units + j] = mul(mul(ONE - mul(gg, gg), gi), dct)
+        if has_c:
+            dz[b, units + j] = mul(mul(mul(ONE - gf, gf), f32(c_prev[b, j])), dct)
+            dc_prev[b, j] = mul(dct, gf)
+        else:
+            dz[b, units + j] = ZERO32
+
+    # ---------------------------------------------------------------- guarded updates
+    @cuda.jit
+    def sgd(var: Any, delta: Any, a_arr: Any, a_val: Any, use_arr: Any, flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        a = a_arr[0] if use_arr else a_val
+        var[i] = var[i] - mul(delta[i], a)
+
+    @cuda.jit
+    def momentum(var: Any, accum: Any, grad: Any, lr_arr: Any, lr_val: Any, use_arr: Any, m: Any, nesterov: Any,
+                 flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        lr = lr_arr[0] if use_arr else lr_val
+        g = grad[i]
+        a = mul(accum[i], m) + g
+        accum[i] = a
+        if nesterov:
+            step = mul(lr, g + mul(a, m))
+        else:
+            step = mul(lr, a)
+        var[i] = var[i] - step
+
+    @cuda.jit
+    def adam(var: Any, m: Any, v: Any, grad: Any, lr_arr: Any, lr_val: Any, use_arr: Any, b1: Any, c1: Any, b2: Any,
+             c2: Any, eps: Any, flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        lr = lr_arr[0] if use_arr else lr_val
+        g = grad[i]
+        mi = mul(m[i], b1) + mul(g, c1)
+        vi = mul(v[i], b2) + mul(mul(g, g), c2)
+        m[i] = mi
+        v[i] = vi
+        d = f32(math.sqrt(vi)) + eps
+        var[i] = var[i] - mul(lr, mi) / d
+
+    @cuda.jit
+    def assign_arr(var: Any, val: Any, bcast: Any, sub: Any, flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        x = val[0] if bcast else val[i]
+        if sub:
+            var[i] = var[i] - x
+        else:
+            var[i] = var[i] + x
+
+    @cuda.jit
+    def assign_val(var: Any, x: Any, sub: Any, flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        if sub:
+            var[i] = var[i] - x
+        else:
+            var[i] = var[i] + x
+
+    # ---------------------------------------------------------------- CheckNumerics
+    @cuda.jit
+    def set_flag(flag: Any, value: Any) -> None:
+        if cuda.grid(1) == 0:
+            flag[0] = value
+
+    @cuda.jit
+    def finite_flag(bits: Any, exponent: Any, flag: Any, size: Any) -> None:
+        # x's bits as unsigned integers: non-finite exactly where every exponent bit is set
+        i = cuda.grid(1)
+        if i >= size:
+            return
+        if (bits[i] & exponent) == exponent:
+            flag[0] = 0
+
+    # ---------------------------------------------------------------- sparse rows
+    @cuda.jit
+    def rank_sort(idx: Any, size: Any, n_rows: Any, order: Any, ids: Any) -> None:
+        # rank of (id, position) among all positions: a stable sort of n indices by counting
+        q = cuda.grid(1)
+        if q >= size:
+            return
+        iq = idx[q]
+        if iq < 0:
+            iq = iq + n_rows
+        rank = 0
+        for r in range(size):
+            ir = idx[r]
+            if ir < 0:
+                ir = ir + n_rows
+            if ir < iq or (ir == iq and r < q):
+                rank += 1
+        order[rank] = q
+        ids[rank] = iq
+
+    @cuda.jit(device=True)
+    def pairwise(dy: Any, order: Any, start: Any, n: Any, col: Any, zero: Any) -> Any:
+        # numpy's pairwise summation (loops_utils.h, `pairwise_sum`) of dy[order[start:start+n], col],
+        # the order numpy's add.reduceat (the CPU kernel) sums a run's rows after its first in
+        if n < 8:
+            res = zero
+            for q in range(n):
+                res = res + dy[order[start + q], col]
+            return res
+        if n <= 128:
+            r0 = dy[order[start], col]
+            r1 = dy[order[start + 1], col]
+            r2 = dy[order[start + 2], col]
+            r3 = dy[order[start + 3], col]
+            r4 = dy[order[start + 4], col]
+            r5 = dy[order[start + 5], col]
+            r6 = dy[order[start + 6], col]
+            r7 = dy[order[start + 7], col]
+            q = 8
+            lim = n - n % 8
+            while q < lim:
+                r0 = r0 + dy[order[start + q], col]
+                r1 = r1 + dy[order[start + q + 1], col]
+                r2 = r2 + dy[order[start + q + 2], col]
+                r3 = r3 + dy[order[start + q + 3], col]
+                r4 = r4 + dy[order[start + q + 4], col]
+                r5 = r5 + dy[order[start + q + 5], col]
+                r6 = r6 + dy[order[start + q + 6], col]
+                r7 = r7 + dy[order[start + q + 7], col]
+                q += 8
+            res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+            while q < n:
+                res = res + dy[order[start + q], col]
+                q += 1
+            return res
+        n2 = n // 2
+        n2 -= n2 % 8
+        return pairwise(dy, order, start, n2, col, zero) + pairwise(dy, order, start + n2, n - n2, col, zero)
+
+    @cuda.jit
+    def segment_rows(dy: Any, order: Any, ids: Any, rows: Any, size: Any, inner: Any, zero: Any) -> None:
+        # rows[p] = the sum of the dy rows of the run of equal ids that starts at p, in sorted
+        # (stable) order as add.reduceat sums it: the first row plus the pairwise sum of the rest;
+        # 0 where p is not a run's first position
+        t = cuda.grid(1)
+        if t >= size * inner:
+            return
+        p = t // inner
+        col = t - p * inner
+        if p > 0 and ids[p] == ids[p - 1]:
+            rows[p, col] = zero
+            return
+        end = p + 1
+        while end < size and ids[end] == ids[p]:
+            end += 1
+        if end == p + 1:
+            rows[p, col] = dy[order[p], col]
+        else:
+            rows[p, col] = dy[order[p], col] + pairwise(dy, order, p + 1, end - p - 1, col, zero)
+
+    @cuda.jit
+    def sparse_sgd(var: Any, ids: Any, rows: Any, a_arr: Any, a_val: Any, use_arr: Any, flag: Any, size: Any,
+                   inner: Any, n_rows: Any) -> None:
+        t = cuda.grid(1)
+        if t >= size * inner or flag[0] == 0:
+            return
+        p = t // inner
+        col = t - p * inner
+        if p > 0 and ids[p] == ids[p - 1]:  # a later position of a run: its row is zero, its write a race
+            return
+        r = ids[p]
+        if r < 0:
+            r = r + n_rows
+        a = a_arr[0] if use_arr else a_val
+        var[r, col] = var[r, col] - mul(rows[p, col], a)
+
+    # ---------------------------------------------------------------- L2Loss
+    @cuda.jit
+    def sum_squares(x: Any, partial: Any, size: Any) -> None:
+        s = cuda.shared.array(THREADS, nb_float32)
+        tid = cuda.threadIdx.x
+        acc = ZERO32
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < size:
+            v = f32(x[i])
+            acc = acc + mul(v, v)
+            i += stride
+        s[tid] = acc
+        width = THREADS // 2
+        while width > 0:
+            cuda.syncthreads()
+            if tid < width:
+                s[tid] = s[tid] + s[tid + width]
+            width //= 2
+        if tid == 0:
+            partial[cuda.blockIdx.x] = s[0]
+
+    @cuda.jit
+    def finish_l2(partial: Any, count: Any, out: Any) -> None:
+        s = cuda.shared.array(THREADS, nb_float32)
+        tid = cuda.threadIdx.x
+        acc = ZERO32
+        i = tid
+        while i < count:
+            acc = acc + partial[i]
+            i += THREADS
+        s[tid] = acc
+        width = THREADS // 2
+        while width > 0:
+            cuda.syncthreads()
+            if tid < width:
+                s[tid] = s[tid] + s[tid + width]
+            width //= 2
+        if tid == 0:
+            out[0] = mul(s[0], HALF)
+
+    return SimpleNamespace(dropout=dropout, bump=bump, lstm_cell=lstm_cell, lstm_cell_grad=lstm_cell_grad, sgd=sgd,
+                           momentum=momentum, adam=adam, assign_arr=assign_arr, assign_val=assign_val, set_flag=set_flag,
+                           finite_flag=finite_flag, rank_sort=rank_sort, segment_rows=segment_rows,
+                           sparse_sgd=sparse_sgd, sum_squares=sum_squares, finish_l2=finish_l2)
+
+
+# -------------------------------------------------------------------------------- helpers
+# The arguments each kernel writes. In the simulator every other array goes in as `cuda.In`: the
+# simulator copies each array argument to its fake device and, unless told, back again after the
+# launch, which fails on a read-only input (a Const) and, where one array is passed twice, puts
+# back a stale copy over the written one.
+_WRITES = {"dropout": (1, 2), "bump": (0,), "lstm_cell": (7, 8, 9), "lstm_cell_grad": (6, 7), "sgd": (0,),
+           "momentum": (0, 1), "adam": (0, 1, 2), "assign_arr": (0,), "assign_val": (0,), "set_flag": (0,),
+           "finite_flag": (2,), "rank_sort": (3, 4), "segment_rows": (3,), "sparse_sgd": (0,),
+           "sum_squares": (1,), "finish_l2": (2,)}
+
+
+def _go(xp: Any, k: Any, grid: Any, block: Any, *args: Any) -> None:
+    if getattr(xp, "simulated", False):
+        writes = _WRITES[k.__name__]
+        into = numba_cuda().In
+        args = tuple(into(a.view(np.ndarray)) if isinstance(a, np.ndarray) and i not in writes else a
+                     for i, a in enumerate(args))
+    xp.launch(k, grid, block, *args)
+
+
+def _launch(xp: Any, k: Any, n: int, *args: Any) -> None:
+    """One launch of `k` with a thread per each of n items (nothing where n is 0)."""
+    if n:
+        # An element-wise kernel's result does not depend on its block size: in the simulator (a
+        # Python thread per CUDA thread) a small launch gets a block no larger than it needs.
+        threads = max(1, min(THREADS, n)) if getattr(xp, "simulated", False) else THREADS
+        grid, block = blocks(n, threads)
+        _go(xp, k, grid, block, *args)
+
+
+def _flag(xp: Any, attrs: dict[str, Any]) -> Any:
+    """The step guard's flag on this device (made now, at bind time), or a flag of our own that
+    always reads 1 where the node has no guard."""
+    guard = attrs.get("_guard")
+    return guard.flag(xp) if isinstance(guard, StepGuard) else xp.ones(1, dtype="int32")
+
+
+def _is_array(xp: Any, v: Any) -> bool:
+    return isinstance(v, xp.ndarray)
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, np.generic)) and not isinstance(v, (bool, np.bool_))
+
+
+def _dummy(xp: Any) -> Any:
+    """A float32 array standing in for a scalar operand passed by value (made at bind time; never
+    one of the kernel's other arrays: the simulator copies each argument back in turn)."""
+    return xp.zeros(1, dtype="float32")
+
+
+def _scalar_arg(xp: Any, v: Any, dtype: Any, dummy: Any) -> tuple[Any, Any, bool] | None:
+    """(array, value, use_array) for a kernel's scalar operand: a device array of one value (read
+    on the device: nothing crosses to the host) or a host number passed by value in `dtype`
+    (`dummy` stands in for the array); None for anything else."""
+    if _is_array(xp, v) and v.size == 1:
+        return v.reshape(1), np.dtype(dtype).type(0), True
+    if _is_scalar(v):
+        return dummy, np.dtype(dtype).type(v), False
+    return None
+
+
+def _flat(xp: Any, x: Any) -> Any:
+    return xp.ascontiguousarray(x).reshape(-1)
+
+
+# -------------------------------------------------------------------------------- Dropout
+@kernel("Dropout", ["gpu"])
+def dropout_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    st = attrs["_resource"]
+    rate = float(attrs["rate"])
+    scale = 1.0 / (1.0 - rate)
+    counter = st.device_counter(xp)  # made now, never inside a capture
+    k0, k1 = (np.uint64(w) for w in philox.split64(st.seed))
+    rate32 = np.float32(rate)  # numpy compares the float32 uniforms with rate as a float32
+    k = _kernels()
+
+    def run(x: Any) -> tuple[Any, Any]:
+        dt = np.dtype(x.dtype)
+        # the mask's value in x's dtype; float16 passes it (exactly) as a float32, and the product
+        # of two float16 values is exact in float32, so y rounds once, as numpy's float16 does
+        s = np.float32(np.float16(scale)) if dt == np.float16 else dt.type(scale)
+        y = xp.empty(x.shape, dtype=x.dtype)
+        mask = xp.empty(x.shape, dtype=x.dtype)
+        n = int(x.size)
+        _launch(xp, k.dropout, (n + 3) // 4, _flat(xp, x), y.reshape(-1), mask.reshape(-1), counter, n, k0, k1,
+                rate32, s, type(s)(0))
+        _go(xp, k.bump, 1, 1, counter)
+        st.device_draws += 1  # the host's mirror (a captured step's replays add theirs)
+        return y, mask
+
+    return run
+
+
+# -------------------------------------------------------------------------------- LSTM cell
+_LSTM_DTYPES = ("float32", "float16")
+
+
+@kernel("LSTMBlockCell", ["gpu"])
+def lstm_block_cell_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    forget_bias = float(attrs["forget_bias"])
+    generic = lstm_block_cell(xp, attrs)
+    k = _kernels()
+
+    def run(xw: Any, hw: Any = None, c_prev: Any = None) -> tuple[Any, Any, Any]:
+        if str(xw.dtype) not in _LSTM_DTYPES or (hw is not None and hw.dtype != xw.dtype) \
+                or (c_prev is not None and c_prev.dtype != xw.dtype):
+            return generic(xw, hw, c_prev)
+        rows, units = int(xw.shape[0]), int(xw.shape[1]) // 4
+        xw = xp.ascontiguousarray(xw)
+        h = xp.empty((rows, units), dtype=xw.dtype)
+        c = xp.empty((rows, units), dtype=xw.dtype)
+        act = xp.empty(xw.shape, dtype=xw.dtype)
+        hw_ = xp.ascontiguousarray(hw) if hw is not None else xw
+        cp_ = xp.ascontiguousarray(c_prev) if c_prev is not None else c
+        _launch(xp, k.lstm_cell, rows * units, xw, hw_, hw is not None, cp_, c_prev is not None,
+                np.float32(forget_bias), bool(forget_bias), h, c, act, rows, units)
+        return h, c, act
+
+    return run
+
+
+@kernel("LSTMBlockCellGrad", ["gpu"])
+def lstm_block_cell_grad_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    generic = lstm_block_cell_grad(xp, attrs)
+    k = _kernels()
+
+    def run(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any = None) -> Any:
+        dt = act.dtype
+        if str(dt) not in _LSTM_DTYPES or any(v is not None and v.dtype != dt for v in (dh, dc, c, c_prev)):
+            return generic(dh, dc, act, c, c_prev)
+        rows, units = int(act.shape[0]), int(act.shape[1]) // 4
+        dh, dc, act, c = (xp.ascontiguousarray(v) for v in (dh, dc, act, c))
+        dz = xp.empty(act.shape, dtype=dt)
+        dc_prev = xp.empty((rows, units), dtype=dt) if c_prev is not None else None
+        cp_ = xp.ascontiguousarray(c_prev) if c_prev is not None else c
+        _launch(xp, k.lstm_cell_grad, rows * units, dh, dc, act, c, cp_, c_prev is not None, dz,
+                dc_prev if dc_prev is not None else xp.empty((1, 1), dtype=dt), rows, units)
+        return dz if c_prev is None else (dz, dc_prev)
+
+    return run
+
+
+# -------------------------------------------------------------------------------- guarded updates
+# Each runs in place only where the generic kernel would (the slot's array alone, the shapes and
+# dtypes as its in-place path requires) and the variable is float32; otherwise it calls the generic
+# kernel, which makes a new array as before (a step that does so is not capturable anyway).
+def _update_ok(var: Any, grad: Any, scalar: Any) -> bool:
+    return str(var.dtype) == "float32" and grad.shape == var.shape and grad.dtype == var.dtype \
+        and np.result_type(dtype_of(grad), dtype_of(scalar)) == var.dtype
+
+
+@kernel("ApplyGradientDescent", ["gpu"])
+def apply_gradient_descent_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    slot = attrs["_resource"]
+    generic = apply_gradient_descent(xp, attrs)
+    dummy = _dummy(xp)
+    flag = _flag(xp, attrs)
+    k = _kernels()
+
+    def run(alpha: Any, delta: Any) -> Any:
+        _resident(xp, slot)
+        if not (updatable_in_place(slot) and _update_ok(slot.value, delta, alpha)):
+            return generic(alpha, delta)
+        var = slot.value
+        a = _scalar_arg(xp, alpha, var.dtype, dummy)
+        if a is None:
+            del var
+            return generic(alpha, delta)
+        _launch(xp, k.sgd, int(var.size), var.reshape(-1), _flat(xp, delta), *a, flag, int(var.size))
+        return var
+
+    return run
+
+
+@kernel("ApplyMomentum", ["gpu"])
+def apply_momentum_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    slots = attrs["_resource"]
+    generic = apply_momentum(xp, attrs)
+    m, nesterov = np.float32(attrs["momentum"]), bool(attrs["nesterov"])
+    dummy = _dummy(xp)
+    flag = _flag(xp, attrs)
+    k = _kernels()
+
+    def run(lr: Any, grad: Any) -> Any:
+        if not (_alone(xp, slots) and _update_ok(slots[0].value, grad, lr)
+                and slots[1].value.shape == slots[0].value.shape and slots[1].value.dtype == slots[0].value.dtype):
+            return generic(lr, grad)
+        var, accum = slots[0].value, slots[1].value
+        a = _scalar_arg(xp, lr, var.dtype, dummy)
+        if a is None:
+            del var, accum
+            return generic(lr, grad)
+        _launch(xp, k.momentum, int(var.size), var.reshape(-1), accum.reshape(-1), _flat(xp, grad), *a, m, nesterov,
+                flag, int(var.size))
+        return var
+
+    return run
+
+
+@kernel("ApplyAdam", ["gpu"])
+def apply_adam_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    slots = attrs["_resource"]
+    generic = apply_adam(xp, attrs)
+    consts = tuple(np.float32(c) for c in (attrs["beta1"], 1.0 - attrs["beta1"], attrs["beta2"],
+                                           1.0 - attrs["beta2"], attrs["epsilon"]))
+    dummy = _dummy(xp)
+    flag = _flag(xp, attrs)
+    k = _kernels()
+
+    def run(lr_t: Any, grad: Any) -> Any:
+        if not (_alone(xp, slots) and _update_ok(slots[0].value, grad, lr_t)
+                and all(s.value.shape == slots[0].value.shape and s.value.dtype == slots[0].value.dtype
+                        for s in slots[1:])):
+            return generic(lr_t, grad)
+        var, m, v = (s.value for s in slots)
+        a = _scalar_arg(xp, lr_t, var.dtype, dummy)
+        if a is None:
+            del var, m, v
+            return generic(lr_t, grad)
+        _launch(xp, k.adam, int(var.size), var.reshape(-1), m.reshape(-1), v.reshape(-1), _flat(xp, grad), *a,
+                *consts, flag, int(var.size))
+        return var
+
+    return run
+
+
+def _assign_gpu(xp: Any, attrs: dict[str, Any], generic: Fn, sub: bool) -> Fn:
+    slot = attrs["_resource"]
+    flag = _flag(xp, attrs)
+    k = _kernels()
+
+    def run(value: Any) -> Any:
+        _resident(xp, slot)
+        alone = updatable_in_place(slot)  # asked before any local name holds the array
+        cur = slot.value
+        if not alone or np.result_type(cur.dtype, dtype_of(value)) != cur.dtype or cur.dtype.kind not in "fiu":
+            del cur
+            return generic(value)
+        n = int(cur.size)
+        if _is_array(xp, value) and value.shape == cur.shape:
+            _launch(xp, k.assign_arr, n, cur.reshape(-1), _flat(xp, value), False, sub, flag, n)
+        elif _is_array(xp, value) and value.size == 1 and np.broadcast_shapes(cur.shape, value.shape) == cur.shape:
+            _launch(xp, k.assign_arr, n, cur.reshape(-1), value.reshape(1), True, sub, flag, n)
+        elif _is_scalar(value):
+            _launch(xp, k.assign_val, n, cur.reshape(-1), cur.dtype.type(value), sub, flag, n)
+        else:
+            del cur
+            return generic(value)
+        return cur
+
+    return run
+
+
+@kernel("AssignAdd", ["gpu"])
+def assign_add_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    from flowctl.kernels.state import assign_add
+
+    return _assign_gpu(xp, attrs, assign_add(xp, attrs), sub=False)
+
+
+@kernel("AssignSub", ["gpu"])
+def assign_sub_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    from flowctl.kernels.state import assign_sub
+
+    return _assign_gpu(xp, attrs, assign_sub(xp, attrs), sub=True)
+
+
+# -------------------------------------------------------------------------------- CheckNumerics
+_EXPONENT = {2: np.uint16(0x7C00), 4: np.uint32(0x7F800000), 8: np.uint64(0x7FF0000000000000)}
+
+
+@kernel("CheckNumerics", ["gpu"])
+def check_numerics_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    generic = check_numerics(xp, attrs)
+    guard = attrs.get("_guard")
+    flag = guard.flag(xp) if isinstance(guard, StepGuard) else None
+    k = _kernels()
+
+    def run(x: Any) -> Any:
+        if xp.is_capturing():  # no host read, no raise: the flag says it, the updates read it
+            if flag is not None:
+                _go(xp, k.set_flag, 1, 1, flag, np.int32(1))
+                dt = np.dtype(x.dtype)
+                if dt.kind == "f" and dt.itemsize in _EXPONENT:
+                    bits = _flat(xp, x).view(f"uint{8 * dt.itemsize}")
+                    _launch(xp, k.finite_flag, int(x.size), bits, _EXPONENT[dt.itemsize], flag, int(x.size))
+            return x
+        out = generic(x)  # raises FloatingPointError where x is not finite
+        if flag is not None:
+            flag.fill(1)
+        return out
+
+    return run
+
+
+# -------------------------------------------------------------------------------- sparse rows
+def _sorted_rows(xp: Any, k: Any, dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
+    n = int(indices.size)
+    inner = 1
+    for d in like.shape[1:]:
+        inner *= int(d)
+    idx = _flat(xp, indices)
+    # float16 sums as numpy sums it: in float32, rounded once
+    half = np.dtype(dy.dtype) == np.float16
+    d2 = xp.ascontiguousarray(dy).reshape(n, inner)
+    if half:
+        d2 = d2.astype("float32")
+    order = xp.empty(n, dtype="int64")
+    ids = xp.empty(n, dtype="int64")
+    rows = xp.empty((n, inner), dtype=d2.dtype)
+    _launch(xp, k.rank_sort, n, idx, n, int(like.shape[0]), order, ids)
+    _launch(xp, k.segment_rows, n * inner, d2, order, ids, rows, n, inner, np.dtype(d2.dtype).type(0))
+    if half:
+        rows = rows.astype("float16")
+    return ids, rows.reshape((n, *like.shape[1:]))
+
+
+@kernel("GatherGradRows", ["gpu"])
+def gather_grad_rows_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Fixed-size outputs, so a captured step never needs `unique`'s size on the host: ids are all n
+    indices sorted (stable, negative ones counted from the end), rows[p] the sum in that order of
+    the dy rows of the run of equal ids starting at p, where p is its first position, and 0 at
+    every other position. A one-pass rank sort (each index's rank among (id, position) pairs,
+    n^2 / threads comparisons: for the few thousand indices of a batch) and one segment sum, no
+    atomics, so the sums' order and bits are fixed."""
+    k = _kernels()
+
+    def run(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
+        return _sorted_rows(xp, k, dy, indices, like)
+
+    return run
+
+
+@kernel("SparseApplyGradientDescent", ["gpu"])
+def sparse_apply_gradient_descent_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """var[ids] -= rows * alpha, one thread per element of rows; a position whose id equals the one
+    before it (the zero rows GatherGradRows' GPU kernel leaves after a run's first) writes nothing,
+    so duplicates neither race nor change a bit. Out of place (a copy, then the same kernel) where
+    the variable's array is seen elsewhere, as the generic kernel does."""
+    slot = attrs["_resource"]
+    generic = sparse_apply_gradient_descent(xp, attrs)
+    dummy = _dummy(xp)
+    flag = _flag(xp, attrs)
+    k = _kernels()
+
+    def update(var: Any, alpha: Any, ids: Any, rows: Any) -> bool:
+        inner = int(var.size // max(1, var.shape[0]))
+        a = _scalar_arg(xp, alpha, var.dtype, dummy)
+        if a is None:
+            return False
+        n = int(ids.size)
+        _launch(xp, k.sparse_sgd, n * inner, var.reshape(var.shape[0], inner), _flat(xp, ids),
+                xp.ascontiguousarray(rows).reshape(n, inner), *a, flag, n, inner, int(var.shape[0]))
+        return True
+
+    def run(alpha: Any, ids: Any, rows: Any) -> Any:
+        _resident(xp, slot)
+        alone = updatable_in_place(slot)
+        var = slot.value
+        if str(var.dtype) != "float32" or rows.dtype != var.dtype or rows.shape[1:] != var.shape[1:] \
+                or np.result_type(rows.dtype, dtype_of(alpha)) != var.dtype or var.ndim == 0:
+            del var
+            return generic(alpha, ids, rows)
+        if not alone:
+            var = xp.array(var, copy=True)
+        if not update(var, alpha, ids, rows):
+            del var
+            return generic(alpha, ids, rows)
+        slot.value = var
+        return var
+
+    return run
+
+
+# -------------------------------------------------------------------------------- L2Loss
+@kernel("L2Loss", ["gpu"])
+def l2_loss_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """sum(t^2) / 2 accumulated in float32 in two launches: each block sums a fixed grid-stride
+    share of the squares and reduces it as a tree, then one block adds the partial sums in order.
+    The grid depends on the size alone, so the bits do too. float64 goes to the generic kernel."""
+    generic = l2_loss(xp, attrs)
+    k = _kernels()
+
+    def run(t: Any) -> Any:
+        if str(t.dtype) not in ("float32", "float16"):
+            return generic(t)
+        n = int(t.size)
+        grid = max(1, min(_MAX_REDUCE_BLOCKS, (n + THREADS - 1) // THREADS))
+        partial = xp.empty(grid, dtype="float32")
+        out = xp.empty((), dtype=t.dtype)
+        _go(xp, k.sum_squares, grid, THREADS, _flat(xp, t), partial, n)
+        _go(xp, k.finish_l2, 1, THREADS, partial, grid, out.reshape(1))
+        return out
+
+    return run
