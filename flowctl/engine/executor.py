@@ -176,8 +176,12 @@ def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
 
 class Plan:
     def __init__(self, graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str],
-                 device: str, resources: Callable[[Node], Any]) -> None:
+                 device: str, resources: Callable[[Node], Any],
+                 guards: Callable[[Node], Any] | None = None) -> None:
+        """`guards(node)`: the StepGuard a node's kernel writes or reads (the step's CheckNumerics
+        and the state writes that wait for it, on a device whose steps are captured), or None."""
         self.graph = graph
+        self.guards = guards
         self.device = device
         self.device_type = device.rsplit("device:", 1)[-1].split(":")[0]
         self.fetches = list(fetches)
@@ -188,6 +192,7 @@ class Plan:
         roots = [parse_ref(r)[0] for r in self.fetches if r not in fed_refs] + list(targets)
         self.order = graph.topo_order(needed_nodes(graph, roots, fed_refs))
         self.nodes = [graph.nodes[n] for n in self.order]
+        self.resources = resources
         self.kernels = [self._bind(n, resources) for n in self.nodes]
 
         # Value slots: feeds first, then every node output.
@@ -255,8 +260,13 @@ class Plan:
         self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) or dead_recv else None
 
     def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
+        attrs = self._attrs(node, resources)
+        if self.guards is not None:
+            g = self.guards(node)
+            if g is not None:
+                attrs["_guard"] = g
         try:
-            return bind(node.op, self.device_type, self._attrs(node, resources))
+            return bind(node.op, self.device_type, attrs)
         except KeyError:
             raise GraphError(f"node '{node.name}' ({node.op}) has no kernel for device {self.device}") from None
 

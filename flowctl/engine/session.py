@@ -5,11 +5,14 @@ is cached per (fetches, feeds, targets) signature, so repeated steps do no graph
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Mapping
 
 import numpy as np
 
 from flowctl.engine import allocator
+from flowctl.engine.capture import CapturedStep
 from flowctl.engine.container import ContainerStore, RngState, derive_seed, process_store
 from flowctl.engine.devices import CPU0, canonical, device_matches
 from flowctl.engine.dtypes import np_dtype
@@ -18,7 +21,10 @@ from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
 from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
-from flowctl.kernels.registry import array_module, to_host
+from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
+
+# Steps on a GPU are captured as CUDA graphs unless this is 0 (or a Session says capture=False).
+CAPTURE = os.environ.get("FLOWCTL_CUDA_GRAPH", "1") != "0"
 
 
 def require_device(device: str) -> Any:
@@ -35,11 +41,14 @@ def require_device(device: str) -> Any:
 
 class Session:
     def __init__(self, graph: Graph, device: str = CPU0, store: ContainerStore | None = None,
-                 check_numerics: bool = False, optimize: bool = False, executor: str = "auto") -> None:
+                 check_numerics: bool = False, optimize: bool = False, executor: str = "auto",
+                 capture: bool | None = None) -> None:
         """`store`: where Variables live; the process-wide store by default (§4.7), so sessions on
         the same store share state. `check_numerics`: stop at the first node producing NaN/Inf.
         `optimize`: run CSE and constant folding on each plan's graph. `executor`: "compiled"
-        (straight-line), "dataflow" (§3.1 ready queue) or "auto"."""
+        (straight-line), "dataflow" (§3.1 ready queue) or "auto". `capture`: on a GPU, run each
+        plan's steps as one captured CUDA graph (engine/capture.py; default: unless
+        FLOWCTL_CUDA_GRAPH=0); a step run with stats or check_numerics is never captured."""
         if executor not in ("auto", "compiled", "dataflow"):
             raise ValueError(f"executor must be auto, compiled or dataflow, not {executor!r}")
         allocator.tune()  # large step buffers are reused, not faulted in afresh each step
@@ -53,6 +62,10 @@ class Session:
         self.executor = executor
         self.rng: dict[str, RngState] = {}
         self._plans: dict[tuple[Any, ...], Plan] = {}
+        self.capture = ((CAPTURE if capture is None else capture) and self.device_type == "gpu"
+                        and getattr(self.xp, "device_kind", None) == "gpu")
+        self.guards: dict[str, StepGuard] = {}
+        self._captured: dict[tuple[Any, ...], CapturedStep] = {}
 
     # ------------------------------------------------------------------ Extend
     def extend(self, other: Graph | str | Mapping[str, Any]) -> None:
@@ -79,19 +92,67 @@ class Session:
         template = self._flatten(fetches, refs, targets)
         feed_refs: list[str] = []
         feed_vals: list[Any] = []
+        captured = self.capture and stats is None and not self.check_numerics and self.executor != "dataflow"
         for key, value in sorted((feeds or {}).items(), key=lambda kv: self._ref(kv[0])):
             ref = self._ref(key)
             feed_refs.append(ref)
-            feed_vals.append(self._convert_feed(ref, value))
+            feed_vals.append(self._convert_feed(ref, value, host=captured))
         key = (tuple(refs), tuple(feed_refs), tuple(targets))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(refs, feed_refs, targets)
-        use_dataflow = self.executor == "dataflow"
-        runner = plan.run_dataflow if use_dataflow else plan.run
-        values = runner(feed_vals, stats=stats, check_numerics=self.check_numerics)
+        if captured:
+            values = self._captured_step(key, plan).run(feed_vals)
+        else:
+            use_dataflow = self.executor == "dataflow"
+            runner = plan.run_dataflow if use_dataflow else plan.run
+            values = runner(feed_vals, stats=stats, check_numerics=self.check_numerics)
         out = iter([to_host(v) for v in values])
         return self._rebuild(template, out)
+
+    def _captured_step(self, key: tuple[Any, ...], plan: Plan) -> CapturedStep:
+        step = self._captured.get(key)
+        if step is None:
+            slots: dict[int, Any] = {}
+            rngs: dict[int, Any] = {}
+            guards: dict[int, Any] = {}
+            for node in plan.nodes:
+                kind = node.opdef.resource
+                if kind in ("variable", "variable_input", "variable_inputs"):
+                    res = self._resource(node)
+                    for slot in res if isinstance(res, tuple) else (res,):
+                        slots[id(slot)] = slot
+                elif kind == "rng":
+                    st = self._resource(node)
+                    rngs[id(st)] = st
+                g = self._guard_for(node)
+                if g is not None:
+                    guards[id(g)] = g
+            step = self._captured[key] = CapturedStep(plan, capture_backend(self.xp), self.xp, list(slots.values()),
+                                                      list(rngs.values()), list(guards.values()), say=_say)
+        return step
+
+    def capture_report(self) -> dict[str, Any]:
+        """Whether this session's steps were captured: per plan, its report (CapturedStep.report)."""
+        return {"capture": self.capture, "plans": [s.report() for s in self._captured.values()]}
+
+    def device_bytes(self) -> int:
+        """Device memory the captured steps' private pools hold (0 on a CPU)."""
+        return sum(s.backend.held_bytes() for s in self._captured.values() if s.backend is not None)
+
+    def _guard_for(self, node: Node) -> StepGuard | None:
+        """The StepGuard of a CheckNumerics node, or of the one a node waits for (the state writes
+        of a step's guard, program.guard_state): on a GPU, where steps are captured."""
+        if node.op == "CheckNumerics":
+            name = node.name
+        else:
+            name = next((c for c in node.control_inputs if self.graph.nodes[c].op == "CheckNumerics"), None)
+            if name is None:
+                return None
+        g = self.guards.get(name)
+        if g is None:
+            g = self.guards[name] = StepGuard(name)
+        return g
 
     def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> Plan:
         refs: list[str] = []
@@ -108,7 +169,8 @@ class Session:
         if self.optimize:
             keep = {parse_ref(r)[0] for r in refs + feed_refs} | set(targets)
             graph = optimize(graph.copy(), keep=keep)
-        plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource)
+        guards = self._guard_for if self.device_type == "gpu" else None
+        plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource, guards)
         for node in plan.nodes:
             if node.device and not device_matches(node.device, self.device):
                 raise PlacementError(f"node '{node.name}' ({node.op}) asks for device '{node.device}' but "
@@ -158,9 +220,16 @@ class Session:
             return type(template)(self._rebuild(x, values) for x in template)
         return {k: self._rebuild(v, values) for k, v in template.items()}
 
-    def _convert_feed(self, ref: str, value: Any) -> Any:
+    def _convert_feed(self, ref: str, value: Any, host: bool = False) -> Any:
+        """A feed as the step reads it: on the device, or (`host`: a captured step copies it into its
+        static buffer) a contiguous host array of the tensor's dtype."""
         spec = self.graph.tensor(ref).spec
-        arr = self.xp.asarray(value, dtype=np_dtype(spec.dtype))
+        if host and not isinstance(value, self.xp.ndarray):
+            arr = np.asarray(value, dtype=np_dtype(spec.dtype))  # (ascontiguousarray makes a 0-d array 1-d)
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
+        else:
+            arr = self.xp.asarray(value, dtype=np_dtype(spec.dtype))
         if len(arr.shape) != len(spec.shape) or any(
                 d is not None and d != a for d, a in zip(spec.shape, arr.shape)):
             raise ExecutionError(f"feed for '{ref}' has shape {tuple(arr.shape)}, but the tensor's shape "
@@ -225,3 +294,7 @@ class Session:
                 raise GraphError(f"random state for unknown node '{name}'")
             self._resource(node).set_state(st)
 
+
+
+def _say(message: str) -> None:
+    print(f"flowctl: {message}", file=sys.stderr)

@@ -1,0 +1,162 @@
+"""Whole training steps of spec-built models captured on the launch ledger (a CUDA graph's stand-in
+over numpy whose replays run the recorded kernels, no Python): a captured run computes what the
+same run uncaptured computes, bit for bit, does nothing on the host inside the step, and resumes
+exactly. The GPU kernels of our own run in numba's CUDA simulator."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flowctl as fc
+from flowctl.bench.peers import Row, _batch, _load
+from flowctl.engine.container import ContainerStore
+from flowctl.kernels.ledger import Ledger
+from flowctl.kernels.registry import override_array_module
+from flowctl.spec.model import build_model
+from flowctl.training.program import build_step, step_config
+
+pytest.importorskip("numba")
+
+LM = """
+version: 1
+model:
+  layers:
+    - {name: tokens, type: input, shape: [5], dtype: int32, classes: 30}
+    - {name: embedding, type: embedding, vocab: 30, dim: 6}
+    - {name: dropout_0, type: dropout, rate: 0.5}
+    - {name: lstm_1, type: lstm, units: 6}
+    - {name: dropout_1, type: dropout, rate: 0.3}
+    - {name: softmax, type: dense, units: 30}
+    - {name: targets, type: input, shape: [5], dtype: int32, classes: 30}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+training: {clip_norm: 1.0, optimizer: {type: sgd}}
+"""
+
+# The same without clipping (its L2Loss reductions are the slowest kernels in numba's simulator):
+# for the tests of resuming, which the global norm changes nothing about.
+LM_PLAIN = LM.replace("clip_norm: 1.0, ", "")
+
+CONV = """
+version: 1
+model:
+  defaults:
+    conv2d: {batch_norm: true, bn_scale: false, activation: relu, padding: same}
+  layers:
+    - {name: image, type: input, shape: [7, 7, 2]}
+    - {name: c1, type: conv2d, filters: 3, kernel: 3, strides: 2}
+    - {name: p, type: max_pool, pool: 2, strides: 1, padding: same}
+    - {name: flat, type: flatten}
+    - {name: fc, type: dense, units: 4}
+    - {name: label, type: input, shape: [], dtype: int32, classes: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [fc, label]}
+training: {optimizer: {type: momentum, momentum: 0.9}}
+"""
+
+
+class Run:
+    """A spec's training step in a GPU session on a ledger: `step()` runs one on a fresh batch."""
+
+    def __init__(self, spec: str, batch: int, capture: bool, ledger: Ledger, store: Any = None) -> None:
+        loaded = _load(Row("t", spec, batch))
+        self.step_def = build_step(build_model(loaded, training=True), step_config(loaded))
+        self.source = loaded
+        self.batch = batch
+        model = self.step_def.model
+        self.inputs = model.inputs
+        self.ledger = ledger
+        with override_array_module("gpu", ledger):
+            self.sess = fc.Session(model.graph, device="gpu:0", store=store or ContainerStore(), capture=capture)
+            if store is None:
+                self.sess.run(model.initializer())
+        self.fetch = [self.step_def.train.loss, self.step_def.train.train_op]
+        self.rng = np.random.default_rng(7)
+        self.n = 0
+
+    def feeds(self, n: int) -> dict[Any, Any]:
+        arrays = _batch(self.source, self.batch)  # synthetic: the same each call; perturb by step
+        out: dict[Any, Any] = {self.step_def.lr: np.asarray(0.3, dtype=self.step_def.lr.dtype)}
+        for k, v in arrays.items():
+            if k in self.inputs:
+                if v.dtype.kind == "f":
+                    v = v + np.float32(0.01 * n)
+                else:
+                    v = (v + n) % int(v.max() + 1)
+                out[self.inputs[k]] = v
+        return out
+
+    def step(self) -> float:
+        with override_array_module("gpu", self.ledger):
+            loss = self.sess.run(self.fetch, self.feeds(self.n))[0]
+        self.n += 1
+        return float(loss)
+
+    def variables(self) -> dict[str, np.ndarray]:
+        with override_array_module("gpu", self.ledger):
+            return {k: np.asarray(v).copy() for k, v in self.sess.variable_values().items()}
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("spec,batch", [(LM, 3), (CONV, 2)], ids=["lstm_lm", "conv_bn"])
+def test_a_captured_run_is_the_uncaptured_run_bit_for_bit(spec, batch):
+    eager = Run(spec, batch, capture=False, ledger=Ledger())
+    captured_ledger = Ledger()
+    captured = Run(spec, batch, capture=True, ledger=captured_ledger)
+    losses_e = [eager.step() for _ in range(5)]
+    counts = []
+    losses_c = []
+    for _ in range(5):
+        captured_ledger.reset_counts()
+        losses_c.append(captured.step())
+        counts.append(dict(captured_ledger.counts))
+    assert losses_c == losses_e
+    _same(captured.variables(), eager.variables())
+    report = captured.sess.capture_report()
+    plan = max(report["plans"], key=lambda p: p["captured_steps"])
+    assert plan["captured"], report
+    assert (plan["eager_steps"], plan["captured_steps"]) == (2, 3)
+    replays = counts[3:]
+    for c in replays:  # a replay: one graph launch; the feeds copied in; the loss (and guard) read
+        assert c["launches"] == 0 and c["allocations"] == 0 and c["graph_launches"] == 1, c
+
+
+def test_a_captured_run_resumed_from_its_state_continues_exactly():
+    straight = Run(LM_PLAIN, 3, capture=True, ledger=Ledger())
+    for _ in range(7):
+        straight.step()
+    first = Run(LM_PLAIN, 3, capture=True, ledger=Ledger())
+    for _ in range(4):
+        first.step()
+    values, rng = first.variables(), first.sess.rng_states()
+    assert any("device_draws" in s for s in rng.values())  # the device generators' counts, read on the host
+    second_ledger = Ledger()
+    second = Run(LM_PLAIN, 3, capture=True, ledger=second_ledger)  # a fresh process's session
+    with override_array_module("gpu", second_ledger):
+        second.sess.load_variables(values)
+        second.sess.set_rng_states(rng)
+    second.n = 4
+    for _ in range(3):
+        second.step()
+    _same(second.variables(), straight.variables())
+
+
+def test_a_restored_variable_reaches_the_captured_graph():
+    run = Run(LM_PLAIN, 3, capture=True, ledger=Ledger())
+    for _ in range(4):
+        run.step()  # captured by now
+    other = Run(LM_PLAIN, 3, capture=False, ledger=Ledger())
+    other.step()
+    values = other.variables()
+    with override_array_module("gpu", run.ledger):
+        run.sess.load_variables(values)
+        run.sess.set_rng_states(other.sess.rng_states())
+    run.n = other.n
+    other.step()
+    run.step()  # a replay, after the restored arrays were copied into the graph's own
+    _same(run.variables(), other.variables())
