@@ -373,6 +373,27 @@ def test_precision_is_a_spec_change_and_fp32_hashes_as_before_it_existed():
     assert spec_changes(fp16, big16) == ["training.loss_scale.initial: 65536.0 -> 8.0"]
 
 
+def test_allow_tf32_is_a_spec_change_on_a_gpu_and_inert_at_its_default_and_on_cpus():
+    """training.allow_tf32 changes a GPU run's numerics (TF32 or IEEE float32 products): switching
+    it is a spec change there; at its default (true) a spec hashes as before the key existed, and
+    on CPUs (IEEE either way) it computes nothing. The step config carries it."""
+    from flowctl.training.program import step_config
+    from flowctl.training.rundir import resolved, spec_changes, spec_hash
+
+    def spec(dev, *sets):
+        return resolved(load_text(MLP + f"devices: [{dev}]\n", filename="m.yaml", overrides=list(sets)).spec)
+
+    base, ieee = spec("gpu:0"), spec("gpu:0", "training.allow_tf32=false")
+    assert base["training"]["allow_tf32"] is True and ieee["training"]["allow_tf32"] is False
+    assert spec_hash(ieee) != spec_hash(base)
+    assert any(c.startswith("training.allow_tf32") for c in spec_changes(base, ieee))
+    older = {**base, "training": {k: v for k, v in base["training"].items() if k != "allow_tf32"}}
+    assert spec_hash(older) == spec_hash(base) and spec_changes(older, base) == []
+    assert spec_hash(spec("cpu:0")) == spec_hash(spec("cpu:0", "training.allow_tf32=false"))
+    assert step_config(load_text(MLP, filename="m.yaml", overrides=["training.allow_tf32=false"])).allow_tf32 is False
+    assert step_config(load_text(MLP, filename="m.yaml")).allow_tf32 is True
+
+
 # ---------------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 def test_fp16_trains_on_cupy_as_on_numpy(tmp_path):

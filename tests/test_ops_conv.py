@@ -18,6 +18,7 @@ from flowctl.engine.ops.conv import (
 )
 from flowctl.engine.ops.registry import get_op
 from flowctl.engine.shapes import TensorSpec
+from precision import TF32_ROUNDOFF, assert_fp32_close
 
 
 # ---------------------------------------------------------------------------- references
@@ -250,11 +251,32 @@ def test_cpu_batch_chunks_match_whole_batch(monkeypatch, rng):
                     max_elements=30)
 
 
+def _clear_maxima(feeds):
+    """Whether every 2x2 max-pool window of the test's second convolution (float64, every stride
+    and padding) has its largest value clear of the next: by 8 TF32 roundoffs of the output's rms.
+    Computed in TF32 the convolution is off by about 0.8 of one (emulated), so two of its values
+    by about 1.1: a window closer than about 7 of those could pick another maximum on a GPU than
+    on the host, and route the gradient elsewhere -- a difference of the gradients' own size."""
+    def gap(vals):
+        top = sorted(vals)[-2:]
+        return top[1] - top[0] if len(top) == 2 else np.inf
+
+    x, f, g = (feeds[k].astype(np.float64) for k in ("x", "f", "g"))
+    for strides, padding in itertools.product(STRIDES, PADDINGS):
+        z = ref_conv2d(ref_conv2d(x, f, strides, padding), g, (1, 1), padding)
+        if ref_pool(z, (2, 2), strides, padding, gap).min() < 8 * TF32_ROUNDOFF * np.sqrt(np.mean(z ** 2)):
+            return False
+    return True
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_match_numpy(rng):
-    x = rng.standard_normal((2, 11, 13, 5)).astype(np.float32)
-    feeds_np = {"x": x, "f": rng.standard_normal((3, 2, 5, 4)).astype(np.float32),
-                "g": rng.standard_normal((1, 3, 4, 2)).astype(np.float32)}
+    while True:  # about 8 draws: a window within the margin turns up every few hundred
+        feeds_np = {"x": rng.standard_normal((2, 11, 13, 5)).astype(np.float32),
+                    "f": rng.standard_normal((3, 2, 5, 4)).astype(np.float32),
+                    "g": rng.standard_normal((1, 3, 4, 2)).astype(np.float32)}
+        if _clear_maxima(feeds_np):
+            break
     g = fc.Graph()
     with g.as_default():
         phs = {k: fc.placeholder("float32", v.shape, name=k) for k, v in feeds_np.items()}
@@ -267,5 +289,9 @@ def test_gpu_kernels_match_numpy(rng):
     feeds = {phs[k]: v for k, v in feeds_np.items()}
     cpu = fc.Session(g, store=fc.ContainerStore()).run(outs, feeds)
     gpu = fc.Session(g, device="gpu:0", store=fc.ContainerStore()).run(outs, feeds)
-    for a, b in zip(cpu, gpu):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+    # The convolutions' products run as TF32 on a GPU by default (tests/precision.py): the first
+    # conv alone differs by 7e-3 (a sum of 30 products of order one). The deepest products are the
+    # filter gradients, summed over the 2 x 11 x 13 = 286 output positions; 1e-4 stays the floor
+    # (an IEEE run's chained products and pools).
+    for i, (a, b) in enumerate(zip(cpu, gpu)):
+        assert_fp32_close(b, a, k=2 * 11 * 13, floor=1e-4, err_msg=f"output {i}")

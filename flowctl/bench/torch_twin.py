@@ -46,18 +46,28 @@ def _window_pads(spec_in: Any, k: tuple[int, int], s: tuple[int, int],
 
 
 class BatchNorm(nn.Module):
-    """Training-mode batch norm over channels (dim 1), with the spec's optional scale."""
+    """Training-mode batch norm over channels (dim 1), with the spec's optional scale.
+
+    Without a scale the weight is a frozen buffer of ones (not a Parameter: the parameter count and
+    the optimizer's list are unchanged, and a non-persistent buffer leaves the state dict as it
+    was) rather than `weight=None`: cuDNN's batch-norm backward returns an empty weight gradient
+    for a None weight and autograd rejects it ("NativeBatchNormBackward0 returned an invalid
+    gradient at index 2"). Multiplying by 1.0 is exact, so the CPU numerics are the same bits.
+    """
 
     def __init__(self, c: int, scale: bool, eps: float, momentum: float) -> None:
         super().__init__()
-        self.gamma = nn.Parameter(torch.ones(c)) if scale else None
+        self.gamma: nn.Parameter | None = nn.Parameter(torch.ones(c)) if scale else None
+        if not scale:
+            self.register_buffer("unit_scale", torch.ones(c), persistent=False)
         self.beta = nn.Parameter(torch.zeros(c))
         self.register_buffer("running_mean", torch.zeros(c))
         self.register_buffer("running_var", torch.ones(c))
         self.eps, self.momentum = eps, 1.0 - momentum  # Keras momentum 0.99 is PyTorch's 0.01
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.batch_norm(x, self.running_mean, self.running_var, self.gamma, self.beta,
+        weight = self.gamma if self.gamma is not None else self.unit_scale
+        return F.batch_norm(x, self.running_mean, self.running_var, weight, self.beta,
                             training=self.training, momentum=self.momentum, eps=self.eps)
 
 

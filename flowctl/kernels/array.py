@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from flowctl.kernels.registry import kernel
 
 Fn = Callable[..., Any]
@@ -200,6 +202,25 @@ def _gather_grad_layout(dy: Any, indices: Any, like: Any, axis: int) -> tuple[An
     return dy.reshape(outer, idx.size, inner), idx, outer, dim, a
 
 
+# cupy's add.at (and scatter_add) takes int32, int64, uint32, uint64 and the floats only. The
+# narrower integers and bool scatter into a 32-bit integer and are cast back, exactly: a sum of
+# integers modulo 2**8 or 2**16 is the low bits of their sum modulo 2**32, which is what numpy's
+# add.at (wrapping) gives; numpy adds booleans as "or", i.e. a nonzero count.
+_SCATTER_WIDE = {"int8": "int32", "int16": "int32", "uint8": "uint32", "uint16": "uint32", "bool": "int32"}
+
+
+def add_at_into_zeros(xp: Any, add_at: Fn, shape: tuple[int, ...], index: Any, updates: Any) -> Any:
+    """zeros(shape) of `updates`' dtype with `updates` added at `index` (repeated indices add up),
+    for every dtype on cupy as well as numpy (numpy's add.at takes every dtype as it is)."""
+    dtype = np.dtype(updates.dtype)
+    wide = None if xp is np else _SCATTER_WIDE.get(dtype.name)
+    out = xp.zeros(shape, dtype=wide or dtype)
+    add_at(out, index, updates if wide is None else updates.astype(wide))
+    if wide is None:
+        return out
+    return out != 0 if dtype.name == "bool" else out.astype(dtype)
+
+
 @kernel("GatherGrad")
 def gather_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
     axis = attrs["axis"]
@@ -211,8 +232,7 @@ def gather_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
 
     def run(dy: Any, indices: Any, like: Any) -> Any:
         d3, idx, outer, dim, _ = _gather_grad_layout(dy, indices, like, axis)
-        out = xp.zeros((outer, dim, d3.shape[2]), dtype=dy.dtype)
-        add_at(out, (slice(None), idx), d3)
+        out = add_at_into_zeros(xp, add_at, (outer, dim, d3.shape[2]), (slice(None), idx), d3)
         return out.reshape(like.shape)
 
     return run

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from flowctl.kernels.array import add_at_into_zeros
 from flowctl.kernels.registry import kernel
 
 Fn = Callable[..., Any]
@@ -36,9 +37,8 @@ def gather_nd(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 
 def _scatter(xp: Any, add_at: Fn, indices: Any, updates: Any, shape: tuple[int, ...], node: str) -> Any:
-    out = xp.zeros(shape, dtype=updates.dtype)
-    add_at(out, _checked(indices, shape, node), updates)
-    return out
+    # every dtype on cupy too (whose add.at refuses the narrow integers and bool): array.py
+    return add_at_into_zeros(xp, add_at, shape, _checked(indices, shape, node), updates)
 
 
 @kernel("ScatterND")

@@ -346,6 +346,11 @@ class TrainingSpec(Strict):
                             "bfloat16 (emulated in float32)")
     loss_scale: LossScale = Field(default_factory=lambda: LossScale.model_validate({}),
                                   description="fp16's dynamic loss scaling")
+    allow_tf32: bool = Field(True, description="float32 products on a GPU (matmuls, convolutions) as TF32 "
+                                               "tensor-core products, as cuDNN computes them: 10 mantissa bits "
+                                               "in the product inputs, float32 accumulation; false: IEEE "
+                                               "float32 products. No effect on a CPU; a GPU run records it in "
+                                               "run.json (fp32_products)")
 
     @field_validator("learning_rate")
     @classmethod

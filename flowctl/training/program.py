@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate,
 from flowctl.engine.placement.cost import StaticCostModel
 from flowctl.engine.runtime import DistributedSession
 from flowctl.engine.session import require_device
+from flowctl.kernels.registry import set_fp32_products
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel, build_model
 
@@ -101,6 +103,7 @@ class StepConfig:
     fuse: bool = False  # element-wise fusion of the finished step (engine/fusion.py)
     precision: str = "fp32"  # fp16: float16 layers on float32 variables, with dynamic loss scaling
     loss_scale: tuple[float, int] = (65536.0, 2000)  # fp16: (initial scale, growth interval)
+    allow_tf32: bool = True  # a GPU's float32 products: TF32 tensor cores, else IEEE float32
 
     @property
     def device_names(self) -> list[str]:
@@ -139,7 +142,8 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         compress=pl.transfers.compress == "bf16", receive=pl.transfers.receive,
         cluster=ClusterConfig(spec.cluster.type, spec.cluster.address, spec.cluster.max_failures,
                               tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())),
-        fuse=tr.fuse, precision=tr.precision, loss_scale=(tr.loss_scale.initial, tr.loss_scale.growth_interval))
+        fuse=tr.fuse, precision=tr.precision, loss_scale=(tr.loss_scale.initial, tr.loss_scale.growth_interval),
+        allow_tf32=tr.allow_tf32)
 
 
 def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
@@ -530,6 +534,7 @@ class Program:
     placed: PlacedStep
     session: fc.Session
     config: StepConfig
+    fp32_products: str | None = None  # on a GPU: "tf32" or "ieee" (`apply_fp32_products`); None on CPUs
 
     @property
     def strategy(self) -> str:
@@ -591,6 +596,8 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
                  for n in placed.chosen.simulation.start} if config.receive == "alap" else None
     transfers: dict[str, Any] = {"compress": config.compress, "recv_schedule": config.receive, "durations": durations}
     session: fc.Session
+    on_gpu = any(parse_device(d).type == "gpu" for d in placed.devices_used())
+    fp32 = apply_fp32_products(config) if on_gpu else None  # before the session makes any handle
     if config.cluster.type == "ray":
         resources = task_resources({task: dict(res) for task, res in config.cluster.resources})
         session = RaySession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(),
@@ -599,10 +606,33 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
         session = fc.Session(step.graph, device=cluster.names[0], store=fc.ContainerStore())
     else:
         session = DistributedSession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(), **transfers)
-    return Program(step, placed, session, config)
+    return Program(step, placed, session, config, fp32)
+
+
+def apply_fp32_products(config: StepConfig) -> str:
+    """Make this process's float32 products on a GPU what the spec says (`training.allow_tf32`):
+    "tf32" (TF32 tensor cores, 10 mantissa bits in the inputs, float32 accumulation: as cuDNN's
+    convolutions and `flowctl bench peers` on both sides) or "ieee" (full float32). It sets
+    flowctl's own cuBLAS products (`set_fp32_products`) and cupy's: CUPY_TF32, which cupy reads the
+    first time it needs a float32 product's compute type, and that compute type itself where cupy
+    has already settled it (its private `set_compute_type`; skipped where that is missing).
+    Process-wide: the last program opened on a GPU decides. Ray workers are other processes and
+    keep their own (the default, TF32). Returns the mode."""
+    mode = "tf32" if config.allow_tf32 else "ieee"
+    os.environ["CUPY_TF32"] = "1" if config.allow_tf32 else "0"
+    set_fp32_products(mode)
+    if "cupy" in sys.modules:
+        try:
+            from cupy._core import _routines_linalg as linalg  # type: ignore[import-not-found]
+
+            linalg.set_compute_type("float32", getattr(linalg, "COMPUTE_TYPE_TF32", 7) if config.allow_tf32
+                                    else getattr(linalg, "COMPUTE_TYPE_DEFAULT", 1))
+        except Exception:  # noqa: BLE001 -- a private API of cupy's: CUPY_TF32 above still holds for a fresh one
+            pass
+    return mode
 
 
 __all__ = ["DATA_PARALLEL", "STRATEGIES", "ClusterConfig", "DeviceConfig", "OptimizerConfig", "PlacedStep", "Program", "Step",
-           "StepConfig", "apply_constraints", "build_step", "cluster_for", "fuse_step", "gradient_process", "layer_of",
-           "make_optimizer", "open_program", "place_for_training", "place_step", "plan", "step_config", "step_keep",
-           "step_memory"]
+           "StepConfig", "apply_constraints", "apply_fp32_products", "build_step", "cluster_for", "fuse_step",
+           "gradient_process", "layer_of", "make_optimizer", "open_program", "place_for_training", "place_step", "plan",
+           "step_config", "step_keep", "step_memory"]

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from flowctl.engine.checkpoint import free_space, why_write_failed
-from flowctl.engine.errors import CheckpointError
+from flowctl.engine.devices import parse_device
+from flowctl.engine.errors import CheckpointError, FlowctlError
 
 Warn = Callable[[str], None]
 
@@ -73,15 +74,36 @@ def resolved(spec: Any) -> dict[str, Any]:
     return spec.model_dump(mode="json")
 
 
+def _names_a_gpu(d: dict[str, Any]) -> bool:
+    """Whether a resolved spec lists a GPU device (or devices it cannot read: then it may)."""
+    devices = d.get("devices")
+    if not isinstance(devices, list):
+        return True
+    for entry in devices:
+        name = entry.get("name") if isinstance(entry, dict) else entry
+        if not isinstance(name, str):
+            return True
+        try:
+            if parse_device(name).type == "gpu":
+                return True
+        except FlowctlError:
+            return True
+    return False
+
+
 def _without_inert(resolved_spec: Any) -> Any:
     """A copy without the keys that compute nothing as set: at fp32 (the default) the precision
-    and fp16's loss scale. So a run started before those keys existed resumes, and changing the
-    loss scale of an fp32 run is no spec change."""
+    and fp16's loss scale; `training.allow_tf32` at its default (true), and on a spec without a
+    GPU (a CPU's float32 products are IEEE either way). So a run started before those keys existed
+    resumes, changing the loss scale of an fp32 run is no spec change, and switching a GPU run's
+    float32 products between TF32 and IEEE is one (its numerics change)."""
     d = json.loads(json.dumps(resolved_spec))
     training = d.get("training") if isinstance(d, dict) else None
     if isinstance(training, dict) and training.get("precision", "fp32") == "fp32":
         training.pop("precision", None)
         training.pop("loss_scale", None)
+    if isinstance(training, dict) and (training.get("allow_tf32", True) is True or not _names_a_gpu(d)):
+        training.pop("allow_tf32", None)
     return d
 
 

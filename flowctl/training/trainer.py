@@ -86,6 +86,8 @@ class Summary:
     best: dict[str, Any] | None = None  # the best evaluation so far: metric, value, step, checkpoint
     early_stopped: bool = False
     exit_code: int = 0  # interrupted: 128 + the signal that stopped it (130 Ctrl-C, 143 SIGTERM)
+    # A one-GPU run: whether its steps ran as captured CUDA graphs (Session.capture_report), else None.
+    capture: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -187,7 +189,7 @@ class Trainer:
             self.run.write_json("placement.json", {"strategy": self.strategy, "devices": self.program.devices,
                                                    "assignment": self.program.placement})
         self.run.write_info({"status": "running", "spec_path": spec_path, "step": 0, "flowctl": fc.__version__,
-                             "spec_sha256": self.hash, "strategy": self.strategy})
+                             "spec_sha256": self.hash, "strategy": self.strategy, **self._products()})
         self.run.truncate_metrics(-1)
 
     def restore(self) -> str:
@@ -207,8 +209,14 @@ class Trainer:
                 self.on_warning(w)
             origin = str(c.path)
         self.run.truncate_metrics(self.step)
-        self.run.update_info(status="running", step=self.step)
+        self.run.update_info(status="running", step=self.step, **self._products())
         return origin
+
+    def _products(self) -> dict[str, Any]:
+        """A run on a GPU records how its float32 products ran (training.allow_tf32): "tf32" or
+        "ieee"; a run on CPUs records nothing (its products are IEEE float32 either way)."""
+        mode = self.program.fp32_products
+        return {"fp32_products": mode} if mode is not None else {}
 
     def _load(self, c: ckpt.Checkpoint) -> None:
         ckpt.apply(self.session, c.tensors, c.state, origin=c.path)
@@ -313,7 +321,18 @@ class Trainer:
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
                        evaluation=tr["last"], evaluation_step=tr.get("last_step"), best=best, early_stopped=self.early_stopped,
-                       exit_code=stop.exit_code if interrupted else 0)
+                       exit_code=stop.exit_code if interrupted else 0, capture=self._capture_report())
+
+    def _capture_report(self) -> dict[str, Any] | None:
+        report = getattr(self.session, "capture_report", None)
+        if report is None or not getattr(self.session, "capture", False):
+            return None
+        r = report()
+        plans = r["plans"]
+        train = max(plans, key=lambda p: p["captured_steps"] + p["eager_steps"], default=None)
+        return {"captured": bool(train and train["captured"]), "reason": train and train["reason"],
+                "captured_steps": train["captured_steps"] if train else 0,
+                "eager_steps": train["eager_steps"] if train else 0}
 
     def _loop(self, stop: Stop, metrics: MetricsLog, writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
