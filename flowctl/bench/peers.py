@@ -64,13 +64,16 @@ def import_torch() -> Any:
     return torch
 
 
-def _load(row: Row) -> Any:
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def _load(row: Row, overrides: Sequence[str] = ()) -> Any:
     from flowctl.spec import load_spec, load_text
 
     if "\n" in row.spec:
-        return load_text(row.spec, f"<{row.name}>")
+        return load_text(row.spec, f"<{row.name}>", overrides=overrides)
     path = Path(row.spec)
-    return load_spec(path if path.exists() else SPECS / path)
+    return load_spec(path if path.exists() else SPECS / path, overrides)
 
 
 def _batch(loaded: Any, batch: int) -> dict[str, np.ndarray]:
@@ -130,9 +133,11 @@ def _ranked(table: dict[str, tuple[float, int]], step_s: float, top: int = 12) -
     return {"step_ms": step_s * 1e3, "ops": out}
 
 
-def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool, device: str = "cpu:0") -> FlowctlStep:
+def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool, device: str = "cpu:0",
+                 capture: bool | None = None) -> FlowctlStep:
     """A callable that runs one flowctl step on `arrays`, every node on `device`. A step fetches
-    its loss (or logits) to the host, so it has finished on a GPU when the call returns."""
+    its loss (or logits) to the host, so it has finished on a GPU when the call returns. On a GPU
+    its steps are captured as one CUDA graph unless `capture` is False."""
     import flowctl as fc
     from flowctl.engine.container import ContainerStore
 
@@ -145,7 +150,7 @@ def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool, device
         model = build_model(loaded, training=False)
         fetch, feeds = [model.outputs[_logits(loaded)]], {}
     feeds.update({model.inputs[k]: v for k, v in arrays.items() if k in model.inputs})
-    session = fc.Session(model.graph, device=device, store=ContainerStore())
+    session = fc.Session(model.graph, device=device, store=ContainerStore(), capture=capture)
     session.run(model.initializer())
     return FlowctlStep(session, fetch, feeds)
 
@@ -172,10 +177,13 @@ def torch_profile(torch: Any, step: Callable[[], Any], steps: int = 2, gpu: bool
 
 
 def torch_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool,
-               device: str = "cpu:0") -> tuple[Callable[[], Any], int]:
+               device: str = "cpu:0", precision: str = "fp32",
+               captured: bool = False) -> tuple[Callable[[], Any], int]:
     """A callable that runs one step of the PyTorch twin on the same arrays (on `device`: a step
     on a GPU ends with a synchronize, so it has finished when the call returns, as flowctl's), and
-    the twin's parameter count."""
+    the twin's parameter count. `precision` bf16/fp16: the step under autocast to that type.
+    `captured` (a GPU): the whole step captured as one CUDA graph after three warm-up steps on a
+    side stream (torch.cuda.graph), each call a replay -- PyTorch's own best on the card."""
     torch = import_torch()
     from flowctl.bench.torch_twin import Twin, torch_feeds
 
@@ -186,6 +194,29 @@ def torch_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool,
     feeds = {k: v.to(where) for k, v in torch_feeds(loaded, arrays).items()}
     count = twin.param_count()
     run, count = _torch_run(torch, loaded, twin, feeds, count, train)
+    if precision != "fp32":
+        plain, kind = run, ("cuda" if where.startswith("cuda") else "cpu")
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+
+        def run() -> Any:
+            with torch.autocast(device_type=kind, dtype=dtype):
+                return plain()
+    if captured and where.startswith("cuda"):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+
+        def replay() -> Any:
+            graph.replay()
+            torch.cuda.synchronize()
+            return out
+        return replay, count
     if where.startswith("cuda"):
         def synced() -> Any:
             out = run()
@@ -339,13 +370,37 @@ def peak_memory(row: Row, threads: int, device: str = "cpu:0") -> dict[str, dict
 
 
 def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool = False,
-            device: str = "cpu:0") -> dict[str, Any]:
-    loaded = _load(row)
+            device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """One row. On a GPU, four runners take turns: flowctl's step captured as a CUDA graph (the
+    `flowctl` figure) and eager, PyTorch's eager (the `pytorch` figure: the ratio is against it) and
+    its captured step; GPU memory is each allocator's, read in this process."""
+    sets = tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
+    loaded = _load(row, sets)
     arrays = _batch(loaded, row.batch)
+    gpu = device != "cpu:0"
     say(f"{row.name}: building flowctl's step and PyTorch's")
-    runners = {"flowctl": flowctl_step(loaded, arrays, row.train, device)}
-    runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train, device)
-    for run in runners.values():  # warm-up: plans, allocators, thread pools
+    runners: dict[str, Any] = {"flowctl": flowctl_step(loaded, arrays, row.train, device)}
+    memory: dict[str, Any] = {}
+    if gpu:
+        torch = import_torch()
+        runners["flowctl"]()
+        runners["flowctl"]()  # warm-up, then the capture: its private pool holds the whole step
+        memory["flowctl"] = {"gpu_peak_mib": flowctl_gpu_bytes(runners["flowctl"].session) / 2**20}
+        eager_rows = os.environ.get("FLOWCTL_PEERS_EAGER")  # rows whose eager flowctl step is timed too
+        if eager_rows is None or row.name in eager_rows.split(","):
+            runners["flowctl_eager"] = flowctl_step(loaded, arrays, row.train, device, capture=False)
+        runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train, device, precision)
+        torch.cuda.reset_peak_memory_stats()
+        runners["pytorch"]()
+        memory["pytorch"] = {"gpu_peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+        try:
+            runners["pytorch_captured"], _ = torch_step(loaded, arrays, row.train, device, precision, captured=True)
+        except Exception as e:  # noqa: BLE001 -- PyTorch's capture of this twin failed: say so, go on
+            say(f"{row.name}: PyTorch's step could not be captured: {e}")
+    else:
+        runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train, device, precision)
+    for run in runners.values():  # warm-up: plans, allocators, thread pools; a GPU's captures
+        run()
         run()
     times: dict[str, list[float]] = {k: [] for k in runners}
     for r in range(rounds):
@@ -355,6 +410,17 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
             runners[name]()  # after the other framework ran, caches and threads are its
             times[name] += [_timed(runners[name]) for _ in range(steps)]
     out = summarize(times["flowctl"], times["pytorch"])
+    if gpu:
+        out["memory"] = memory
+        out["capture"] = runners["flowctl"].session.capture_report()
+        if "flowctl_eager" in times:
+            out["flowctl_eager"] = summarize(times["flowctl_eager"], times["pytorch"])["flowctl"]
+            out["capture_speedup"] = float(np.median(times["flowctl_eager"]) / np.median(times["flowctl"]))
+        if "pytorch_captured" in times:
+            cap = summarize(times["flowctl"], times["pytorch_captured"])
+            out["pytorch_captured"] = cap["pytorch"]
+            out["ratio_captured"], out["ratio_captured_ci95"] = cap["ratio"], cap["ratio_ci95"]
+        out["precision"] = precision
     if profile:  # after the timed steps, so the profilers cost them nothing
         say(f"{row.name}: profiling a step of each")
         out["profile"] = {"flowctl": runners["flowctl"].profile(),  # type: ignore[attr-defined]
@@ -365,16 +431,28 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
     return out
 
 
+def flowctl_gpu_bytes(session: Any) -> int:
+    """GPU memory flowctl's step holds: what cupy's default pool has in use (variables, the static
+    feeds) and every captured step's private pool (the graph's buffers, all held)."""
+    import cupy
+
+    return int(cupy.get_default_memory_pool().used_bytes()) + int(session.device_bytes())
+
+
 def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
               progress: Callable[[str], None] | None = None, blas_n: int = 2048,
               threads: int | None = None, memory: bool = True, profile: bool = False,
-              device: str = "cpu:0") -> dict[str, Any]:
+              device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
     `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
     count both frameworks compute with (default: every CPU). `memory`: also each framework's
     resident memory, from a fresh process per framework and row. `profile`: also where each
     framework's step time goes, by op (one profiled step pair after the timed ones). `device`:
-    where both run, cpu:0 or gpu:N (TF32 allowed on both sides there, as issue 19's table)."""
+    where both run, cpu:0 or gpu:N (TF32 allowed on both sides there, as issue 19's table).
+    `precision`: fp32, or fp16/bf16 (flowctl's `training.precision`, PyTorch's autocast).
+    `overrides`: KEY=VALUE spec overrides for flowctl's side (`--set`)."""
+    if precision not in PRECISIONS:
+        raise FlowctlError(f"bench peers: precision is one of {', '.join(PRECISIONS)}, not '{precision}'")
     if torch_device(device).startswith("cuda"):
         # Read when cupy first makes its cuBLAS handle: set before any kernel runs.
         os.environ.setdefault("CUPY_TF32", "1")
@@ -388,13 +466,15 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     torch.set_num_threads(n)
     try:
         with threadpool_limits(n):
-            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile, device)
+            return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile, device,
+                        precision, overrides)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
-         blas_n: int, memory: bool, profile: bool = False, device: str = "cpu:0") -> dict[str, Any]:
+         blas_n: int, memory: bool, profile: bool = False, device: str = "cpu:0", precision: str = "fp32",
+         overrides: Sequence[str] = ()) -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -412,8 +492,8 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
         machine.update(gpu_machine(torch, device))
     results: dict[str, Any] = {"machine": machine, "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:
-        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device)
-        if memory:
+        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device, precision, overrides)
+        if memory and device == "cpu:0":  # a GPU row measured its devices' memory in this process
             say(f"{row.name}: resident memory, each framework in a fresh process")
             results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads(), device)
     return results

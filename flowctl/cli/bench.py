@@ -41,12 +41,15 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion")
                    "peers: the one device both frameworks run on (cpu:0, the default, or gpu:0).")
 @click.option("--profile", is_flag=True, help="peers: also where each framework's step time goes, by op.")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="peers: flowctl's training.precision, PyTorch's autocast type.")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A spec target: trace one more step of each placement into this directory "
                    "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, learned_steps: int | None,
-          rows: str | None, devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None) -> None:
+          rows: str | None, devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None,
+          precision: str = "fp32") -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching; `fusion`: training steps with and without element-wise fusion) or a spec file (placements measured on its devices beside the simulator's
@@ -89,7 +92,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         render = _render_ratios
     elif target == "peers":
         results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
-                                 devices or "cpu:0")
+                                 devices or "cpu:0", precision, overrides)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -138,7 +141,8 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
 
 
 def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None,
-           profile: bool = False, device: str = "cpu:0") -> tuple[dict[str, Any], Any]:
+           profile: bool = False, device: str = "cpu:0", precision: str = "fp32",
+           overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], Any]:
     """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
     from flowctl.bench.peers import run_peers
     from flowctl.engine.devices import canonical
@@ -149,7 +153,7 @@ def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int
     picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
     with err.status("benchmarking against PyTorch") as status:
         results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads,
-                            profile=profile, device=short)
+                            profile=profile, device=short, precision=precision, overrides=overrides)
     return results, _render_peers
 
 
@@ -160,7 +164,7 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
         rows.append([name, f"{f['median_s']:.3f} [{f['ci95_s'][0]:.3f}-{f['ci95_s'][1]:.3f}]",
                      f"{p['median_s']:.3f} [{p['ci95_s'][0]:.3f}-{p['ci95_s'][1]:.3f}]",
                      f"{row['ratio']:.2f} [{row['ratio_ci95'][0]:.2f}-{row['ratio_ci95'][1]:.2f}]",
-                     " / ".join(f"{row['memory'][k].get('gpu_peak_mib', row['memory'][k]['peak_mib']):,.0f}"
+                     " / ".join(f"{row['memory'][k].get('gpu_peak_mib', row['memory'][k].get('peak_mib', 0)):,.0f}"
                                 for k in ("flowctl", "pytorch"))
                      if "memory" in row else "-",
                      f"{row['params']['spec']:,} / {row['params']['pytorch']:,}"])
@@ -170,6 +174,14 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
                                                                 "peak MiB (flowctl / PyTorch; on a GPU its memory)",
                                                                 "params (spec / twin)")],
                       rows, console.width))
+    for name, row in r["rows"].items():
+        if "ratio_captured" in row:
+            cap, eager = row["pytorch_captured"], row.get("flowctl_eager")
+            console.print(f"  {name} ({row['precision']}): PyTorch's step captured {cap['median_s'] * 1e3:.2f} ms, "
+                          f"flowctl / that {row['ratio_captured']:.2f} [{row['ratio_captured_ci95'][0]:.2f}-"
+                          f"{row['ratio_captured_ci95'][1]:.2f}]" + (
+                              f"; flowctl eager {eager['median_s'] * 1e3:.2f} ms (capture x{row['capture_speedup']:.1f})"
+                              if eager else ""))
     m = r["machine"]
     if "gpu" in m:
         console.print(f"  on {m['device']}, {m['gpu']}: tensor-core peak (8192^2 product through PyTorch) "
