@@ -1,14 +1,11 @@
 """The captured step's bookkeeping (engine/capture.py) on a CPU: warm-up, capture, replay, the
-refusals, variables given new arrays between steps, the step's guard on the device. The GPU's array
-module is stood in for by numpy with the device module's extras (`jit.simulated_module`), and its
-capture by a backend whose "graph" runs the plan again; the launch ledger's tests
-(test_ledger_capture.py) replay a recorded tape instead, as a CUDA graph does."""
+refusals, the step's guard on the device. The GPU's array module is stood in for by numpy with the
+device module's extras (`jit.simulated_module`), and its capture by a backend whose "graph" runs
+the plan again; test_capture_ledger.py replays a recorded tape instead, as a CUDA graph does
+(variables given new arrays between steps, exact resume)."""
 from __future__ import annotations
 
 import contextlib
-import os
-
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import numpy as np
 import pytest

@@ -96,6 +96,10 @@ def test_cache_key_and_notes() -> None:
         assert k1 != cd.cache_key("Conv2D", ((2, 8, 8, 3), (3, 3, 3, 4)), "float16", (1, 1), "SAME")
         assert k1 != cd.cache_key("Conv2D", ((2, 8, 8, 3), (3, 3, 3, 4)), "float32", (1, 1), "SAME", device=1)
         assert k1 != cd.cache_key("Conv2DBackpropInput", ((2, 8, 8, 3), (3, 3, 3, 4)), "float32", (1, 1), "SAME")
+        # a filter gradient's operands are x and dy: the filter's size must be in its key too
+        g17 = cd.conv_geometry((4, 17, 17, 32), (1, 7, 32, 48), (1, 1), "SAME")
+        g71 = cd.conv_geometry((4, 17, 17, 32), (7, 1, 32, 48), (1, 1), "SAME")
+        assert cd.conv_geometry_key(g17) != cd.conv_geometry_key(g71)
         assert cd.precision_mode("float32") == "tf32" and cd.precision_mode("float16") == "float16"
         set_fp32_products("ieee")
         assert cd.cache_key("Conv2D", ((2, 8, 8, 3), (3, 3, 3, 4)), "float32", (1, 1), "SAME") != k1

@@ -59,9 +59,30 @@ def transpose(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda x: x.transpose(perm)
 
 
+def _joined(xp: Any, xs: tuple[Any, ...], axis: int) -> Any:
+    """concatenate(xs, axis) as one copy per input into slices of the output: cupy's own
+    concatenate of many arrays uploads a table of their pointers from the host, which a CUDA-graph
+    capture refuses."""
+    nd = xs[0].ndim
+    ax = axis + nd if axis < 0 else axis
+    shape = list(xs[0].shape)
+    shape[ax] = sum(int(x.shape[ax]) for x in xs)
+    out = xp.empty(tuple(shape), dtype=xp.result_type(*xs))
+    at = 0
+    index: list[Any] = [slice(None)] * nd
+    for x in xs:
+        n = int(x.shape[ax])
+        index[ax] = slice(at, at + n)
+        out[tuple(index)] = x
+        at += n
+    return out
+
+
 @kernel("Concat")
 def concat(xp: Any, attrs: dict[str, Any]) -> Fn:
     axis = attrs["axis"]
+    if xp is not np:
+        return lambda *xs: _joined(xp, xs, axis)
     return lambda *xs: xp.concatenate(xs, axis=axis)
 
 
@@ -168,6 +189,8 @@ def squeeze(xp: Any, attrs: dict[str, Any]) -> Fn:
 @kernel("Stack")
 def stack(xp: Any, attrs: dict[str, Any]) -> Fn:
     axis = attrs["axis"]
+    if xp is not np:  # as Concat: no table of pointers from the host
+        return lambda *xs: _joined(xp, tuple(xp.expand_dims(x, axis) for x in xs), axis)
     return lambda *xs: xp.stack(xs, axis=axis)
 
 

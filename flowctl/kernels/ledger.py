@@ -122,6 +122,12 @@ _DATA_SHAPED = {"nonzero", "flatnonzero", "argwhere", "unique", "unique_values",
 # cupy's own cuBLAS / cuSOLVER calls: refused inside a capture (use xp.matmul / xp.gemm).
 _BLAS = {"matmul", "dot", "vdot", "inner", "tensordot", "einsum", "kron"}
 # Functions that look at metadata only: no launch, no data.
+# Joins that cupy runs as one kernel over a table of the inputs' pointers, uploaded from the host,
+# when they join more than JOIN_TABLE arrays (cupy 14's _concatenate; the exact threshold is a
+# model: kernels join many arrays by copies into slices instead, kernels/array._joined).
+_JOINS = {"concatenate", "stack", "hstack", "vstack", "dstack", "column_stack"}
+JOIN_TABLE = 4
+
 _NO_DATA = {"shape", "ndim", "size", "result_type", "can_cast", "min_scalar_type", "may_share_memory",
             "shares_memory", "iscomplexobj", "isrealobj", "isscalar", "common_type", "promote_types",
             "broadcast_shapes", "iterable", "isfortran", "get_printoptions", "printoptions", "set_printoptions",
@@ -430,6 +436,16 @@ class Ledger(types.ModuleType):
         self.counts["syncs"] += 1
         self._event("sync", what)
 
+    def _pointer_table(self, name: str, n: int) -> None:
+        """cupy joins many arrays in one kernel that reads a table of their pointers, copied from
+        the host first (seen on an H200: the capture of lstm_lm's step failed in a Concat of 35
+        arrays with "the current stream is capturing, so H2D transfers are disallowed")."""
+        if self._tape is not None:
+            raise CaptureError(f"host-to-device copy (the pointer table of {name} over {n} arrays) during a "
+                               f"CUDA-graph capture" + (f" in {self.tag}" if self.tag else ""))
+        self.counts["h2d"] += 1
+        self._event("h2d", f"{name}: a table of {n} pointers")
+
     def _h2d(self, host: Any, what: str) -> Any:
         """A copy of host data onto the device: a new owning LedgerArray."""
         if self._tape is not None:
@@ -627,6 +643,8 @@ class Ledger(types.ModuleType):
             return func(*[_plain(a) for a in args], **{k: _plain(v) for k, v in kwargs.items()})
         if short in _BLAS or name.startswith("linalg."):
             self._blas(name)
+        if short in _JOINS and args and isinstance(args[0], (list, tuple)) and len(args[0]) > JOIN_TABLE:
+            self._pointer_table(name, len(args[0]))
         if short in _DATA_SHAPED or (short == "where" and len(args) + len(kwargs) == 1) or \
                 (short == "repeat" and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), np.ndarray)):
             self._sync(f"{name} (an output shape that depends on the data)")

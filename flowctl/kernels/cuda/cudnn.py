@@ -199,6 +199,11 @@ def cache_key(op: str, shapes: tuple, dtype: str, strides: tuple = (), padding: 
             padding, (1, 1), precision_mode(dtype), DETERMINISTIC, tuple(extra), int(device))
 
 
+def conv_geometry_key(geom: dict[str, Any]) -> tuple:
+    """Everything of a convolution's geometry a graph is built for (filter size, paddings, ...)."""
+    return tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in sorted(geom.items()))
+
+
 def unavailable(xp: Any) -> str | None:
     """Why cuDNN cannot serve kernels bound to `xp` (None when it can): disabled, a simulated or
     numpy-backed module, or no importable cuDNN frontend."""
@@ -464,7 +469,10 @@ def _conv_run(op: str, kind: str, xp: Any, a: Any, b: Any, geom: dict[str, Any],
         return generic()
     cp = xp.cupy
     precision = precision_mode(dtype)
-    key = cache_key(op, (a.shape, b.shape), dtype, geom["stride"], padding, device=_device(cp))
+    # The whole geometry in the key: a filter gradient's operands (x, dy) are the same for a 1x7, a
+    # 7x1 and a 3x3 filter over one image size (a first GPU run reused one graph for all three).
+    key = cache_key(op, (a.shape, b.shape), dtype, geom["stride"], padding, device=_device(cp),
+                    extra=conv_geometry_key(geom))
     plan = _lookup(op, key, xp, lambda: _build_conv(kind, cp, geom, dtype, precision))
     if plan is None:
         return generic()
