@@ -160,3 +160,17 @@ def test_a_restored_variable_reaches_the_captured_graph():
     other.step()
     run.step()  # a replay, after the restored arrays were copied into the graph's own
     _same(run.variables(), other.variables())
+
+
+def test_bench_launches_counts_a_captured_step_of_a_spec():
+    """`flowctl bench launches` (our kernels counted, not run): a replay launches nothing from Python
+    and allocates nothing; its one graph holds the captured step's kernels."""
+    from flowctl.bench.launches import count_step
+
+    r = count_step(Row("lm", LM, 3))
+    assert r["captured"] and r["reason"] is None
+    capture, replay = r["phases"]["capture"], r["phases"]["replay"]
+    assert r["graph_nodes"] == capture["launches"] > 0 and capture["custom"] > 0
+    assert (replay["launches"], replay["allocations"], replay["graph_launches"]) == (0, 0, 1)
+    assert replay["h2d"] == 3  # tokens, targets and the learning rate, into the graph's static buffers
+    assert replay["syncs"] == 2  # the fetched loss, and the guard's flag

@@ -133,3 +133,26 @@ def test_gpu_training_kernels_match_cpu(rng):
     for got, want in zip(bind("SparseSoftmaxCrossEntropyWithLogits", "gpu", {})(cp.asarray(logits), cp.asarray(labels)),
                          bind("SparseSoftmaxCrossEntropyWithLogits", "cpu", {})(logits, labels)):
         np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_sparse_update_takes_a_gpus_rows_with_repeated_ids(rng):
+    """A GPU's GatherGradRows has a fixed size: every index, sorted, each run's sum at its first
+    position and zeros after it. Placed on a CPU, the sparse update must apply each run once."""
+    from flowctl.engine.container import VariableSlot
+
+    params = rng.standard_normal((10, 3)).astype(np.float32)
+    idx = np.array([4, 1, 4, 4, 7], np.int32)
+    dy = rng.standard_normal((5, 3)).astype(np.float32)
+    ids, rows = bind("GatherGradRows", "cpu", {})(dy, idx, params)
+    order = np.argsort(idx, kind="stable")
+    fixed_ids = idx[order].astype(np.int64)
+    fixed_rows = np.zeros((5, 3), np.float32)
+    for p, i in enumerate(fixed_ids):
+        if p == 0 or fixed_ids[p - 1] != i:
+            fixed_rows[p] = rows[list(ids).index(i)]
+    want, got = VariableSlot("w"), VariableSlot("w")
+    want.value, got.value = params.copy(), params.copy()
+    alpha = np.asarray(0.5, np.float32)
+    bind("SparseApplyGradientDescent", "cpu", {"_resource": want})(alpha, ids, rows)
+    bind("SparseApplyGradientDescent", "cpu", {"_resource": got})(alpha, fixed_ids, fixed_rows)
+    np.testing.assert_array_equal(got.value, want.value)

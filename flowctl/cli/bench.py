@@ -12,7 +12,7 @@ from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion")
+SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "launches")
 
 
 @click.command()
@@ -84,6 +84,13 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
             results = placement_suite(full=full, learned_budget=2.0 if quick else learned_budget, rows=rows,
                                       learned_steps=learned_steps, progress=lambda m: status.update(m))
         render = _render_placement
+    elif target == "launches":
+        from flowctl.bench.launches import launches_suite
+
+        picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
+        with err.status("counting") as status:
+            results = launches_suite(picked, progress=lambda m: status.update(m))
+        render = _render_launches
     elif target == "fusion":
         from flowctl.bench.fusion import fusion_benchmark
 
@@ -155,6 +162,20 @@ def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int
         results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads,
                             profile=profile, device=short, precision=precision, overrides=overrides)
     return results, _render_peers
+
+
+def _render_launches(console: Console, r: dict[str, Any]) -> None:
+    keys = ("launches", "custom", "syncs", "h2d", "allocations", "graph_launches")
+    rows = []
+    for name, row in r["rows"].items():
+        for phase, c in row["phases"].items():
+            rows.append([name if phase == "warm-up" else "", phase] + [f"{c[k]:,}" for k in keys])
+    console.print(fit("per training step on the launch ledger (a GPU step's host side, counted on any machine)",
+                      [Col("row"), Col("step")] + [Col(k, "right") for k in keys], rows, console.width))
+    for name, row in r["rows"].items():
+        what = (f"captured: {row['graph_nodes']:,} kernels in the graph" if row["captured"]
+                else f"not captured: {row['reason']}")
+        console.print(f"  {name} (batch {row['batch']}, {row['nodes']:,} nodes): {what}")
 
 
 def _render_peers(console: Console, r: dict[str, Any]) -> None:

@@ -213,14 +213,22 @@ def gather_grad_rows_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 def sparse_apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
     slot = attrs["_resource"]
 
+    def subtract(var: Any, ids: Any, delta: Any) -> None:
+        # Rows from a GPU's GatherGradRows repeat an id (each run's sum at its first position,
+        # zeros after it): an assignment through repeated indices keeps only the last row's.
+        if xp is np and ids.size > 1 and bool((ids[1:] == ids[:-1]).any()):
+            np.subtract.at(var, ids, delta)
+        else:
+            var[ids] -= delta  # only the touched rows are read or written
+
     def run(alpha: Any, ids: Any, rows: Any) -> Any:
         _resident(xp, slot)
         if updatable_in_place(slot):
-            slot.value[ids] -= rows * alpha  # only the touched rows are read or written
+            subtract(slot.value, ids, rows * alpha)
             return slot.value
         # A copy for the slot, as ApplyGradientDescent makes, then only the touched rows change.
         new = xp.array(slot.value, copy=True)
-        new[ids] -= rows * alpha
+        subtract(new, ids, rows * alpha)
         slot.value = new
         return new
 
