@@ -174,3 +174,42 @@ def test_bench_launches_counts_a_captured_step_of_a_spec():
     assert (replay["launches"], replay["allocations"], replay["graph_launches"]) == (0, 0, 1)
     assert replay["h2d"] == 3  # tokens, targets and the learning rate, into the graph's static buffers
     assert replay["syncs"] == 2  # the fetched loss, and the guard's flag
+
+
+LM_FP16 = LM.replace("training: {clip_norm: 1.0, optimizer: {type: sgd}}", """devices: [gpu:0]
+training:
+  precision: fp16
+  optimizer: {type: momentum, momentum: 0.9}
+  loss_scale: {initial: 524288.0, growth_interval: 2}""")
+
+
+def _scale(run: Run) -> tuple[float, int]:
+    st = run.step_def.loss_scale
+    with override_array_module("gpu", run.ledger):
+        scale, skipped = run.sess.run([st.scale, st.skipped])
+    return float(scale), int(skipped)
+
+
+def test_fp16_on_a_gpu_skips_a_step_without_a_cond_and_is_captured():
+    """On one GPU fp16's loss scaling skips a non-finite step through the device's guard flag, not a
+    cond: the step is captured, skipped steps (a scale of 2**19 overflows float16 at first) leave
+    every variable as it was, and the captured run is the uncaptured run bit for bit."""
+    eager = Run(LM_FP16, 3, capture=False, ledger=Ledger())
+    captured = Run(LM_FP16, 3, capture=True, ledger=Ledger())
+    assert not any(n.op in ("Switch", "Merge") for n in eager.sess.graph.nodes.values())  # no cond
+    trail_e, trail_c = [], []
+    for _ in range(10):
+        before = eager.variables()
+        trail_e.append((eager.step(), *_scale(eager)))
+        trail_c.append((captured.step(), *_scale(captured)))
+        if trail_e[-1][2] > (trail_e[-2][2] if len(trail_e) > 1 else 0):  # this step was skipped
+            after = eager.variables()
+            for k in before:
+                if not k.startswith("loss_scale/"):
+                    np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    skipped = [t[2] for t in trail_e]
+    assert skipped[0] >= 1 and skipped[-1] < 10  # some steps skipped, later ones applied
+    assert trail_c == trail_e
+    _same(captured.variables(), eager.variables())
+    report = captured.sess.capture_report()
+    assert max(report["plans"], key=lambda p: p["captured_steps"])["captured"], report

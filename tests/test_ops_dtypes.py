@@ -44,6 +44,7 @@ LEFT_OUT = {
     "ApplyMomentum": "writes a Variable and its slot (tests/test_optimizers.py)",
     "ApplyAdam": "writes a Variable and its slots (tests/test_optimizers.py)",
     "GatherGradRows": "made by the optimizer from a GatherGrad, not by a template (tests/test_train_step_kernels.py)",
+    "GuardFlag": "a bool scalar passed through, raising a device flag (tests/test_capture_ledger.py)",
     "FIFOQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "RandomShuffleQueue": "a queue resource, no tensor output (tests/test_queues.py)",
     "Enqueue": "needs a queue resource (tests/test_queues.py)",

@@ -374,10 +374,12 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
     """One row. On a GPU, four runners take turns: flowctl's step captured as a CUDA graph (the
     `flowctl` figure) and eager, PyTorch's eager (the `pytorch` figure: the ratio is against it) and
     its captured step; GPU memory is each allocator's, read in this process."""
+    gpu = device != "cpu:0"
     sets = tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
+    if gpu:  # the step is built for the device it runs on (fp16's skip without a cond, on one GPU)
+        sets += (f"devices=[{device}]",)
     loaded = _load(row, sets)
     arrays = _batch(loaded, row.batch)
-    gpu = device != "cpu:0"
     say(f"{row.name}: building flowctl's step and PyTorch's")
     runners: dict[str, Any] = {"flowctl": flowctl_step(loaded, arrays, row.train, device)}
     memory: dict[str, Any] = {}

@@ -219,7 +219,7 @@ class CapturedStep:
 
     def _check_guards(self) -> None:
         for g in self.guards:
-            if not g.ok():
+            if g.raises and not g.ok():
                 g.reset()
                 raise NonFiniteError(f"node '{g.name}' (CheckNumerics): the step's values are not finite "
                                      f"(found on the device after the step; nothing was updated)",

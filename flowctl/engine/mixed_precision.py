@@ -23,7 +23,7 @@ from flowctl.engine.control_flow import cond
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import constant
-from flowctl.engine.ops.control import group, identity
+from flowctl.engine.ops.control import group, guard_flag, identity
 from flowctl.engine.ops.elementwise import add_n, cast, equal, greater, maximum, select
 from flowctl.engine.ops.reduction import reduce_sum
 from flowctl.engine.ops.state import assign, trainable_variables, variable
@@ -70,8 +70,13 @@ class LossScaleOptimizer(Optimizer):
     being finite; S, the run of good steps and the skipped count updated after it."""
 
     def __init__(self, inner: Optimizer, initial_scale: float = 65536.0, growth_interval: int = 2000,
-                 name: str = "loss_scale") -> None:
+                 name: str = "loss_scale", predicated: bool = False) -> None:
+        """`predicated`: skip a non-finite step without a `cond` -- the update's state writes wait
+        for a GuardFlag of "all finite" and, on a GPU, leave their variables as they were where it
+        is false -- so the step has no host branch and can be captured as one CUDA graph. Only a
+        GPU's state writes read the flag: a CPU step uses the cond."""
         super().__init__(inner.learning_rate, inner.name)
+        self.predicated = predicated
         if initial_scale <= 0 or growth_interval < 1:
             raise GraphError(f"loss scale: initial must be > 0 and growth_interval >= 1, got {initial_scale}, "
                              f"{growth_interval}")
@@ -142,7 +147,14 @@ class LossScaleOptimizer(Optimizer):
                 return identity(constant(0, dtype="int64"), name="skipped")
 
             with graph.name_scope(self.scope):
-                done = cond(finite, apply, skip, name="maybe_apply")
+                if self.predicated:
+                    flag = guard_flag(finite, name="guard")
+                    with graph.control_dependencies([flag]):
+                        op = self.inner.apply_gradients(live)
+                    with graph.control_dependencies([op]):
+                        done = cast(finite, "int64", name="applied")
+                else:
+                    done = cond(finite, apply, skip, name="maybe_apply")
                 with graph.control_dependencies([done]):
                     st.new_scale, st.new_skipped, good = self._update_state(st, finite)
             return group([done, st.new_scale, st.new_skipped, good], name=name or self.name, graph=graph)

@@ -23,6 +23,9 @@ from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
 from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
 
+# The ops whose device flag a step's state writes read (StepGuard).
+GUARDS = ("CheckNumerics", "GuardFlag")
+
 # Steps on a GPU are captured as CUDA graphs unless this is 0 (or a Session says capture=False).
 CAPTURE = os.environ.get("FLOWCTL_CUDA_GRAPH", "1") != "0"
 
@@ -141,17 +144,18 @@ class Session:
         return sum(s.backend.held_bytes() for s in self._captured.values() if s.backend is not None)
 
     def _guard_for(self, node: Node) -> StepGuard | None:
-        """The StepGuard of a CheckNumerics node, or of the one a node waits for (the state writes
-        of a step's guard, program.guard_state): on a GPU, where steps are captured."""
-        if node.op == "CheckNumerics":
+        """The StepGuard of a CheckNumerics or GuardFlag node, or of the one a node waits for (the
+        state writes of a step's guard, program.guard_state; fp16's skippable update): on a GPU,
+        where steps are captured."""
+        if node.op in GUARDS:
             name = node.name
         else:
-            name = next((c for c in node.control_inputs if self.graph.nodes[c].op == "CheckNumerics"), None)
+            name = next((c for c in node.control_inputs if self.graph.nodes[c].op in GUARDS), None)
             if name is None:
                 return None
         g = self.guards.get(name)
         if g is None:
-            g = self.guards[name] = StepGuard(name)
+            g = self.guards[name] = StepGuard(name, raises=self.graph.nodes[name].op == "CheckNumerics")
         return g
 
     def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> Plan:

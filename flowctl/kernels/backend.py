@@ -223,10 +223,13 @@ class StepGuard:
     update on a device skips itself where the flag is 0, so a non-finite step changes nothing, and
     the host learns of it after the step (`ok()`). One flag array per array module."""
 
-    __slots__ = ("name", "_flags")
+    __slots__ = ("name", "raises", "_flags")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, raises: bool = True) -> None:
+        """`raises`: a flag of 0 after a step is an error (the loss's CheckNumerics); False: a
+        step the graph skips on purpose (fp16's GuardFlag, which sets the flag every step)."""
         self.name = name
+        self.raises = raises
         self._flags: dict[int, Any] = {}
 
     def flag(self, xp: Any) -> Any:

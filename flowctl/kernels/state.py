@@ -187,3 +187,19 @@ def check_numerics(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
         return x
 
     return run
+
+
+@kernel("GuardFlag")
+def guard_flag(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    """Its input; on a device whose state writes read the step's guard (attrs["_guard"]), the
+    device flag set from it first (one launch: no host read, so a captured step can skip)."""
+    guard = attrs.get("_guard")
+    if guard is None:
+        return lambda ok: ok
+    flag = guard.flag(xp)
+
+    def run(ok: Any) -> Any:
+        xp.copyto(flag, ok.reshape(1), casting="unsafe")
+        return ok
+
+    return run

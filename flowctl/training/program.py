@@ -255,6 +255,11 @@ def gradient_process(config: StepConfig) -> st.GradientProcess | None:
     return process
 
 
+def _kind(device: str) -> str:
+    """A device name's type: gpu for gpu:0, worker1/gpu:0 or /job:.../device:gpu:0."""
+    return device.rsplit("device:", 1)[-1].rsplit("/", 1)[-1].split(":")[0]
+
+
 def build_step(model: BuiltModel, config: StepConfig) -> Step:
     """Extend `model`'s graph with a learning-rate placeholder, the mean loss, the optimizer and the
     strategy's step (flowctl.engine.strategies), then the spec's placement constraints."""
@@ -268,7 +273,10 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         loss = model.loss if model.loss.shape == () else fc.reduce_mean(model.loss, name="mean_loss")
         opt = make_optimizer(config.optimizer, lr)
         if config.precision == "fp16":  # (async_data_parallel is refused by the spec check)
-            opt = LossScaleOptimizer(opt, *config.loss_scale)
+            # On one GPU the skipped step needs no cond (its state writes read a device flag), so
+            # the step can be captured as one CUDA graph; elsewhere the cond skips it.
+            one_gpu = strategy == "single" and len(config.devices) == 1 and _kind(first) == "gpu"
+            opt = LossScaleOptimizer(opt, *config.loss_scale, predicated=one_gpu)
         args = (g, loss, model.inputs, model.trainable_variables(), opt)
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}
         train: st.TrainStep | None = None

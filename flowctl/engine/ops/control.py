@@ -39,6 +39,19 @@ register_op("CheckNumerics", _float_same, num_inputs=1, attrs={"message": ("str"
             cost=movement_cost, grad=lambda op, dy: [dy[0]], view=view_same)
 
 
+def _bool_scalar(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if ins[0].dtype != "bool" or ins[0].shape != ():
+        raise InferError(f"GuardFlag needs a bool scalar, got {ins[0].dtype} of shape {ins[0].shape}")
+    return [ins[0]]
+
+
+# GuardFlag(ok): its input, and on a device whose steps are captured, the device flag every state
+# write that waits for it (a control edge) reads: where ok is false the write leaves its variable
+# as it was (fp16's skipped step without a cond, engine/mixed_precision.py). A CPU's writes do not
+# read it: a CPU step skips with the cond.
+register_op("GuardFlag", _bool_scalar, num_inputs=1, group=CONTROL, cost=movement_cost, differentiable=False,
+            view=view_same)
+
 def no_op(name: str | None = None, control_inputs: Sequence[Tensor] = (), graph: Graph | None = None) -> Tensor:
     g = graph or graph_of(*control_inputs)
     return make_op("NoOp", [], name=name or "NoOp", graph=g, control_inputs=list(control_inputs))
@@ -62,6 +75,11 @@ def stop_gradient(x: Tensor, name: str | None = None) -> Tensor:
 
 def check_numerics(x: Tensor, message: str = "", name: str | None = None) -> Tensor:
     return make1("CheckNumerics", [x], {"message": message}, name=name)
+
+
+def guard_flag(ok: Tensor, name: str | None = None) -> Tensor:
+    """`ok` (a bool scalar), raising the device's guard flag for the state writes that wait for it."""
+    return make1("GuardFlag", [ok], {}, name=name)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from flowctl.kernels.cuda.kernels import guarded
 from flowctl.kernels.registry import KERNELS, kernel
 from flowctl.kernels.state import _resident, updatable_in_place
 
@@ -14,7 +15,7 @@ from flowctl.kernels.state import _resident, updatable_in_place
 @kernel("Assign", ["gpu"])
 def assign_gpu(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
     slot = attrs["_resource"]
-    generic = KERNELS[("Assign", "cpu")](xp, attrs)
+    generic = guarded(xp, attrs, KERNELS[("Assign", "cpu")](xp, attrs))
     guard = attrs.get("_guard")
     flag = guard.flag(xp) if guard is not None else None
 
@@ -33,3 +34,4 @@ def assign_gpu(xp: Any, attrs: dict[str, Any]) -> Callable[[Any], Any]:
         return v
 
     return run
+

@@ -559,7 +559,7 @@ def _update_ok(var: Any, grad: Any, scalar: Any) -> bool:
 @kernel("ApplyGradientDescent", ["gpu"])
 def apply_gradient_descent_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     slot = attrs["_resource"]
-    generic = apply_gradient_descent(xp, attrs)
+    generic = guarded(xp, attrs, apply_gradient_descent(xp, attrs))
     dummy = _dummy(xp)
     flag = _flag(xp, attrs)
     k = _kernels()
@@ -582,7 +582,7 @@ def apply_gradient_descent_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 @kernel("ApplyMomentum", ["gpu"])
 def apply_momentum_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     slots = attrs["_resource"]
-    generic = apply_momentum(xp, attrs)
+    generic = guarded(xp, attrs, apply_momentum(xp, attrs))
     m, nesterov = np.float32(attrs["momentum"]), bool(attrs["nesterov"])
     dummy = _dummy(xp)
     flag = _flag(xp, attrs)
@@ -607,7 +607,7 @@ def apply_momentum_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 @kernel("ApplyAdam", ["gpu"])
 def apply_adam_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     slots = attrs["_resource"]
-    generic = apply_adam(xp, attrs)
+    generic = guarded(xp, attrs, apply_adam(xp, attrs))
     consts = tuple(np.float32(c) for c in (attrs["beta1"], 1.0 - attrs["beta1"], attrs["beta2"],
                                            1.0 - attrs["beta2"], attrs["epsilon"]))
     dummy = _dummy(xp)
@@ -627,6 +627,34 @@ def apply_adam_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         _launch(xp, k.adam, int(var.size), var.reshape(-1), m.reshape(-1), v.reshape(-1), _flat(xp, grad), *a,
                 *consts, flag, int(var.size))
         return var
+
+    return run
+
+
+def guarded(xp: Any, attrs: dict[str, Any], generic: Fn) -> Fn:
+    """A state write's generic kernel that honours the step's guard flag, for the cases the
+    in-place kernels hand to it (the array seen elsewhere, another dtype): the old arrays are held
+    across the call -- so the generic kernel makes new ones rather than writing in place -- and
+    each variable then gets, element by element, its new value where the flag is 1 and its old one
+    where it is 0 (fp16's skipped step, engine/mixed_precision.py). Without a guard: `generic`."""
+    guard = attrs.get("_guard")
+    if guard is None:
+        return generic
+    flag = guard.flag(xp)
+    res = attrs["_resource"]
+    slots = res if isinstance(res, tuple) else (res,)
+
+    def run(*args: Any) -> Any:
+        before = [s.value for s in slots]
+        out = generic(*args)
+        keep = flag != 0
+        for s, old in zip(slots, before):
+            new = s.value
+            if new is not old and old is not None and getattr(new, "shape", None) == old.shape:
+                s.value = xp.where(keep.reshape((1,) * new.ndim if new.ndim else ()), new, old)
+                if out is new:
+                    out = s.value
+        return out
 
     return run
 
@@ -662,14 +690,14 @@ def _assign_gpu(xp: Any, attrs: dict[str, Any], generic: Fn, sub: bool) -> Fn:
 def assign_add_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     from flowctl.kernels.state import assign_add
 
-    return _assign_gpu(xp, attrs, assign_add(xp, attrs), sub=False)
+    return _assign_gpu(xp, attrs, guarded(xp, attrs, assign_add(xp, attrs)), sub=False)
 
 
 @kernel("AssignSub", ["gpu"])
 def assign_sub_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     from flowctl.kernels.state import assign_sub
 
-    return _assign_gpu(xp, attrs, assign_sub(xp, attrs), sub=True)
+    return _assign_gpu(xp, attrs, guarded(xp, attrs, assign_sub(xp, attrs)), sub=True)
 
 
 # -------------------------------------------------------------------------------- CheckNumerics
@@ -745,7 +773,7 @@ def sparse_apply_gradient_descent_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     so duplicates neither race nor change a bit. Out of place (a copy, then the same kernel) where
     the variable's array is seen elsewhere, as the generic kernel does."""
     slot = attrs["_resource"]
-    generic = sparse_apply_gradient_descent(xp, attrs)
+    generic = guarded(xp, attrs, sparse_apply_gradient_descent(xp, attrs))
     dummy = _dummy(xp)
     flag = _flag(xp, attrs)
     k = _kernels()
