@@ -777,25 +777,9 @@ class Ledger(types.ModuleType):
 
     def _x_matmul(self, a: Any, b: Any, out: Any = None) -> Any:
         """np.matmul's semantics through `gemm` (one GEMM per batch entry), as cuda/blas.matmul."""
-        if a.ndim == 0 or b.ndim == 0:
-            raise ValueError("matmul: scalar operands")
-        va, vb = a.ndim == 1, b.ndim == 1
-        a2 = a[None, :] if va else a
-        b2 = b[:, None] if vb else b
-        if a2.ndim == 2 and b2.ndim == 2:
-            r = self._x_gemm(a2, b2)
-        else:
-            batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
-            a3 = np.broadcast_to(a2, batch + a2.shape[-2:]).reshape((-1,) + a2.shape[-2:])
-            b3 = np.broadcast_to(b2, batch + b2.shape[-2:]).reshape((-1,) + b2.shape[-2:])
-            r = self._x_empty((a3.shape[0], a3.shape[1], b3.shape[2]), a.dtype)
-            for i in range(a3.shape[0]):
-                self._x_gemm(a3[i], b3[i], r[i])
-            r = r.reshape(batch + r.shape[1:])
-        if va:
-            r = r[..., 0, :]
-        if vb:
-            r = r[..., 0]
+        from flowctl.kernels.cuda.blas import matmul_by
+
+        r = matmul_by(self, a, b, self._x_gemm)
         if out is not None:
             out[...] = r
             return out

@@ -199,22 +199,28 @@ def gemm_args(a: Any, b: Any) -> tuple[int, int, int, int, int, int, int, int]:
 
 def matmul(cp: Any, a: Any, b: Any) -> Any:
     """np.matmul's semantics (1-D operands, broadcast batch dimensions) through `gemm`."""
+    return matmul_by(cp, a, b, lambda x, y, out=None: gemm(cp, x, y, out))
+
+
+def matmul_by(xp: Any, a: Any, b: Any, gemm2: Any) -> Any:
+    """np.matmul's semantics through `gemm2(a, b, out=None)`, one 2-D product per batch entry (the
+    device module's and the launch ledger's, which counts them)."""
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError("matmul: scalar operands")
     va, vb = a.ndim == 1, b.ndim == 1
     a2 = a[None, :] if va else a
     b2 = b[:, None] if vb else b
     if a2.ndim == 2 and b2.ndim == 2:
-        out = gemm(cp, a2, b2)
+        out = gemm2(a2, b2)
     else:
         batch = _broadcast(a2.shape[:-2], b2.shape[:-2])
-        a3 = cp.broadcast_to(a2, batch + a2.shape[-2:]).reshape((-1,) + a2.shape[-2:]) \
+        a3 = xp.broadcast_to(a2, batch + a2.shape[-2:]).reshape((-1,) + a2.shape[-2:]) \
             if a2.shape[:-2] != batch else a2.reshape((-1,) + a2.shape[-2:])
-        b3 = cp.broadcast_to(b2, batch + b2.shape[-2:]).reshape((-1,) + b2.shape[-2:]) \
+        b3 = xp.broadcast_to(b2, batch + b2.shape[-2:]).reshape((-1,) + b2.shape[-2:]) \
             if b2.shape[:-2] != batch else b2.reshape((-1,) + b2.shape[-2:])
-        out = cp.empty((a3.shape[0], a3.shape[1], b3.shape[2]), dtype=a.dtype)
+        out = xp.empty((a3.shape[0], a3.shape[1], b3.shape[2]), dtype=a.dtype)
         for i in range(a3.shape[0]):
-            gemm(cp, a3[i], b3[i], out[i])
+            gemm2(a3[i], b3[i], out[i])
         out = out.reshape(batch + out.shape[1:])
     if va:
         out = out[..., 0, :]

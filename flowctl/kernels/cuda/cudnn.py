@@ -499,29 +499,30 @@ def _conv_run(op: str, kind: str, xp: Any, a: Any, b: Any, geom: dict[str, Any],
     return out
 
 
+def _conv_factory(op: str, xp: Any, generic: Fn, body: Callable[[], Fn]) -> Fn:
+    """`body()`'s kernel where cuDNN can serve `xp`, else the generic one (said once)."""
+    why = unavailable(xp)
+    if why is not None:
+        _fallback(op, why, _expected(why))
+        return generic
+    return body()
+
+
 @kernel("Conv2D", ["gpu"])
 def conv2d_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     generic = _conv.conv2d_kernel(xp, attrs)
-    why = unavailable(xp)
-    if why is not None:
-        _fallback("Conv2D", why, _expected(why))
-        return generic
     strides, padding = tuple(attrs["strides"]), attrs["padding"]
 
     def run(x: Any, f: Any) -> Any:
         geom = conv_geometry(x.shape, f.shape, strides, padding)
         return _conv_run("Conv2D", "fprop", xp, x, f, geom, padding, lambda: generic(x, f))
 
-    return run
+    return _conv_factory("Conv2D", xp, generic, lambda: run)
 
 
 @kernel("Conv2DBackpropInput", ["gpu"])
 def conv2d_backprop_input_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     generic = _conv.conv2d_backprop_input_kernel(xp, attrs)
-    why = unavailable(xp)
-    if why is not None:
-        _fallback("Conv2DBackpropInput", why, _expected(why))
-        return generic
     strides, padding = tuple(attrs["strides"]), attrs["padding"]
 
     def run(dy: Any, f: Any, like_x: Any) -> Any:
@@ -532,16 +533,12 @@ def conv2d_backprop_input_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         return _conv_run("Conv2DBackpropInput", "dgrad", xp, dy, f, geom, padding,
                          lambda: generic(dy, f, like_x))
 
-    return run
+    return _conv_factory("Conv2DBackpropInput", xp, generic, lambda: run)
 
 
 @kernel("Conv2DBackpropFilter", ["gpu"])
 def conv2d_backprop_filter_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     generic = _conv.conv2d_backprop_filter_kernel(xp, attrs)
-    why = unavailable(xp)
-    if why is not None:
-        _fallback("Conv2DBackpropFilter", why, _expected(why))
-        return generic
     strides, padding = tuple(attrs["strides"]), attrs["padding"]
 
     def run(x: Any, dy: Any, like_f: Any) -> Any:
@@ -551,7 +548,7 @@ def conv2d_backprop_filter_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         return _conv_run("Conv2DBackpropFilter", "wgrad", xp, x, dy, geom, padding,
                          lambda: generic(x, dy, like_f))
 
-    return run
+    return _conv_factory("Conv2DBackpropFilter", xp, generic, lambda: run)
 
 
 # ---------------------------------------------------------------------------- batch norm
