@@ -149,8 +149,9 @@ step pytest-gpu ${FLOWCTL_GPU_PYTEST_CAP:-150} "$WORK/pytest-gpu.txt" "$WORK/pyt
 finish
 
 
-peers bf16 lstm_lm 60
-peers bf16 inception_v3_b32 90
+P2=${FLOWCTL_GPU_PRECISION2:-bf16}
+peers "$P2" lstm_lm 60
+peers "$P2" inception_v3_b32 90
 
 # ---- e. the summary: the last lines printed
 if [ -s "$WORK/collect.err" ]; then { echo "===== collect.py errors"; cat "$WORK/collect.err"; } >>"$OUT/gpu.txt"; fi
