@@ -311,7 +311,8 @@ class Trainer:
             raise
         writer.close()
         status = "interrupted" if interrupted else ("early_stopped" if self.early_stopped else "finished")
-        self.run.update_info(status=status, step=self.step)
+        capture = self._capture_report()
+        self.run.update_info(status=status, step=self.step, **({"capture": capture} if capture else {}))
         elapsed = time.perf_counter() - t0
         tr = self.tracking
         best = None
@@ -321,7 +322,7 @@ class Trainer:
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
                        evaluation=tr["last"], evaluation_step=tr.get("last_step"), best=best, early_stopped=self.early_stopped,
-                       exit_code=stop.exit_code if interrupted else 0, capture=self._capture_report())
+                       exit_code=stop.exit_code if interrupted else 0, capture=capture)
 
     def _capture_report(self) -> dict[str, Any] | None:
         report = getattr(self.session, "capture_report", None)
