@@ -296,17 +296,22 @@ def _data_type(cudnn: Any, dtype: str) -> Any:
 class _Workspace:
     """One workspace per device, shared by every graph: a step runs its cuDNN calls one after
     another on one stream, so the largest need is enough. It grows while graphs are built (the
-    warm-up step, before any capture) and an outgrown buffer is kept, never freed: a graph
-    captured earlier may hold its address. It comes from cupy's default pool, not a captured
-    step's private one."""
+    warm-up step, before any capture); once a capture has used it, an outgrown buffer is kept,
+    never freed, as a graph captured earlier may hold its address. It comes from cupy's default
+    pool, not a captured step's private one."""
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
+        self.sealed = False  # a captured graph may hold the current buffer's address
 
     def need(self, cp: Any, size: int) -> None:
         if not self.buffers or self.buffers[-1].nbytes < size:
+            if not self.sealed:  # nothing captured holds an outgrown buffer yet: let it go
+                self.buffers.clear()
             with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
                 self.buffers.append(cp.empty(max(size, 1 << 20), dtype=cp.uint8))
+        if not self.sealed and cp.cuda.get_current_stream().is_capturing():
+            self.sealed = True
 
     def ptr(self) -> int:
         return int(self.buffers[-1].data.ptr)
