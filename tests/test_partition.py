@@ -137,7 +137,7 @@ def test_reference_edge_across_devices_is_a_placement_error():
     g = fc.Graph()
     with g.as_default():
         v = fc.variable(np.zeros(3, np.float32), name="v")
-    pl = {"v": C0, "Const": C0, "v/init": C1}
+    pl = {"v": C0, "v/initial_value": C0, "v/init": C1}  # zeros: a Fill, not a Const
     with pytest.raises(fc.PlacementError, match=r"node 'v/init' \(Assign\) on .*cpu:1 updates variable 'v'"):
         partition(g, pl)
 

@@ -184,7 +184,7 @@ def test_prune_keeps_exactly_what_the_fetches_need():
     g = branches()
     assert sorted(prune(g, ["e:0"]).nodes) == ["abs_d", "d", "e", "x"]
     assert sorted(prune(g, ["c"], feeds=["x:0"]).nodes) == ["a", "b", "c", "x"]
-    assert sorted(prune(g, ["init"]).nodes) == ["Const", "init", "w", "w/init"]
+    assert sorted(prune(g, ["init"]).nodes) == ["init", "w", "w/init", "w/initial_value"]  # ones: a Fill
     assert sorted(prune(g, ["wx:0", "c:0"], feeds=["b:0"]).nodes) == ["b", "c", "w", "wx", "x"]
     assert len(g) == 12  # the input graph is untouched
 

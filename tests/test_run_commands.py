@@ -66,6 +66,8 @@ def test_an_export_gives_the_runs_outputs_bitwise(demo_run, tmp_path):
     out = tmp_path / "export"
     r = _json(["export", str(demo_run), "--out", str(out)])
     assert r["step"] == 600 and (out / "model.json").exists() and (out / "weights.safetensors").exists()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as model.json (they were 0600)
     model = fc.load_model(out)
     x = np.random.default_rng(3).standard_normal((32, 16)).astype(np.float32)
     got = model.predict({"features": x})["logits"]

@@ -326,3 +326,21 @@ def test_a_variable_moves_to_the_device_of_the_kernel_that_reads_it():
     np.testing.assert_array_equal(back, [0.0, 1.0, 2.0])
     assert _resident(np, slot) is back
     assert _resident(np, SimpleNamespace(value=None)) is None
+
+
+def test_a_steps_floating_point_warnings_stay_inside_it():
+    """numpy's "divide by zero" from inside a compiled plan is not printed: a non-finite value is
+    the step guard's and check_numerics' to report, naming the node."""
+    import warnings
+
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (2,), name="x")
+        y = x / fc.constant(np.zeros(2, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for executor in ("compiled", "dataflow"):
+            out = fc.Session(g, store=fc.ContainerStore(), executor=executor).run(y, {x: np.ones(2, np.float32)})
+            assert np.isinf(out).all()
+    with pytest.raises(fc.NonFiniteError, match="node"):
+        fc.Session(g, store=fc.ContainerStore(), check_numerics=True).run(y, {x: np.ones(2, np.float32)})

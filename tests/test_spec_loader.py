@@ -230,3 +230,21 @@ def test_a_block_use_inside_a_block_is_checked_too():
     msg = _error(BLOCKS.replace("{name: first, block: inner, params", "{name: first, block: inner, repaet: 2, params"),
                  "b.yaml")
     assert "b.yaml:11:39: model.blocks.outer.layers[first].repaet: unknown key 'repaet'; did you mean 'repeat'?" in msg
+
+
+@pytest.mark.parametrize("lr, says", [
+    (".nan", "finite and > 0"), (".inf", "finite and > 0"), ("1e400", "finite and > 0"), ("-1", "finite and > 0"),
+    ("{initial: .inf}", "finite number"),
+    ("{schedule: piecewise, boundaries: [5], values: [.nan, 0.1]}", "finite and > 0"),
+    ("{schedule: piecewise, boundaries: [5], values: [-1, 0.1]}", "finite and > 0")])
+def test_a_learning_rate_that_is_not_a_finite_positive_number_is_a_spec_error(lr, says):
+    import re
+    from pathlib import Path
+
+    from flowctl.engine.errors import SpecError
+
+    base = (Path(__file__).resolve().parents[1] / "specs" / "demo.yaml").read_text()
+    text = re.sub(r"learning_rate:.*", f"learning_rate: {lr}", base)
+    with pytest.raises(SpecError) as e:
+        load_text(text, "demo.yaml")
+    assert "demo.yaml:" in str(e.value) and says in str(e.value)

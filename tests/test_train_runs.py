@@ -221,3 +221,45 @@ def test_lstm_lm_perplexity_falls_on_a_text_file(tmp_path):
     ppl_first, ppl_last = np.exp(np.mean(ls[:3])), np.exp(np.mean(ls[-3:]))
     assert ppl_first > 5000  # about the vocabulary size (10,000) at initialisation
     assert ppl_last < ppl_first / 5, (ppl_first, ppl_last)
+
+
+@pytest.mark.parametrize("name, folder", [("../../escape", ".._.._escape"), ("/tmp/abs", "_tmp_abs"),
+                                          ("..", "run"), ("lstm_lm", "lstm_lm"), ("a b:c", "a_b_c")])
+def test_a_specs_name_is_a_folder_name_under_runs_never_a_path(name, folder, tmp_path, monkeypatch):
+    from flowctl.training.runs import choose_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    d = choose_run_dir(name, None)
+    assert d == Path("runs") / folder
+    assert (tmp_path / d).resolve().parent == (tmp_path / "runs").resolve()
+
+
+@pytest.mark.parametrize("command", [["train", "--steps", "-5"], ["train", "--steps", "0"],
+                                     ["resume", "somewhere", "--steps", "-1"]])
+def test_a_step_count_below_one_is_a_usage_error(command):
+    from click.testing import CliRunner
+
+    from flowctl.cli.main import cli
+
+    r = CliRunner().invoke(cli, command)
+    assert r.exit_code == 2 and "--steps" in r.output
+
+
+def test_a_train_that_fails_at_start_leaves_no_run_directory_behind(tmp_path, monkeypatch):
+    """A start that fails (an unreachable Ray address, say: here, opening the program raises)
+    removes the run directory it made; a directory that was there before is left alone."""
+    from flowctl.training import runs
+    from flowctl.training.trainer import Trainer
+
+    def refuse(self, *a, **k):
+        raise ConnectionError("could not reach the Ray cluster at 10.9.9.9:6379")
+
+    monkeypatch.setattr(Trainer, "start_fresh", refuse)
+    with pytest.raises(ConnectionError):
+        runs.start_run(None, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(ConnectionError):
+        runs.start_run(None, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

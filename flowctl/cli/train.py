@@ -93,7 +93,7 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
 
 @click.command()
 @click.argument("spec", required=False)
-@click.option("--steps", type=int, help="Train this many steps in all (default: training.steps).")
+@click.option("--steps", type=click.IntRange(min=1), help="Train this many steps in all (default: training.steps).")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the run lives (default: runs/<spec name>, or runs/<spec name>-N if taken).")
 @click.option("--data", "data", help="Train on this file: a text corpus, or .npy/.npz arrays.")
@@ -132,7 +132,7 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
 
 @click.command()
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--steps", type=int, help="Train until this many steps in all (default: the spec's).")
+@click.option("--steps", type=click.IntRange(min=1), help="Train until this many steps in all (default: the spec's).")
 @click.option("--allow-spec-change", is_flag=True, help="Resume even though the spec changed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: bool) -> None:

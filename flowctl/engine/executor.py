@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import ExecutionError, GraphError, NonFiniteError
 from flowctl.engine.frame_executor import FrameTables, run_frames
@@ -63,6 +65,13 @@ if TYPE_CHECKING:
     from flowctl.engine.rendezvous import StepContext
 
 _plan_ids = itertools.count()
+
+# numpy's floating-point warnings inside a step ("divide by zero encountered"): off. A non-finite
+# value is the step guard's and check_numerics' to report, with the node that made it. (A new
+# errstate each time: one instance keeps its saved state on itself, and device threads run steps
+# at once.)
+def _quiet() -> Any:
+    return np.errstate(all="ignore")
 
 # Buffer forwarding on (see the module doc); FLOWCTL_FORWARD=0 turns it off, for comparisons.
 FORWARD = os.environ.get("FLOWCTL_FORWARD", "1") != "0"
@@ -384,7 +393,8 @@ class Plan:
         ran: list[int] = []
         ledger = Ledger() if stats is not None else None
         try:
-            out = fn(feeds, self.kernels, ledger, check_finite, ran.append)
+            with _quiet():  # a NaN or Inf is reported by the step's guard or check_numerics, not numpy
+                out = fn(feeds, self.kernels, ledger, check_finite, ran.append)
         except Exception as e:  # noqa: BLE001 -- every kernel failure is reported with its node
             raise self._error(e, self._failing(e.__traceback__, filename, owner)) from e
         if stats is not None:
@@ -417,9 +427,11 @@ class Plan:
         """Run the plan with a pending count per node and a ready queue (§3.1). `step` is the
         context handed to asynchronous kernels (§5.3); a plan without them ignores it."""
         if stats is None:
-            return self._run_dataflow(feeds, None, check_numerics, step)
+            with _quiet():
+                return self._run_dataflow(feeds, None, check_numerics, step)
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = self._run_dataflow(feeds, stats, check_numerics, step)
+        with _quiet():
+            out = self._run_dataflow(feeds, stats, check_numerics, step)
         stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         return out
 

@@ -8,6 +8,8 @@ section (batch arithmetic, device references, layer shapes) are in `flowctl.spec
 """
 from __future__ import annotations
 
+import math
+
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
@@ -282,8 +284,8 @@ class Optimizer(Strict):
 
 class Schedule(Strict):
     schedule: Literal["constant", "step", "exponential", "cosine", "piecewise"] = "constant"
-    initial: float = Field(0.01, gt=0)
-    decay_rate: float | None = Field(None, gt=0)
+    initial: float = Field(0.01, gt=0, allow_inf_nan=False)
+    decay_rate: float | None = Field(None, gt=0, allow_inf_nan=False)
     decay_steps: int | None = Field(None, ge=1)
     boundaries: list[int] = Field(default_factory=list)
     values: list[float] = Field(default_factory=list)
@@ -296,6 +298,9 @@ class Schedule(Strict):
         if self.schedule == "cosine" and self.decay_steps is None:
             raise ValueError("schedule cosine needs decay_steps")
         if self.schedule == "piecewise":
+            bad = [v for v in self.values if not (math.isfinite(v) and v > 0)]
+            if bad:
+                raise ValueError(f"piecewise values must be finite and > 0, got {bad[0]}")
             if len(self.values) != len(self.boundaries) + 1:
                 raise ValueError(f"piecewise needs one more value than boundaries: {len(self.boundaries)} "
                                  f"boundaries, {len(self.values)} values")
@@ -355,8 +360,8 @@ class TrainingSpec(Strict):
     @field_validator("learning_rate")
     @classmethod
     def _positive(cls, v: Any) -> Any:
-        if isinstance(v, float) and v <= 0:
-            raise ValueError(f"learning_rate must be > 0, got {v}")
+        if isinstance(v, float) and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"learning_rate must be finite and > 0, got {v}")
         return v
 
 

@@ -252,7 +252,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, fmt: str = "flowctl") -> dict[str, Any]:
     """Write the run's inference graph, weights and signature to `out` (`fmt` "onnx": the graph
     from the inputs to the logits as `out/model.onnx`, checked by onnx.checker)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     m = open_run(run_dir, checkpoint)
     if fmt == "onnx":
@@ -272,7 +272,7 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, fmt: str
         signature["vocabulary"] = _vocabulary(m.loaded).words
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: np.ascontiguousarray(v) for k, v in m.session.variable_values().items()}
-    save_file(weights, str(out / "weights.safetensors"))
+    write_atomic(out / "weights.safetensors", save(weights))  # atomic, and readable as model.json is
     write_atomic(out / "model.json", m.graph.to_json())
     write_atomic(out / "signature.json", json.dumps(signature, indent=1) + "\n")
     return {"out": str(out), "checkpoint": str(m.checkpoint.path), "step": m.checkpoint.step,

@@ -48,12 +48,13 @@ def _umask() -> int:
 _UMASK = _umask()
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, fsync it, rename it over `path`, fsync the dir."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write to a temporary file beside `path`, fsync it, rename it over `path`, fsync the dir. The
+    file gets the mode a plain open would give it (0666 less the umask), not mkstemp's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide run.json from other readers
             f.write(text)
             f.flush()

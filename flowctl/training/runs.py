@@ -4,6 +4,7 @@ the spec as it is now (§3.3: a resumed run must compute what the interrupted on
 `flowctl train` and `flowctl resume` call `start_run` and `resume_run` and only render."""
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -72,8 +73,17 @@ def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
     return "train"
 
 
+def safe_run_name(name: str) -> str:
+    """A spec's name as one folder name under runs/: a name is a name, never a path (`../x`, an
+    absolute path, a separator) -- each character outside letters, digits, '.', '-' and '_'
+    becomes '_', and a name of dots alone becomes 'run'."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return "run" if not safe.strip(".") else safe
+
+
 def choose_run_dir(name: str, run_dir: Path | None) -> Path:
-    """`run_dir` if it holds no run yet; by default runs/<name>, or the first free runs/<name>-N."""
+    """`run_dir` if it holds no run yet; by default runs/<name>, or the first free runs/<name>-N
+    (the spec's name made a safe folder name: `safe_run_name`)."""
     if run_dir is not None:
         if (run_dir / "run.json").exists():
             raise FlowctlError(f"{run_dir} already holds a run: continue it with `flowctl resume {run_dir}`, "
@@ -83,6 +93,7 @@ def choose_run_dir(name: str, run_dir: Path | None) -> Path:
 
 
 def _free_run_dir(name: str) -> Path:
+    name = safe_run_name(name)
     run_dir = Path("runs") / name
     n = 1
     while (run_dir / "run.json").exists():
@@ -117,13 +128,16 @@ def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = 
     name = loaded.spec.name or loaded.spec.model.name
     # One writer per run directory: the lock first, so a second train on the same directory is
     # told who holds it, then the check that no run is there yet.
-    lock = RunLock(run_dir if run_dir is not None else _free_run_dir(name)).acquire()
+    target = run_dir if run_dir is not None else _free_run_dir(name)
+    made = not target.exists()  # a start that fails removes the directory it made, and only that
+    lock = RunLock(target).acquire()
     try:
         trainer = Trainer(loaded, choose_run_dir(name, run_dir) if run_dir is not None else lock.path, steps=steps,
                           histograms_every=histograms, prefetch=prefetch, on_warning=on_warning, trace_step=trace_step,
                           on_worker=on_worker)
     except BaseException:
         lock.release()
+        _unmake(target, made)
         raise
     trainer.lock = lock
     try:
@@ -134,8 +148,16 @@ def start_run(spec: str | None, run_dir: Path | None = None, data: str | None = 
         trainer.run.write_info(info)
     except BaseException:
         trainer.close()
+        _unmake(target, made)
         raise
     return trainer
+
+
+def _unmake(path: Path, made: bool) -> None:
+    """Remove a run directory this start made, when the start failed before any step ran (nothing
+    in it is worth keeping: no checkpoint can exist yet)."""
+    if made and path.is_dir() and not (path / "checkpoints" / "latest").exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

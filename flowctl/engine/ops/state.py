@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from flowctl.engine.dtypes import as_dtype, is_float
+from flowctl.engine.dtypes import as_dtype, is_float, np_dtype
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import constant, convert, graph_of, make1
 from flowctl.engine.ops.registry import REQUIRED, SOURCE, STATE, movement_cost, register_op
@@ -60,7 +60,15 @@ def variable(initial_value: Any, name: str | None = None, dtype: Any = None, tra
     g = graph_of(initial_value)
     init = initial_value
     if not isinstance(init, Tensor):
-        init = constant(np.asarray(init), dtype=dtype, graph=g)
+        arr = np.asarray(init) if dtype is None else np.asarray(init, dtype=np_dtype(as_dtype(dtype)))
+        first = arr.reshape(-1)[0] if arr.size else None
+        if arr.size > 1 and arr.dtype.kind in "iuf" and float(first) == first and bool((arr == first).all()):
+            # A uniform value (an optimizer slot's zeros, a bias's ones) is a Fill, not megabytes
+            # of the same number in the graph (lstm_lm's graph.json with Adam: 211 MB).
+            init = make1("Fill", [], {"shape": arr.shape, "value": float(first), "dtype": as_dtype(arr.dtype)},
+                         name=(name or "Variable") + "/initial_value", graph=g)
+        else:
+            init = constant(arr, dtype=dtype, graph=g)
     dt = as_dtype(dtype) if dtype is not None else init.dtype
     if dt != init.dtype:
         raise InferError(f"variable {name!r}: initial value is {init.dtype}, not {dt}")
