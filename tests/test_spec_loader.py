@@ -248,3 +248,19 @@ def test_a_learning_rate_that_is_not_a_finite_positive_number_is_a_spec_error(lr
     with pytest.raises(SpecError) as e:
         load_text(text, "demo.yaml")
     assert "demo.yaml:" in str(e.value) and says in str(e.value)
+
+
+@pytest.mark.parametrize("old, new, key", [
+    ("units: 650, init_scale: 0.05}\n    - {name: dropout_1", "units: true, init_scale: 0.05}\n    - {name: dropout_1",
+     "units: a number, not true"),
+    ("batch_size: 20", "batch_size: true", "batch_size: a number, not true"),
+    ("rate: 0.5}\n    - {name: lstm_1", "rate: false}\n    - {name: lstm_1", "rate: a number, not false")])
+def test_true_or_false_where_a_number_goes_is_a_spec_error(old, new, key):
+    from pathlib import Path
+
+    from flowctl.engine.errors import SpecError
+
+    base = (Path(__file__).resolve().parents[1] / "specs" / "lstm_lm.yaml").read_text()
+    assert old in base
+    with pytest.raises(SpecError, match="lstm_lm.yaml:\\d+:\\d+: .*" + key):
+        load_text(base.replace(old, new, 1), "lstm_lm.yaml")

@@ -294,7 +294,10 @@ def test_pipeline_needs_a_batch_that_splits_into_micro_batches(data_dir):
 def _demo_async(steps: int) -> str:
     text = (ROOT / "specs" / "demo.yaml").read_text()
     text = text.replace("steps: 600", f"steps: {steps}")
-    return text + "devices: [cpu:0, cpu:1]\nparallelism: {strategy: async_data_parallel, replicas: 2}\n"
+    # async_data_parallel does not evaluate (a spec error, test below): the demo's evaluation goes
+    text = "\n".join(line for line in text.splitlines() if "eval_every_steps" not in line)
+    text = text.replace(", keep_best: {metric: val/accuracy, mode: max}", "")
+    return text + "\ndevices: [cpu:0, cpu:1]\nparallelism: {strategy: async_data_parallel, replicas: 2}\n"
 
 
 def _evaluate(t: Trainer) -> float:
@@ -305,6 +308,18 @@ def _evaluate(t: Trainer) -> float:
     m = t.model
     assert m.loss is not None
     return float(t.session.run(m.loss, {m.inputs[k]: v for k, v in src.next_batch().items()}))
+
+
+def test_async_data_parallel_with_evaluation_is_a_spec_error():
+    """Its replicas update one at a time from threads of their own, so nothing would evaluate, keep
+    the best or stop early: asking for it is one spec error, not a silent drop."""
+    from flowctl.engine.errors import SpecError
+
+    text = (ROOT / "specs" / "demo.yaml").read_text()
+    with pytest.raises(SpecError, match=r"demo.yaml:\d+:\d+: training.eval_every_steps: async_data_parallel does "
+                                         r"not evaluate"):
+        load_text(text + "devices: [cpu:0, cpu:1]\nparallelism: {strategy: async_data_parallel, replicas: 2}\n",
+                  filename="demo.yaml")
 
 
 def test_async_trains_the_demo_to_the_single_target_and_reports_staleness(tmp_path):

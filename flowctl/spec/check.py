@@ -283,6 +283,13 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
     if wants_eval and isinstance(data, files) and not (data.validation or data.validation_fraction):
         problems.at(root, ("data",), "evaluation (training.eval_every_steps, early_stopping or checkpoint.keep_best) "
                     "needs validation data: set data.validation (a file) or data.validation_fraction")
+    if wants_eval and spec.parallelism.strategy == "async_data_parallel":
+        # Its replicas update one at a time from threads of their own: there is no step at which
+        # the trainer could evaluate, keep the best or stop (they were dropped without a word).
+        key = ("training", "eval_every_steps") if t.eval_every_steps else (
+            ("training", "early_stopping") if t.early_stopping else ("checkpoint", "keep_best"))
+        problems.at(root, key, "async_data_parallel does not evaluate (eval_every_steps, early_stopping, "
+                    "checkpoint.keep_best): drop them, or use sync_data_parallel")
     if (t.early_stopping or (spec.checkpoint and spec.checkpoint.keep_best)) and not t.eval_every_steps:
         problems.at(root, ("training",), "early_stopping and checkpoint.keep_best judge evaluations: set "
                     "training.eval_every_steps")

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.shapes import TensorSpec, num_elements
@@ -20,10 +20,27 @@ from flowctl.engine.shapes import TensorSpec, num_elements
 Activation = Literal["none", "relu", "tanh", "sigmoid", "gelu"]
 
 
+def _numeric(annotation: Any) -> bool:
+    """A number field (int or float, maybe optional) that does not also take a bool."""
+    args = get_args(annotation) or (annotation,)
+    return bool(set(args) & {int, float}) and bool not in args
+
+
 class Strict(BaseModel):
-    """Every spec model rejects unknown keys (the loader turns that into a 'did you mean')."""
+    """Every spec model rejects unknown keys (the loader turns that into a 'did you mean') and a
+    YAML true/false where a number goes (pydantic would take `units: true` as 1)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                v = data.get(field.alias or name)
+                if isinstance(v, bool) and _numeric(field.annotation):
+                    raise ValueError(f"{field.alias or name}: a number, not {str(v).lower()}")
+        return data
 
 
 class LayerError(Exception):
