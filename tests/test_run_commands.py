@@ -200,3 +200,25 @@ training: {batch_size: 8, steps: 4, eval_every_steps: 4, metrics: [loss, accurac
     r = CliRunner().invoke(cli, ["resume", str(run), "--steps", "6"])
     assert r.exit_code == 0, r.output
     assert "(evaluated at step 4)" in " ".join(r.output.split())
+
+
+def test_an_lstm_model_exports_to_onnx_and_computes_the_runs_logits(tmp_path):
+    """lstm_lm (shrunk) exports: its steps' equal splits of an open batch dimension are ONNX
+    Splits without sizes; the model's input and output are named as the spec names them."""
+    onnx = pytest.importorskip("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    from tiny_specs import SHRINK_LM
+
+    run, out = tmp_path / "run", tmp_path / "o"
+    sets = [x for s in SHRINK_LM for x in ("--set", s)]
+    assert CliRunner().invoke(cli, ["train", str(ROOT / "specs" / "lstm_lm.yaml"), "--run-dir", str(run),
+                                    "--steps", "2", *sets]).exit_code == 0
+    r = _json(["export", str(run), "--out", str(out), "--format", "onnx"])
+    model = onnx.load(r["file"])
+    assert [i.name for i in model.graph.input] == ["tokens"] and [o.name for o in model.graph.output] == ["logits"]
+    x = np.random.default_rng(2).integers(0, 40, (3, 5)).astype(np.int32)
+    (got,) = ReferenceEvaluator(model).run(None, {"tokens": x})
+    m = open_run(run)
+    want = m.session.run(m.evaluator.logits, {m.evaluator.model.inputs["tokens"]: x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

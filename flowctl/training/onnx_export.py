@@ -72,8 +72,11 @@ def _emit(b: _Builder, node: Node) -> None:
         b.add("Concat", ins, outs, axis=int(a["axis"]))
     elif node.op == "Split":
         axis = int(a["axis"])
-        sizes = [int(s.shape[axis]) for s in node.outputs]
-        b.add("Split", [ins[0], b.const(np.asarray(sizes, np.int64), node.name)], outs, axis=axis)
+        if any(s.shape[axis] is None for s in node.outputs):  # equal parts of an open dimension (the
+            b.add("Split", [ins[0]], outs, axis=axis)  # batch of an LSTM's steps): as many as outputs
+        else:
+            sizes = [int(s.shape[axis]) for s in node.outputs]
+            b.add("Split", [ins[0], b.const(np.asarray(sizes, np.int64), node.name)], outs, axis=axis)
     elif node.op == "Stack":
         axis = int(a["axis"])
         axes = b.const(np.asarray([axis], np.int64), node.name)
@@ -159,9 +162,15 @@ def to_onnx(graph: Graph, inputs: Mapping[str, str], outputs: Mapping[str, str],
         spec = graph.tensor(ref).spec
         dims: list[Any] = ["N" if d is None else int(d) for d in spec.shape]
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(spec.dtype))
-        return onnx.helper.make_tensor_value_info(b.name(ref), elem, dims)
+        return onnx.helper.make_tensor_value_info(io_name, elem, dims)
 
-    g = onnx.helper.make_graph(b.nodes, name, [value_info(k, r) for k, r in inputs.items() if parse_ref(r)[0] in needed],
+    # The model's inputs and outputs carry the spec's names (`tokens`, `logits`), not tensor refs
+    # (`tokens:0`): an Identity joins each to the tensor the nodes inside use.
+    used = [(k, r) for k, r in inputs.items() if parse_ref(r)[0] in needed]
+    b.nodes[:0] = [b.h.make_node("Identity", [k], [b.name(r)]) for k, r in used]
+    for k, r in outputs.items():
+        b.add("Identity", [b.name(r)], [k])
+    g = onnx.helper.make_graph(b.nodes, name, [value_info(k, r) for k, r in used],
                                [value_info(k, r) for k, r in outputs.items()], initializer=b.initializers)
     model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", OPSET)],
                                    producer_name="flowctl")
