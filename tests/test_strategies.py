@@ -443,3 +443,21 @@ def test_ctrl_c_stops_async_replicas_with_a_checkpoint_and_resume_continues(tmp_
     said = " ".join(r.output.split())  # rich wraps long lines
     assert f"step {step}, replica 0 data epoch" in said and "replica 1 data epoch" in said
     assert len(metrics.read_text().splitlines()) == step + 10
+
+
+def test_data_parallel_over_listed_devices_defaults_to_a_replica_each():
+    """Data parallel with neither replicas nor parallelism.devices runs one replica per listed
+    device when they are of one kind (it ran one replica, on the first, without a word); with a
+    CPU beside a GPU the spec must say which hold replicas."""
+    from flowctl.engine.errors import SpecError
+    from flowctl.training.program import step_config
+
+    text = (ROOT / "specs" / "demo.yaml").read_text()
+    both = load_text(text + "devices: [cpu:0, cpu:1]\nparallelism: {strategy: sync_data_parallel}\n", filename="d.yaml")
+    assert [d.rsplit(":", 1)[-1] for d in step_config(both).replica_devices] == ["0", "1"]
+    assert both.per_replica_batch * 2 == both.global_batch
+    one = load_text(text + "devices: [cpu:0, cpu:1]\nparallelism: {strategy: sync_data_parallel, replicas: 1}\n",
+                    filename="d.yaml")
+    assert len(step_config(one).replica_devices) == 1  # said explicitly: kept
+    with pytest.raises(SpecError, match="2 kinds .*parallelism.replicas, or parallelism.devices"):
+        load_text(text + "devices: [cpu:0, gpu:0]\nparallelism: {strategy: sync_data_parallel}\n", filename="d.yaml")

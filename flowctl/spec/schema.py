@@ -253,7 +253,8 @@ class LayerGroup(Strict):
 class ParallelismSpec(Strict):
     strategy: Literal["single", "sync_data_parallel", "async_data_parallel", "model_parallel",
                       "pipeline"] = "single"
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, description="data parallel: the replicas (default: one per listed device, "
+                                                 "where they are of one kind)")
     devices: list[str] | None = Field(None, description="one device per replica")
     groups: list[LayerGroup] = Field(default_factory=list, description="model_parallel/pipeline stages")
     concurrent_steps: int = Field(1, ge=1, description="pipeline: steps in flight (Figure 9)")
@@ -439,6 +440,22 @@ class Spec(Strict):
         if isinstance(v, list):
             return [_device_entry(x) for x in v]
         return v
+
+    @model_validator(mode="after")
+    def _replicas_from_devices(self) -> "Spec":
+        """Data parallel with neither `replicas` nor `parallelism.devices`: one replica per listed
+        device, as data-parallel tools default, where they are all of one kind; with mixed kinds
+        (a CPU beside GPUs) the spec must say which devices hold replicas."""
+        par = self.parallelism
+        if par.strategy not in ("sync_data_parallel", "async_data_parallel") or par.devices is not None \
+                or "replicas" in par.model_fields_set or len(self.devices) < 2:
+            return self
+        kinds = {d.name.rsplit("device:", 1)[-1].split(":")[0] for d in self.devices}
+        if len(kinds) > 1:
+            raise ValueError(f"{par.strategy}: the devices are of {len(kinds)} kinds ({', '.join(sorted(kinds))}); "
+                             f"say which hold replicas: parallelism.replicas, or parallelism.devices")
+        par.replicas = len(self.devices)
+        return self
 
 
 def json_schema() -> dict[str, Any]:
