@@ -167,6 +167,7 @@ def test_nmt_on_two_capped_k40s_does_not_fit_by_its_rules_and_every_placer_says_
         assert "constraint device='gpu:1' pins" in e and "decoder/lstm_1" in e, e
         assert "(attention, projection)" in e and "MiB over its" in e, e
         assert "the rules, not the memory, keep it from fitting" in e, e
+        assert not re.search(r"on (\S+), \1 needs", e), e  # a device named once, not "on gpu:0, gpu:0"
     sg = build_step(build_model(loaded), step_config(loaded))
     cluster = cluster_for(step_config(loaded), f"2xgpu:k40:{cap}MiB")
     with pytest.raises(PlacementError) as info:

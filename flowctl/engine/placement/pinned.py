@@ -155,8 +155,9 @@ def _verdict(pb: Problem, pinned: list[Pin], tried: list[int], outcomes: list[tu
             d = o["devices"][0]
             if d not in best or o["over"] < best[d]["over"]:
                 best[d] = o
-        tries = "; ".join(f"on {d}, {o['device']} needs {fmt_bytes(o['peak'])} ({fmt_bytes(o['over'])} over its "
-                          f"{fmt_bytes(o['capacity'])})" for d, o in best.items())
+        # "on A, B needs ...": the group on A overflows B; where B is A itself, once: "on A: needs ...".
+        tries = "; ".join(f"on {d}{':' if o['device'] == d else ', ' + o['device']} needs {fmt_bytes(o['peak'])} "
+                          f"({fmt_bytes(o['over'])} over its {fmt_bytes(o['capacity'])})" for d, o in best.items())
         in_step = set(t.names)
         shown = next((n for n in first.members if n in in_step and not n.endswith("/initial_value")),
                      first.members[0])
