@@ -235,14 +235,15 @@ def test_a_specs_name_is_a_folder_name_under_runs_never_a_path(name, folder, tmp
 
 
 @pytest.mark.parametrize("command", [["train", "--steps", "-5"], ["train", "--steps", "0"],
-                                     ["resume", "somewhere", "--steps", "-1"]])
-def test_a_step_count_below_one_is_a_usage_error(command):
+                                     ["resume", "somewhere", "--steps", "-1"], ["train", "--run-dir", ""],
+                                     ["train", "--run-dir", "  "]])
+def test_a_step_count_below_one_or_an_empty_run_dir_is_a_usage_error(command):
     from click.testing import CliRunner
 
     from flowctl.cli.main import cli
 
     r = CliRunner().invoke(cli, command)
-    assert r.exit_code == 2 and "--steps" in r.output
+    assert r.exit_code == 2 and command[-2] in r.output, r.output
 
 
 def test_a_train_that_fails_at_start_leaves_no_run_directory_behind(tmp_path, monkeypatch):

@@ -91,10 +91,19 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
         sys.exit(summary.exit_code or EXIT_INTERRUPTED)  # 130 for Ctrl-C, 143 for SIGTERM
 
 
+class RunDir(click.Path):
+    """A run directory: a path, never an empty one (click would make '' the current directory)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty: give a directory, or leave --run-dir out for runs/<spec name>", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 @click.command()
 @click.argument("spec", required=False)
 @click.option("--steps", type=click.IntRange(min=1), help="Train this many steps in all (default: training.steps).")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--run-dir", type=RunDir(file_okay=False, path_type=Path),
               help="Where the run lives (default: runs/<spec name>, or runs/<spec name>-N if taken).")
 @click.option("--data", "data", help="Train on this file: a text corpus, or .npy/.npz arrays.")
 @click.option("--histograms", type=int, default=0, help="Write weight histograms every N steps.")
