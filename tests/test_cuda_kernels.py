@@ -1,25 +1,10 @@
-"""Our numba-cuda GPU kernels (flowctl/kernels/cuda/kernels.py, philox.py) run in numba's CUDA
-simulator against the generic numpy kernels; the gpu-marked tests run them on cupy."""
+"""Our numba-cuda GPU kernels (flowctl/kernels/cuda/kernels.py, state.py, philox.py) run in numba's
+CUDA simulator (conftest turns it on where there is no GPU) against the generic numpy kernels; the
+gpu-marked tests run them on cupy."""
 from __future__ import annotations
 
-import os
-
-
-
-def _device_present() -> bool:
-    try:
-        import cupy  # type: ignore[import-not-found]
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 -- no cupy, no driver, no device
-        return False
-
-
-if not _device_present():  # the simulator: read when numba.cuda is first imported
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 pytest.importorskip("numba")
 

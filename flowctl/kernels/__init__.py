@@ -6,4 +6,4 @@ from flowctl.kernels import (  # noqa: F401
 )
 from flowctl.kernels.cuda import cudnn  # noqa: F401,E402 -- gpu Conv2D/backprops/FusedBatchNorm via cuDNN, generic fallback
 from flowctl.kernels.cuda import kernels as cuda_kernels  # noqa: F401,E402 -- our numba-cuda kernels on gpu (issue 30)
-from flowctl.kernels.cuda import assign as cuda_assign  # noqa: F401,E402 -- gpu Assign into the array (capturable)
+from flowctl.kernels.cuda import state as cuda_state  # noqa: F401,E402 -- gpu state writes under the step's guard

@@ -24,6 +24,8 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
 # cudaDataType and cublasComputeType_t values (cuBLAS headers).
 _CUDA_R = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}
 FLOATS = frozenset(_CUDA_R)
@@ -213,7 +215,7 @@ def matmul_by(xp: Any, a: Any, b: Any, gemm2: Any) -> Any:
     if a2.ndim == 2 and b2.ndim == 2:
         out = gemm2(a2, b2)
     else:
-        batch = _broadcast(a2.shape[:-2], b2.shape[:-2])
+        batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
         a3 = xp.broadcast_to(a2, batch + a2.shape[-2:]).reshape((-1,) + a2.shape[-2:]) \
             if a2.shape[:-2] != batch else a2.reshape((-1,) + a2.shape[-2:])
         b3 = xp.broadcast_to(b2, batch + b2.shape[-2:]).reshape((-1,) + b2.shape[-2:]) \
@@ -227,14 +229,3 @@ def matmul_by(xp: Any, a: Any, b: Any, gemm2: Any) -> Any:
     if vb:
         out = out[..., 0]
     return out
-
-
-def _broadcast(s: tuple[int, ...], t: tuple[int, ...]) -> tuple[int, ...]:
-    n = max(len(s), len(t))
-    s, t = (1,) * (n - len(s)) + s, (1,) * (n - len(t)) + t
-    out = []
-    for x, y in zip(s, t):
-        if x != y and 1 not in (x, y):
-            raise ValueError(f"matmul: batch shapes {s} and {t} do not broadcast")
-        out.append(max(x, y))
-    return tuple(out)
