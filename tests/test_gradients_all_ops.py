@@ -92,9 +92,9 @@ def _conv(x, f):
 
 def _math(a, b, c):
     # a's entries sit away from integers and from the jumps of mod(a, c), where rounding and the
-    # remainder are differentiable (with derivative 0 and 1 and -floor(a / c)).
-    return [fc.floor(a) * a + fc.ceil(a) * b + fc.round_(a * 0.5) * c, fc.mod(a, c), fc.erf(a) + fc.gelu(b),
-            fc.sin(a) * fc.cos(b)]
+    # remainders are differentiable (with derivative 0 and 1 and -floor(a / c) or -trunc(a / c)).
+    return [fc.floor(a) * a + fc.ceil(a) * b + fc.round_(a * 0.5) * c, fc.mod(a, c), fc.truncatemod(a, c),
+            fc.erf(a) + fc.gelu(b), fc.sin(a) * fc.cos(b)]
 
 
 def _scan_select(x, p, u):

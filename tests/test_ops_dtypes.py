@@ -81,6 +81,7 @@ def _extra(x, y, p, m, i, v) -> list[fc.Tensor]:
         fc.div(v, fc.constant(np.array([2, -3, 0], np.int32))),
         fc.gather(p[2], i), fc.split(x, 3, axis=1)[1], fc.is_nan(fc.log(x)), fc.is_inf(fc.log(x) * 0.0),
         fc.range_(-1, 4.5, 1.5, dtype="float64"), fc.mod(v, fc.constant(np.array([2, -3, 0], np.int32))),
+        fc.floordiv(x, y), fc.truncatemod(v, fc.constant(np.array([2, -3, 0], np.int32))),
     ]
 
 

@@ -1,4 +1,4 @@
-"""The rounding, remainder, erf/gelu, trigonometric and float-test ops (issue 20) against float64
+"""The rounding, division and remainder, erf/gelu, trigonometric and float-test ops (issue 20) against float64
 references computed element by element with Python's math module and operators, on every dtype
 they take; the gpu kernels against the numpy ones."""
 from __future__ import annotations
@@ -58,42 +58,97 @@ def test_gelu_is_x_times_the_normal_cdf(rng):
     np.testing.assert_allclose(got, ref, rtol=1e-14, atol=1e-15)
 
 
-def test_floor_mod_and_div_on_floats_follow_python(rng):
-    x = rng.uniform(-10, 10, 300)
-    y = rng.choice([-3.5, -1.0, 0.75, 2.0, 4.25], 300)
-    np.testing.assert_allclose(run(lambda x, y: fc.mod(x, y), x=x, y=y),
-                               elementwise_ref(lambda a, b: a % b, x, y), rtol=1e-13, atol=1e-13)
-    np.testing.assert_allclose(run(lambda x, y: fc.div(x, y), x=x, y=y), x / y, rtol=0, atol=0)
+def truncating(a: int, b: int) -> tuple[int, int]:
+    """C's / and % on Python ints (exact at any size): the quotient rounded toward zero."""
+    if b == 0:
+        return 0, 0
+    q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)
+    return q, a - q * b
 
 
-@pytest.mark.parametrize("dtype", INT_DTYPES)
-def test_integer_div_and_mod_are_floor_division_and_keep_the_dtype(dtype, rng):
+def flooring(a: int, b: int) -> tuple[int, int]:
+    return (a // b, a % b) if b else (0, 0)
+
+
+SIGNS = np.array([(7, 2), (-7, 2), (7, -2), (-7, -2), (6, 3), (-6, 3), (6, -3), (-6, -3), (0, 5), (0, -5),
+                  (1, 7), (-1, 7), (1, -7), (-1, -7), (5, 0), (-5, 0)])
+
+
+@pytest.mark.parametrize("dtype", INT_DTYPES + ["int64"])
+def test_integer_div_truncates_floordiv_floors_and_each_pairs_with_its_remainder(dtype, rng):
     info = np.iinfo(dtype)
     lo, hi = max(info.min, -100), min(info.max, 100)
     x = rng.integers(lo, hi + 1, 400).astype(dtype)
     y = rng.integers(lo, hi + 1, 400).astype(dtype)
     y[:5] = 0
-    q, r = run(lambda x, y: [fc.div(x, y), fc.mod(x, y)], x=x, y=y)
-    assert q.dtype == np.dtype(dtype) and r.dtype == np.dtype(dtype)
-    ref_q = elementwise_ref(lambda a, b: a // b if b else 0, x, y, dtype=np.int64)
-    ref_r = elementwise_ref(lambda a, b: a % b if b else 0, x, y, dtype=np.int64)
-    np.testing.assert_array_equal(q.astype(np.int64), ref_q)
-    np.testing.assert_array_equal(r.astype(np.int64), ref_r)
+    if info.min < 0:  # every sign combination, and exact multiples, whatever the draw
+        x[5:5 + len(SIGNS)], y[5:5 + len(SIGNS)] = SIGNS[:, 0], SIGNS[:, 1]
+    q, r, fq, fr = run(lambda x, y: [fc.div(x, y), fc.truncatemod(x, y), fc.floordiv(x, y), fc.mod(x, y)],
+                       x=x, y=y)
+    for got in (q, r, fq, fr):
+        assert got.dtype == np.dtype(dtype) and got.shape == x.shape
+    for got, ref, port in ((q, truncating, 0), (r, truncating, 1), (fq, flooring, 0), (fr, flooring, 1)):
+        want = elementwise_ref(lambda a, b: ref(a, b)[port], x, y, dtype=np.int64)
+        np.testing.assert_array_equal(got.astype(np.int64), want)
     nz = y != 0
-    np.testing.assert_array_equal((q * y + r)[nz], x[nz])  # the identity the docstring promises
+    np.testing.assert_array_equal((q * y + r)[nz], x[nz])  # within each pair: x == div * y + mod
+    np.testing.assert_array_equal((fq * y + fr)[nz], x[nz])
+    if info.min < 0:
+        assert np.all(np.sign(r[nz]) * np.sign(x[nz]) >= 0)  # the truncating remainder: x's sign
+        assert np.all(np.sign(fr[nz]) * np.sign(y[nz]) >= 0)  # the floor remainder: y's sign
 
 
-def test_the_issue_example_gives_the_same_int32_answer_with_the_optimizer_on_and_off():
+def test_int64_division_is_exact_past_float64s_integers():
+    x = np.array([2**62 + 1, -(2**62 + 1), 2**53 + 1, -(2**53 + 3)], np.int64)
+    y = np.array([3, 3, -2, 2], np.int64)
+    q, r, fq, fr = run(lambda x, y: [fc.div(x, y), fc.truncatemod(x, y), fc.floordiv(x, y), fc.mod(x, y)],
+                       x=x, y=y)
+    for i, (a, b) in enumerate(zip(x.tolist(), y.tolist())):
+        assert (int(q[i]), int(r[i])) == truncating(a, b)
+        assert (int(fq[i]), int(fr[i])) == flooring(a, b)
+
+
+def test_the_issue_example_truncates_with_the_optimizer_on_and_off():
     g = fc.Graph()
     with g.as_default():
-        a = fc.constant(np.array([7, -7], np.int32))
-        y = fc.div(a, fc.constant(np.array([2, 2], np.int32)))
-    assert y.dtype == "int32"
-    off = fc.Session(g, store=fc.ContainerStore()).run(y)
-    on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(y)
+        a = fc.constant(np.array([7, -7, -3], np.int32))
+        b = fc.constant(np.array([2, 2, 2], np.int32))
+        outs = [fc.div(a, b), fc.truncatemod(a, b), fc.floordiv(a, b), fc.mod(a, b), a // b, a % b]
+    assert {t.dtype for t in outs} == {"int32"}
+    off = fc.Session(g, store=fc.ContainerStore()).run(outs)
+    on = fc.Session(g, store=fc.ContainerStore(), optimize=True).run(outs)
     for got in (off, on):
-        assert got.dtype == np.int32
-        np.testing.assert_array_equal(got, [3, -4])
+        assert all(v.dtype == np.int32 for v in got)
+        for v, want in zip(got, ([3, -3, -1], [1, -1, -1], [3, -4, -2], [1, 1, 1], [3, -4, -2], [1, 1, 1])):
+            np.testing.assert_array_equal(v, want)
+
+
+def test_float_division_and_remainders_follow_python(rng):
+    x = np.concatenate([rng.uniform(-10, 10, 300), [1.0, -1.0, 7.5, -7.5, 0.0]])
+    y = np.concatenate([rng.choice([-3.5, -1.0, 0.75, 2.0, 4.25], 300), [0.1, 0.1, -2.0, 2.0, -3.0]])
+    q, r, fq, fr = run(lambda x, y: [fc.div(x, y), fc.truncatemod(x, y), fc.floordiv(x, y), fc.mod(x, y)],
+                       x=x, y=y)
+    np.testing.assert_array_equal(q, x / y)  # true division
+    np.testing.assert_array_equal(fq, elementwise_ref(lambda a, b: a // b, x, y))  # 1.0 // 0.1 == 9.0
+    np.testing.assert_allclose(fr, elementwise_ref(lambda a, b: a % b, x, y), rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(r, elementwise_ref(math.fmod, x, y))
+    nz = fr != 0
+    assert np.all(np.sign(fr[nz]) == np.sign(y[nz]))  # the divisor's sign, as Python's %
+    assert np.all(np.sign(r[r != 0]) == np.sign(x[r != 0]))
+    np.testing.assert_allclose(fq * y + fr, x, rtol=1e-12, atol=1e-12)
+
+
+def test_floordiv_passes_no_gradient_and_truncatemod_one():
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float64", (3,))
+        y = fc.placeholder("float64", (3,))
+        assert fc.gradients(fc.reduce_sum(fc.floordiv(x, y)), [x, y]) == [None, None]
+        dx, dy = fc.gradients(fc.reduce_sum(fc.truncatemod(x, y)), [x, y])
+    feeds = {x: np.array([7.5, -7.5, 7.5]), y: np.array([2.0, 2.0, -2.0])}
+    gx, gy = fc.Session(g, store=fc.ContainerStore()).run([dx, dy], feeds)
+    np.testing.assert_array_equal(gx, [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(gy, [-3.0, 3.0, 3.0])  # -trunc(x / y)
 
 
 def test_is_nan_and_is_inf():
@@ -121,13 +176,14 @@ def test_gpu_kernels_match_numpy(rng):
     x = rng.uniform(-4, 4, (5, 7)).astype(np.float32)
     y = rng.uniform(0.5, 2, (7,)).astype(np.float32)
     xi = rng.integers(-50, 50, (5, 7)).astype(np.int16)
-    yi = rng.integers(-5, 5, (7,)).astype(np.int16)
+    yi = rng.integers(-5, 5, (7,)).astype(np.int16)  # mixed signs and a 0
     g = fc.Graph()
     with g.as_default():
         px, py = fc.placeholder("float32", (5, 7)), fc.placeholder("float32", (7,))
         pi, pj = fc.placeholder("int16", (5, 7)), fc.placeholder("int16", (7,))
         outs = [fc.floor(px), fc.ceil(px), fc.round_(px), fc.mod(px, py), fc.erf(px), fc.gelu(px), fc.sin(px),
-                fc.cos(px), fc.is_nan(fc.log(px)), fc.is_inf(px / 0.0), fc.div(pi, pj), fc.mod(pi, pj)]
+                fc.cos(px), fc.is_nan(fc.log(px)), fc.is_inf(px / 0.0), fc.div(pi, pj), fc.mod(pi, pj),
+                fc.truncatemod(pi, pj), fc.floordiv(pi, pj), fc.truncatemod(px, py), fc.floordiv(px, py)]
         outs += fc.gradients([fc.reduce_sum(o) for o in outs[3:8]], [px, py])
     feeds = {px: x, py: y, pi: xi, pj: yi}
     with np.errstate(all="ignore"):
@@ -136,3 +192,41 @@ def test_gpu_kernels_match_numpy(rng):
     for c, d in zip(cpu, gpu):
         assert c.dtype == d.dtype and c.shape == d.shape
         np.testing.assert_allclose(d, c, rtol=1e-5, atol=1e-5)
+    big = np.array([2**62 + 1, -(2**62 + 1), -7, 7], np.int64)  # exact past float64's integers
+    div = np.array([3, 3, 2, -2], np.int64)
+    g = fc.Graph()
+    with g.as_default():
+        a, b = fc.constant(big), fc.constant(div)
+        outs = [fc.div(a, b), fc.truncatemod(a, b), fc.floordiv(a, b), fc.mod(a, b)]
+    cpu = fc.Session(g, store=fc.ContainerStore()).run(outs)
+    gpu = fc.Session(g, device="gpu:0", store=fc.ContainerStore()).run(outs)
+    for c, d in zip(cpu, gpu):
+        np.testing.assert_array_equal(d, c)
+
+
+def test_onnx_export_maps_each_division_to_its_exact_onnx_form():
+    onnx = pytest.importorskip("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    from flowctl.engine.errors import SpecError
+    from flowctl.training.onnx_export import to_onnx
+
+    g = fc.Graph()
+    with g.as_default():
+        xi, yi = fc.placeholder("int32", (None,), name="xi"), fc.placeholder("int32", (None,), name="yi")
+        xf, yf = fc.placeholder("float32", (None,), name="xf"), fc.placeholder("float32", (None,), name="yf")
+        outs = {"q": fc.div(xi, yi), "r": fc.truncatemod(xi, yi), "fr": fc.mod(xi, yi),
+                "qf": fc.div(xf, yf), "rf": fc.truncatemod(xf, yf)}
+        refused = {"floordiv": fc.floordiv(xi, yi), "float_floormod": fc.mod(xf, yf)}
+    ins = {"xi": xi.name, "yi": yi.name, "xf": xf.name, "yf": yf.name}
+    model = to_onnx(g, ins, {k: t.name for k, t in outs.items()}, {})
+    x, y = SIGNS[:-2, 0].astype(np.int32), SIGNS[:-2, 1].astype(np.int32)  # ONNX leaves x / 0 undefined
+    feeds = {"xi": x, "yi": y, "xf": x.astype(np.float32) + 0.5, "yf": y.astype(np.float32)}
+    got = ReferenceEvaluator(model).run(None, feeds)
+    want = fc.Session(g, store=fc.ContainerStore()).run(list(outs.values()), {xi: x, yi: y, xf: feeds["xf"],
+                                                                              yf: feeds["yf"]})
+    for name, a, b in zip(outs, got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=name)
+    for name, t in refused.items():
+        with pytest.raises(SpecError, match="has no ONNX form"):
+            to_onnx(g, ins, {name: t.name}, {})

@@ -121,6 +121,10 @@ class Tensor:
     def __rmul__(self, o: Any) -> "Tensor": return self._bin("Mul", o, True)
     def __truediv__(self, o: Any) -> "Tensor": return self._bin("Div", o)
     def __rtruediv__(self, o: Any) -> "Tensor": return self._bin("Div", o, True)
+    def __floordiv__(self, o: Any) -> "Tensor": return self._bin("FloorDiv", o)
+    def __rfloordiv__(self, o: Any) -> "Tensor": return self._bin("FloorDiv", o, True)
+    def __mod__(self, o: Any) -> "Tensor": return self._bin("FloorMod", o)
+    def __rmod__(self, o: Any) -> "Tensor": return self._bin("FloorMod", o, True)
     def __pow__(self, o: Any) -> "Tensor": return self._bin("Pow", o)
     def __matmul__(self, o: Any) -> "Tensor": return self._bin("MatMul", o)
 

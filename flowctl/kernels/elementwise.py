@@ -48,22 +48,38 @@ for _op, _f in (("Add", "add"), ("Sub", "subtract"), ("Mul", "multiply"), ("Maxi
     into(_op)(_ufunc_into(_f))
 
 
-@kernel("Div")
-def div(xp: Any, attrs: dict[str, Any]) -> Fn:
-    """Floats: true division. Integers: floor division (Python's `//`, TensorFlow's FloorDiv), so the
-    result keeps the integer dtype the shape function declared; x // 0 is 0 (numpy's and cupy's
-    answer) rather than an error, without numpy's warning."""
+def _quiet_on_integers(f: Fn) -> Fn:
+    """f, without numpy's warning on an integer division by zero (whose answer here is 0, numpy's
+    and cupy's) or of INT_MIN by -1. A float's inf or nan is left to warn as any float op's does."""
     import numpy as np
 
     def run(x: Any, y: Any) -> Any:
         if x.dtype.kind in "fc":
-            return xp.true_divide(x, y)
-        if xp is np:
-            with np.errstate(divide="ignore"):
-                return np.floor_divide(x, y)
-        return xp.floor_divide(x, y)
+            return f(x, y)
+        with np.errstate(divide="ignore", over="ignore"):
+            return f(x, y)
 
     return run
+
+
+def _truncated(xp: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    """Integer quotient and remainder truncated toward zero (C's `/` and `%`), from the floored ones:
+    they differ by one step where the remainder is not 0 and x and y have opposite signs. Built on
+    floor_divide and mod, exact on numpy and cupy alike (cupy's integer fmod goes through double,
+    which loses int64s past 2**53)."""
+    q, r = xp.floor_divide(x, y), xp.mod(x, y)
+    if x.dtype.kind == "u":  # no negatives: floor is truncation
+        return q, r
+    fix = (r != 0) & ((x < 0) != (y < 0))
+    return xp.where(fix, q + 1, q), xp.where(fix, r - y, r)
+
+
+@kernel("Div")
+def div(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Floats: true division. Integers: truncating division (TensorFlow's and ONNX's Div, C's `/`:
+    -7 / 2 = -3), so the result keeps the integer dtype the shape function declared; x / 0 is 0."""
+    return _quiet_on_integers(lambda x, y: xp.true_divide(x, y) if x.dtype.kind in "fc"
+                              else _truncated(xp, x, y)[0])
 
 
 @into("Div")
@@ -73,18 +89,23 @@ def div_into(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda k, x, y: true_divide(k, x, y) if x.dtype.kind in "fc" else plain(x, y)
 
 
+@kernel("TruncateMod")
+def truncate_mod(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Div's remainder, with the sign of x: fmod for floats (exact)."""
+    return _quiet_on_integers(lambda x, y: xp.fmod(x, y) if x.dtype.kind in "fc" else _truncated(xp, x, y)[1])
+
+
+@kernel("FloorDiv")
+def floor_div(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """Python's `//`, for integers and floats alike (a float quotient is numpy's and Python's:
+    floor((x - x % y) / y), so 1.0 // 0.1 is 9.0, not floor(1.0 / 0.1) = 10.0)."""
+    return _quiet_on_integers(xp.floor_divide)
+
+
 @kernel("FloorMod")
 def floor_mod(xp: Any, attrs: dict[str, Any]) -> Fn:
     """numpy's `mod` is floor modulo (the sign of y), for floats and integers alike."""
-    import numpy as np
-
-    def run(x: Any, y: Any) -> Any:
-        if xp is np and x.dtype.kind not in "fc":
-            with np.errstate(divide="ignore"):
-                return np.mod(x, y)
-        return xp.mod(x, y)
-
-    return run
+    return _quiet_on_integers(xp.mod)
 
 
 _SERIES_TERMS = 60

@@ -1,7 +1,9 @@
 """`flowctl export --format onnx`: a run's forward graph (inputs to logits) as an ONNX model, for the
 ops ONNX has a form of here: matrix products, bias adds and element-wise arithmetic, the usual
 activations, concat/split/stack/unstack, reshape, slice and gather (dense, embedding and
-unrolled LSTM layers). Anything else is refused naming the node, never exported approximately.
+unrolled LSTM layers). Anything else is refused naming the node, never exported approximately:
+integer Div truncates in both, and TruncateMod is Mod(fmod=1), but a floor quotient and a float
+floor remainder have no exact ONNX form.
 Weights travel as initializers; a dimension the graph leaves open (the batch) is symbolic.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import SpecError
 from flowctl.engine.executor import needed_nodes
 from flowctl.engine.graph import Graph, Node, parse_ref
@@ -59,6 +62,10 @@ def _emit(b: _Builder, node: Node) -> None:
         b.add(SAME_NAME[node.op], ins, outs)
     elif node.op == "BiasAdd":
         b.add("Add", ins, outs)
+    elif node.op == "TruncateMod":  # C's fmod and %, as Div's integer quotient truncates too
+        b.add("Mod", ins, outs, fmod=1)
+    elif node.op == "FloorMod" and not is_float(node.outputs[0].dtype):  # ONNX takes fmod=0 on integers only
+        b.add("Mod", ins, outs, fmod=0)
     elif node.op == "MatMul":
         x, w = ins
         if a.get("transpose_a"):

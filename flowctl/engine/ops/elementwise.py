@@ -1,10 +1,12 @@
 """Element-wise ops (whitepaper Table 1): arithmetic with numpy broadcasting, comparisons, Select,
-Cast, AddN, the activation functions, rounding, FloorMod, Erf, Sin/Cos, IsNaN/IsInf, and the fused
-gradient ops they use.
+Cast, AddN, the activation functions, rounding, the remainders, Erf, Sin/Cos, IsNaN/IsInf, and the
+fused gradient ops they use.
 
-Integer division and remainder are floor division and floor modulo (Python's `//` and `%`,
-TensorFlow's FloorDiv and FloorMod): x == div(x, y) * y + mod(x, y), and the remainder takes the
-sign of y. An integer division or remainder by zero gives 0 (numpy's and cupy's answer)."""
+Division comes in TensorFlow's two pairs, each keeping x == div(x, y) * y + mod(x, y) for integers:
+`Div` (true division of floats; integers truncate toward zero, as TensorFlow's Div, ONNX's Div and
+C do: -7 / 2 = -3) with `TruncateMod` (the sign of x), and `FloorDiv` (Python's `//`: -7 // 2 = -4)
+with `FloorMod` (Python's `%`: the sign of y). An integer division or remainder by zero gives 0
+(numpy's and cupy's answer)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -172,6 +174,13 @@ def _g_floormod(op: Any, dy: list[Tensor]) -> list[Tensor]:
     return [_reduce(dy[0], x), _reduce(neg(dy[0] * floor(x / y)), y)]
 
 
+def _g_truncatemod(op: Any, dy: list[Tensor]) -> list[Tensor]:
+    # mod(x, y) = x - trunc(x / y) * y: d/dx = 1, d/dy = -trunc(x / y), the whole number
+    # (x - mod) / y (rounded: the division may miss it by an ulp).
+    x, y = op.inputs
+    return [_reduce(dy[0], x), _reduce(neg(dy[0] * round_((x - op.outputs[0]) / y)), y)]
+
+
 _UNARY_GRADS = {
     "Neg": lambda op, dy: [neg(dy[0])],
     "Exp": lambda op, dy: [dy[0] * op.outputs[0]],
@@ -215,11 +224,13 @@ for _name in UNARY:
                 num_inputs=1, group=ELEMENTWISE, grad=_UNARY_GRADS[_name],
                 forward=(0,) if _name in _FORWARD_UNARY else ())
 
-for _name, _g in zip(BINARY + ("FloorMod",),
-                     (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum, _g_floormod)):
+for _name, _g in zip(BINARY + ("FloorMod", "TruncateMod"),
+                     (_g_add, _g_sub, _g_mul, _g_div, _g_pow, _g_maximum, _g_minimum, _g_floormod, _g_truncatemod)):
     # Maximum / Minimum of bools are or / and, as numpy gives them; the rest is arithmetic.
     register_op(_name, _binary_infer if _name in ("Maximum", "Minimum") else _arith_infer, num_inputs=2,
                 group=ELEMENTWISE, grad=_g, forward=(0, 1) if _name in _FORWARD_BINARY else ())
+# A step function of its inputs: no gradient passes through it (TensorFlow's FloorDiv has none either).
+register_op("FloorDiv", _arith_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
 
 for _name in COMPARE:
     register_op(_name, _compare_infer, num_inputs=2, group=ELEMENTWISE, differentiable=False)
@@ -269,10 +280,16 @@ def add(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Add", 
 def sub(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Sub", [x, y], name=name)
 def mul(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Mul", [x, y], name=name)
 def div(x: Any, y: Any, name: str | None = None) -> Tensor:
-    """x / y. Floats divide exactly; integers floor-divide (Python's `//`, TensorFlow's FloorDiv:
-    -7 / 2 = -4), keeping the integer dtype, so div(x, y) * y + mod(x, y) == x; an integer division
-    by zero gives 0."""
+    """x / y. Floats divide exactly; integers truncate toward zero (TensorFlow's and ONNX's Div:
+    -7 / 2 = -3), keeping the integer dtype, so div(x, y) * y + truncatemod(x, y) == x; an integer
+    division by zero gives 0."""
     return make1("Div", [x, y], name=name)
+
+
+def floordiv(x: Any, y: Any, name: str | None = None) -> Tensor:
+    """x // y, rounded toward minus infinity (Python's `//`, TensorFlow's FloorDiv: -7 // 2 = -4)
+    for integers and floats alike, so floordiv(x, y) * y + mod(x, y) == x. It passes no gradient."""
+    return make1("FloorDiv", [x, y], name=name)
 
 def pow_(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Pow", [x, y], name=name)
 def maximum(x: Any, y: Any, name: str | None = None) -> Tensor: return make1("Maximum", [x, y], name=name)
@@ -307,11 +324,18 @@ def round_(x: Any, name: str | None = None) -> Tensor:
 
 def mod(x: Any, y: Any, name: str | None = None) -> Tensor:
     """Floor modulo (TensorFlow's FloorMod, Python's %): the result takes the sign of y, and
-    div(x, y) * y + mod(x, y) == x for integers. An integer remainder by zero gives 0."""
+    floordiv(x, y) * y + mod(x, y) == x. An integer remainder by zero gives 0."""
     return make1("FloorMod", [x, y], name=name)
 
 
 floormod = mod
+
+
+def truncatemod(x: Any, y: Any, name: str | None = None) -> Tensor:
+    """Truncating remainder (TensorFlow's TruncateMod, C's % and fmod): the result takes the sign
+    of x, and div(x, y) * y + truncatemod(x, y) == x for integers. An integer remainder by zero
+    gives 0."""
+    return make1("TruncateMod", [x, y], name=name)
 
 
 def gelu(x: Any, name: str | None = None) -> Tensor:
