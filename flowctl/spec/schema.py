@@ -88,7 +88,7 @@ else:
 
 class ModelSpec(Strict):
     name: str = "model"
-    dtype: Literal["float32", "float64", "float16"] = Field("float32", description="dtype of weights and activations")
+    dtype: Literal["float32", "float64", "float16"] = Field("float32", description="dtype of weights, activations and float inputs")
     defaults: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="layer type -> field defaults applied to every layer of that type")
     blocks: dict[str, BlockDef] = Field(default_factory=dict)

@@ -92,7 +92,8 @@ class Layer(Strict):
     inputs: list[str] | None = None
 
     arity: ClassVar[tuple[int, int | None]] = (1, 1)  # (min, max) inputs; max None = any
-    # The model's float dtype, for layers that make floats from ints (embedding); set by the model.
+    # The model's float dtype, for layers that make floats from ints (embedding) and float inputs; set by
+    # the spec check.
     _dtype: str = PrivateAttr("float32")
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:

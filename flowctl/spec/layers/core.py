@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 import flowctl as fc
+from flowctl.engine.dtypes import is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.layers.base import (
@@ -60,16 +61,22 @@ class Input(Layer):
 
     type: Literal["input"]
     shape: list[int] = Field(description="per-example shape, without the batch")
-    dtype: Literal["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16"] = "float32"
+    dtype: Literal["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16"] | None = Field(
+        None, description="the fed values' dtype; default: model.dtype (float inputs are the model's dtype)")
     classes: int | None = Field(None, ge=1, description="integer inputs take values in [0, classes)")
 
     arity: ClassVar[tuple[int, int | None]] = (0, 0)
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
-        return TensorSpec((None, *self.shape), self.dtype)
+        # The layers compute in model.dtype, so a float input of another dtype could meet no weight;
+        # the data source feeds the input's dtype (synthetic draws, arrays cast to it).
+        if self.dtype is not None and is_float(self.dtype) and self.dtype != self._dtype:
+            raise LayerError(f"input '{self.name}' is {self.dtype} but model.dtype is {self._dtype}: a float input "
+                             f"takes the model's dtype (leave out dtype here, or make the two agree)", "dtype")
+        return TensorSpec((None, *self.shape), self.dtype or self._dtype)
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
-        return fc.placeholder(self.dtype, (None, *self.shape), name=self.name)
+        return fc.placeholder(self.dtype or self._dtype, (None, *self.shape), name=self.name)
 
 
 @register
