@@ -183,6 +183,15 @@ def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
     return need
 
 
+def _input_specs(graph: Graph, node: Node) -> list[Any] | None:
+    """The node's inputs' inferred specs, for the kernel registry's variant rules (None where the
+    graph cannot say: the reference kernel is then bound)."""
+    try:
+        return graph.input_specs(node)
+    except GraphError:
+        return None
+
+
 class Plan:
     def __init__(self, graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str],
                  device: str, resources: Callable[[Node], Any],
@@ -202,7 +211,7 @@ class Plan:
         self.order = graph.topo_order(needed_nodes(graph, roots, fed_refs))
         self.nodes = [graph.nodes[n] for n in self.order]
         self.resources = resources
-        self.kernels = [self._bind(n, resources) for n in self.nodes]
+        self.kernels = [self._bind(graph, n, resources) for n in self.nodes]
 
         # Value slots: feeds first, then every node output.
         slot: dict[str, int] = {}
@@ -268,14 +277,14 @@ class Plan:
         dead_recv = any(n.op == "Recv" and n.attrs.get("maybe_dead") for n in self.nodes)
         self.frame_tables = FrameTables(self) if has_control_flow(self.nodes) or dead_recv else None
 
-    def _bind(self, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
+    def _bind(self, graph: Graph, node: Node, resources: Callable[[Node], Any]) -> Callable[..., Any]:
         attrs = self._attrs(node, resources)
         if self.guards is not None:
             g = self.guards(node)
             if g is not None:
                 attrs["_guard"] = g
         try:
-            return bind(node.op, self.device_type, attrs)
+            return bind(node.op, self.device_type, attrs, _input_specs(graph, node))
         except KeyError:
             raise GraphError(f"node '{node.name}' ({node.op}) has no kernel for device {self.device}") from None
 

@@ -10,13 +10,22 @@ for one device type alone overrides the generic one there (a stride-trick numpy 
 Every kernel module registers here when `flowctl.kernels` is imported (the package imports them
 all), so the table is full before anyone can look in it.
 
+Faster kernels register *beside* these as variants (`variant`): per (op, device type), a named
+factory with a rule over the node's attributes and its inputs' dtypes and static shapes. `bind`
+takes the first variant whose rule holds, else the registered kernel, which stays the reference
+every variant is tested against. The choice is a rule, never a measurement, so a resumed run
+binds the same kernels as the run it continues; `reference_kernels()` turns variants off (the
+tests comparing against the reference, and `bench` measuring what a variant is worth).
+
 This module is the engine's one door into the kernels: besides the table it hands out each
 device type's array module (`array_module`), the copy to host memory (`to_host`) and what the
 driver says of the GPUs. It never imports the engine's graph classes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from flowctl.kernels.backend import (DEAD, Ready, StepGuard, array_module, check_finite, cupy_or_none,
                                      gpu_count, gpu_properties, override_array_module, to_host)
@@ -24,9 +33,9 @@ from flowctl.kernels.cuda.blas import fp32_products, set_fp32_products
 from flowctl.kernels.cuda.graphs import capture_backend
 
 __all__ = ["DEAD", "DEVICE_TYPES", "INTO", "KERNELS", "KernelFactory", "Ready", "StepGuard", "array_module",
-           "bind", "bind_into", "capture_backend", "check_finite", "cupy_or_none", "device_types_for", "fp32_products", "gpu_count",
-           "gpu_properties", "has_kernel", "into", "kernel", "override_array_module", "set_fp32_products",
-           "to_host"]
+           "Variant", "bind", "bind_into", "chosen", "capture_backend", "check_finite", "cupy_or_none", "device_types_for", "fp32_products", "gpu_count",
+           "gpu_properties", "has_kernel", "into", "kernel", "override_array_module", "reference_kernels", "set_fp32_products",
+           "to_host", "variant", "VARIANTS"]
 
 KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]
 
@@ -39,6 +48,56 @@ _SPECIFIC: set[tuple[str, str]] = set()
 # buffer outright (no other reader, view or holder) and the op is its last reader; the result is
 # bit for bit the allocating kernel's (exactly rounded element-wise operations in the same order).
 INTO: dict[tuple[str, str], KernelFactory] = {}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A faster kernel for one (op, device type): `applies(attrs, ins)` decides from the node's
+    attributes and its inputs' specs (objects with .dtype, a name such as "float32", and .shape,
+    a tuple whose unknown dimensions are None) whether `factory` may stand in for the reference."""
+
+    name: str
+    factory: KernelFactory
+    applies: Callable[[dict[str, Any], Sequence[Any]], bool]
+
+
+VARIANTS: dict[tuple[str, str], list[Variant]] = {}
+_reference_only = {"on": False}
+
+
+def variant(op: str, device_type: str, name: str,
+            applies: Callable[[dict[str, Any], Sequence[Any]], bool]) -> Callable[[KernelFactory], KernelFactory]:
+    """Register `factory` as variant `name` of `op` on `device_type`, tried in registration order."""
+    def deco(factory: KernelFactory) -> KernelFactory:
+        found = VARIANTS.setdefault((op, device_type), [])
+        if any(v.name == name for v in found):
+            raise ValueError(f"variant {name!r} of {(op, device_type)} registered twice")
+        found.append(Variant(name, factory, applies))
+        return factory
+
+    return deco
+
+
+@contextmanager
+def reference_kernels(on: bool = True) -> Iterator[None]:
+    """Plans bound inside bind the reference kernels only (a process-wide switch: a session's device
+    threads bind its plans too)."""
+    saved = _reference_only["on"]
+    _reference_only["on"] = on
+    try:
+        yield
+    finally:
+        _reference_only["on"] = saved
+
+
+def chosen(op: str, device_type: str, attrs: dict[str, Any], ins: Sequence[Any] | None) -> Variant | None:
+    """The variant `bind` takes for a node, or None for the reference kernel."""
+    if ins is None or _reference_only["on"]:
+        return None
+    for v in VARIANTS.get((op, device_type), ()):
+        if v.applies(attrs, ins):
+            return v
+    return None
 
 
 def kernel(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[KernelFactory], KernelFactory]:
@@ -88,9 +147,11 @@ def device_types_for(op: str) -> tuple[str, ...]:
     return tuple(t for t in DEVICE_TYPES if (op, t) in KERNELS)
 
 
-def bind(op: str, device_type: str, attrs: dict[str, Any]) -> Callable[..., Any]:
-    """The step-time callable for one node: the factory applied to the device's array module."""
+def bind(op: str, device_type: str, attrs: dict[str, Any], ins: Sequence[Any] | None = None) -> Callable[..., Any]:
+    """The step-time callable for one node: the factory applied to the device's array module. With
+    the node's input specs, a variant whose rule holds stands in for the reference kernel."""
     factory = KERNELS.get((op, device_type))
     if factory is None:
         raise KeyError(f"no {device_type} kernel for op {op}")
-    return factory(array_module(device_type), attrs)
+    v = chosen(op, device_type, attrs, ins)
+    return (factory if v is None else v.factory)(array_module(device_type), attrs)

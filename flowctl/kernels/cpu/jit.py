@@ -1,0 +1,51 @@
+"""How the compiled CPU kernels are compiled and run.
+
+- numba's `njit`, compiled on first call per argument types, with `cache=True` (the machine code is
+  kept beside the module, or in numba's user cache where that is read-only), so a second process
+  loads instead of compiling; `nogil=True`, so flowctl's intra-op threads (kernels/intra.py) run
+  pieces of one kernel on several cores at once.
+- No numba threading (`parallel=True` and prange stay unused): its default layer is not safe across
+  flowctl's device threads, and a reduction split by numba's scheduler would sum in an order that
+  depends on the thread count. Pieces are fixed by the shapes alone and their partial sums are
+  combined in piece order on the calling thread, so one thread and eight give the same bits (the
+  contract of kernels/intra.py).
+- No fastmath: the kernels round as the reference's numpy passes do, element by element.
+
+`available()` is what a variant's rule asks: numba importable (a plain install carries it; the
+GPU machines do too). `compiled(builder)` builds a module's kernels once, on first use.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any, Callable
+
+FLOAT_TYPES = ("float32", "float64")  # fp16/bf16 on the CPU stay on the numpy path
+
+
+@functools.cache
+def available() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+def njit(fn: Callable[..., Any]) -> Any:
+    """fn compiled as every kernel here is: cached, without the GIL, exact arithmetic."""
+    import numba  # type: ignore[import-untyped]
+
+    return numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")(fn)
+
+
+def compiled(builder: Callable[[], Any]) -> Callable[[], Any]:
+    """builder() once, on first call: a module's kernels, defined inside it so numba is imported
+    only when one is wanted."""
+    return functools.cache(builder)
+
+
+def floats_nhwc(ins: Any, positions: tuple[int, ...] = (0,)) -> bool:
+    """Rule: numba present and the inputs at `positions` rank-4 float32/float64 (NHWC)."""
+    if not available():
+        return False
+    try:
+        return all(ins[i].dtype in FLOAT_TYPES and len(ins[i].shape) == 4 for i in positions)
+    except (IndexError, TypeError):
+        return False

@@ -1,0 +1,124 @@
+"""The compiled CPU kernels (flowctl/kernels/cpu, numba) against the array-module reference kernels
+they stand in for: random shapes, float32 within 1e-5 and float64 within 1e-12 (relative to the
+output's scale), gradients included; the same bits whatever the intra-op thread count; the
+registry's rule picks them only where they apply, and `reference_kernels()` turns them off."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from flowctl.engine.shapes import TensorSpec  # noqa: E402
+from flowctl.kernels import intra  # noqa: E402
+from flowctl.kernels.registry import KERNELS, VARIANTS, bind, chosen, reference_kernels  # noqa: E402
+
+TOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+def _specs(*arrays: np.ndarray) -> list[TensorSpec]:
+    return [TensorSpec(tuple(a.shape), str(a.dtype)) for a in arrays]
+
+
+def _pair(op: str, attrs: dict, *arrays: np.ndarray) -> tuple:
+    """(compiled result, reference result) of op on arrays."""
+    v = chosen(op, "cpu", attrs, _specs(*arrays))
+    assert v is not None and v.name == "numba", f"{op}: the numba variant was not chosen"
+    fast = bind(op, "cpu", dict(attrs), _specs(*arrays))(*arrays)
+    ref = KERNELS[(op, "cpu")](np, dict(attrs))(*arrays)
+    return fast, ref
+
+
+def _close(fast, ref, dtype: str) -> None:
+    fast = fast if isinstance(fast, tuple) else (fast,)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    assert len(fast) == len(ref)
+    for a, b in zip(fast, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        scale = max(float(np.max(np.abs(b))), 1e-30)
+        np.testing.assert_allclose(a, b, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+BN_SHAPES = [(8, 7, 7, 32), (3, 5, 5, 3), (2, 17, 13, 64), (64, 10), (1, 35, 35, 288)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", BN_SHAPES)
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_forward_and_gradient_match_the_reference(dtype: str, shape: tuple, relu: bool) -> None:
+    rng = np.random.default_rng(hash((dtype, shape, relu)) % 2**32)
+    c = shape[-1]
+    # An offset mean well away from 0: a one-pass E[x^2] - E[x]^2 would lose digits here.
+    x = (rng.standard_normal(shape) * 2 + 5).astype(dtype)
+    scale = rng.uniform(0.5, 2, c).astype(dtype)
+    offset = rng.standard_normal(c).astype(dtype)
+    attrs = {"epsilon": 1e-3, "activation": "relu" if relu else "none"}
+    fast, ref = _pair("FusedBatchNorm", attrs, x, scale, offset)
+    _close(fast, ref, dtype)
+    y, mean, var = ref
+    dy = rng.standard_normal(shape).astype(dtype)
+    rest = (y,) if relu else ()
+    _close(*_pair("FusedBatchNormGrad", attrs, dy, x, scale, mean, var, *rest), dtype)
+    # with the statistics' own gradients (the batch mean and variance used downstream)
+    dmean, dvar = rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    _close(*_pair("FusedBatchNormGrad", attrs, dy, x, scale, mean, var, *rest, dmean, dvar), dtype)
+
+
+POOLS = [((3, 3), (2, 2), "VALID", (2, 15, 15, 8)), ((3, 3), (1, 1), "SAME", (3, 9, 11, 5)),
+         ((2, 2), (2, 2), "SAME", (2, 7, 7, 4)), ((8, 8), (1, 1), "VALID", (2, 8, 8, 16)),
+         ((3, 3), (2, 2), "SAME", (1, 10, 6, 3))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("ksize,strides,padding,shape", POOLS)
+def test_pools_and_their_gradients_match_the_reference(dtype, ksize, strides, padding, shape) -> None:
+    rng = np.random.default_rng(7)
+    # Values from a small set: ties inside a window, which MaxPoolGrad must route to the first maximum.
+    x = rng.integers(-3, 4, shape).astype(dtype)
+    attrs = {"ksize": ksize, "strides": strides, "padding": padding}
+    fast, ref = _pair("MaxPool", attrs, x)
+    np.testing.assert_array_equal(fast, ref)  # a max is exact
+    dy = rng.standard_normal(ref.shape).astype(dtype)
+    _close(*_pair("MaxPoolGrad", attrs, x, ref, dy), dtype)
+    x = rng.standard_normal(shape).astype(dtype)
+    fast, ref = _pair("AvgPool", attrs, x)
+    _close(fast, ref, dtype)
+    _close(*_pair("AvgPoolGrad", attrs, rng.standard_normal(ref.shape).astype(dtype), x), dtype)
+
+
+def test_max_pool_keeps_a_nan_as_the_reference_does() -> None:
+    x = np.arange(2 * 4 * 4 * 2, dtype="float32").reshape(2, 4, 4, 2)
+    x[0, 1, 1, 0] = np.nan
+    attrs = {"ksize": (2, 2), "strides": (2, 2), "padding": "VALID"}
+    fast, ref = _pair("MaxPool", attrs, x)
+    np.testing.assert_array_equal(fast, ref)
+    assert np.isnan(fast[0, 0, 0, 0])
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 35, 35, 96)).astype("float32")  # 80 pieces: runs on the threads
+    scale, offset = np.ones(96, "float32"), np.zeros(96, "float32")
+    attrs = {"epsilon": 1e-3, "activation": "relu"}
+    fn = bind("FusedBatchNorm", "cpu", attrs, _specs(x, scale, offset))
+    pool = bind("MaxPoolGrad", "cpu", {"ksize": (3, 3), "strides": (1, 1), "padding": "SAME"},
+                _specs(x, x, x))
+    with intra.fixed(1):
+        one = fn(x, scale, offset), pool(x, x, x)
+    with intra.fixed(2):
+        two = fn(x, scale, offset), pool(x, x, x)
+    for a, b in zip([*one[0], one[1]], [*two[0], two[1]]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_the_rule_picks_compiled_kernels_only_where_they_apply() -> None:
+    attrs = {"epsilon": 1e-3, "activation": "none"}
+    f32 = [TensorSpec((None, 4, 4, 8), "float32"), TensorSpec((8,), "float32"), TensorSpec((8,), "float32")]
+    f16 = [TensorSpec((None, 4, 4, 8), "float16"), TensorSpec((8,), "float32"), TensorSpec((8,), "float32")]
+    assert chosen("FusedBatchNorm", "cpu", attrs, f32).name == "numba"
+    assert chosen("FusedBatchNorm", "cpu", attrs, f16) is None  # half precision stays on numpy
+    assert chosen("FusedBatchNorm", "cpu", attrs, None) is None  # no specs: the reference
+    assert chosen("FusedBatchNorm", "gpu", attrs, f32) is None
+    with reference_kernels():
+        assert chosen("FusedBatchNorm", "cpu", attrs, f32) is None
+    assert {("FusedBatchNorm", "cpu"), ("MaxPoolGrad", "cpu")} <= set(VARIANTS)
