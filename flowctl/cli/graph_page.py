@@ -1,141 +1,114 @@
-"""`flowctl graph SPEC --out graph.html [--tensorboard DIR]`: one self-contained page of the training step's graph,
-collapsed by layer (optimizer and other unlayered nodes under their own name scope), each layer
-coloured by the device it was placed on; a click lists the layer's nodes with op and device."""
+"""`flowctl graph SPEC --out graph.html [--tensorboard DIR]`: one self-contained page of the training
+step's graph by layer, each layer coloured by the device it was placed on.
+
+The page draws the forward pass top-down from the spec's own layers and their inputs (inputs at the
+top, the loss at the bottom), so the gradient and optimizer nodes, which each layer lists in its
+side panel, never drive the layout; the nodes in no layer (the optimizer's scalars, the gradient
+clipping) are a toggle. A spec's block instances (Inception's modules) start collapsed, one box
+each, and open on a click. The layout, zoom and side panel are the script of `graph_page.html`
+beside this module, which the written page carries inline with its data: it needs no network."""
 from __future__ import annotations
 
 import html
 import json
+import re
 from collections import Counter, defaultdict
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
 
-from flowctl.engine.graph import parse_ref
 from flowctl.training.rundir import write_atomic
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
            "#bab0ac"]
-BOX_W, BOX_H, GAP_X, GAP_Y = 170, 34, 60, 14
 
 
-def collapsed(placed: Any) -> dict[str, Any]:
-    """The graph by layer: each group's nodes (name, op, device), its device, and the edges
-    between groups (how many tensors cross each)."""
-    g = placed.step.graph
-    layer_of = placed.layer_of()
+# A data-parallel replica's copy of a layer is scoped `replica_<k>/`, its gradients
+# `replica_<k>/gradients/replica_<k>/`.
+_COPY = re.compile(r"^(replica_\d+/)?(gradients/)?(replica_\d+/)?")
+
+
+def _owner(name: str, layers: dict[str, str], layer_names: set[str]) -> str | None:
+    """The layer a node belongs to: the step's own record (a gradient or update node takes the layer
+    of the forward node it follows), else the longest layer name that scopes it, past a replica's
+    and the gradients' scopes (an optimizer slot `mixed_5b/branch1x1/kernel/Momentum` belongs to
+    `mixed_5b/branch1x1`, `replica_1/hidden_1/MatMul` to `hidden_1`)."""
+    if name in layers:
+        return layers[name]
+    scope = _COPY.sub("", name)
+    if scope in layer_names:
+        return scope
+    while "/" in scope:
+        scope = scope.rsplit("/", 1)[0]
+        if scope in layer_names:
+            return scope
+    return None
+
+
+def graph_data(placed: Any) -> dict[str, Any]:
+    """What the page draws: the spec's layers in order (inputs, output shape, block, nodes with op
+    and device, the device most of them run on), the block instances (nested ones name their
+    parent), and the nodes in no layer grouped by their first name scope."""
+    step = placed.step
+    g = step.graph
+    loaded = step.model.loaded
     assign = placed.assignment
+    names = set(loaded.layers)
+    blocks = sorted(loaded.instances, key=lambda i: len(i.name))
 
-    def group(name: str) -> str:
-        layer = layer_of.get(name, "")
-        if layer and layer != "(optimizer and other)":
-            return layer
-        return name.split("/", 1)[0] if "/" in name else "(other)"
+    def innermost(name: str) -> str | None:
+        found = None
+        for inst in blocks:  # shortest first: the last match is the innermost instance
+            if name.startswith(inst.name + "/"):
+                found = inst.name
+        return found
 
-    members: dict[str, list[str]] = defaultdict(list)
-    for name in g.nodes:
-        members[group(name)].append(name)
-    edges: Counter[tuple[str, str]] = Counter()
+    members: dict[str, list[list[str]]] = defaultdict(list)
+    other: dict[str, list[list[str]]] = defaultdict(list)
     for name, node in g.nodes.items():
-        dst = group(name)
-        for ref in node.inputs:
-            src = group(parse_ref(ref)[0])
-            if src != dst:
-                edges[(src, dst)] += 1
-    groups = []
-    for name, nodes in members.items():
-        devices = Counter(assign.get(n, "") for n in nodes)
-        groups.append({"name": name, "device": devices.most_common(1)[0][0], "devices": dict(devices),
-                       "nodes": [[n, g.nodes[n].op, assign.get(n, "")] for n in nodes]})
-    return {"groups": groups, "edges": [[a, b, n] for (a, b), n in edges.items()],
-            "devices": placed.cluster.names, "algorithm": placed.chosen.algorithm,
-            "step_ms": placed.chosen.step_time * 1e3}
+        row = [name, node.op, assign.get(name, "")]
+        layer = _owner(name, step.layers, names)
+        if layer is not None:
+            members[layer].append(row)
+        else:
+            other[name.split("/", 1)[0] if "/" in name else "(other)"].append(row)
 
+    def entry(name: str, nodes: list[list[str]]) -> dict[str, Any]:
+        devices = Counter(n[2] for n in nodes)
+        device = devices.most_common(1)[0][0] if devices else ""
+        return {"name": name, "nodes": nodes, "device": device, "devices": dict(devices)}
 
-def _levels(groups: list[dict[str, Any]], edges: list[list[Any]]) -> dict[str, int]:
-    """Each group's column: the longest path to it from a group nothing feeds (cycles between
-    groups, which a layer's gradients make, are broken by visiting order)."""
-    into: dict[str, list[str]] = defaultdict(list)
-    for a, b, _ in edges:
-        into[b].append(a)
-    level: dict[str, int] = {}
-    visiting: set[str] = set()
-
-    def depth(n: str) -> int:
-        if n in level:
-            return level[n]
-        if n in visiting:
-            return 0
-        visiting.add(n)
-        level[n] = 1 + max((depth(p) for p in into[n]), default=-1)
-        visiting.discard(n)
-        return level[n]
-
-    for grp in groups:
-        depth(grp["name"])
-    return level
+    layers = []
+    for name, info in loaded.layers.items():
+        block = innermost(name)
+        layers.append({**entry(name, members.get(name, [])), "type": info.layer.type,
+                       "inputs": list(info.inputs), "block": block,
+                       "label": name[len(block) + 1:] if block else name,
+                       "shape": [d if d is not None else "?" for d in info.output.shape],
+                       "dtype": info.output.dtype})
+    instances = []
+    for inst in loaded.instances:
+        parent = innermost(inst.name)
+        instances.append({"name": inst.name, "block": inst.block, "parent": parent,
+                          "label": inst.name[len(parent) + 1:] if parent else inst.name,
+                          "output": inst.output})
+    return {"layers": layers, "blocks": instances,
+            "other": [entry(name, nodes) for name, nodes in other.items()],
+            "devices": {d: PALETTE[i % len(PALETTE)] for i, d in enumerate(placed.cluster.names)},
+            "algorithm": placed.chosen.algorithm, "step_ms": placed.chosen.step_time * 1e3,
+            "nodes": len(g.nodes)}
 
 
 def page(data: dict[str, Any], title: str) -> str:
-    levels = _levels(data["groups"], data["edges"])
-    rows: dict[int, int] = defaultdict(int)
-    pos: dict[str, tuple[int, int]] = {}
-    for grp in sorted(data["groups"], key=lambda g: (levels[g["name"]], g["name"])):
-        col = levels[grp["name"]]
-        pos[grp["name"]] = (20 + col * (BOX_W + GAP_X), 50 + rows[col] * (BOX_H + GAP_Y))
-        rows[col] += 1
-    colour = {d: PALETTE[i % len(PALETTE)] for i, d in enumerate(data["devices"])}
-    width = max(x for x, _ in pos.values()) + BOX_W + 40
-    height = max(y for _, y in pos.values()) + BOX_H + 60
-    parts = []
-    for a, b, n in data["edges"]:
-        (x1, y1), (x2, y2) = pos[a], pos[b]
-        if x2 > x1:
-            parts.append(f'<path class="edge" d="M{x1 + BOX_W},{y1 + BOX_H / 2} C{x1 + BOX_W + GAP_X / 2},'
-                         f'{y1 + BOX_H / 2} {x2 - GAP_X / 2},{y2 + BOX_H / 2} {x2},{y2 + BOX_H / 2}">'
-                         f'<title>{html.escape(a)} → {html.escape(b)}: {n} tensor(s)</title></path>')
-    for i, grp in enumerate(data["groups"]):
-        x, y = pos[grp["name"]]
-        short = grp["device"].rsplit("device:", 1)[-1]
-        label = html.escape(grp["name"] if len(grp["name"]) <= 22 else grp["name"][:21] + "…")
-        parts.append(f'<g class="layer" data-index="{i}" data-device="{html.escape(grp["device"])}" '
-                     f'transform="translate({x},{y})"><rect width="{BOX_W}" height="{BOX_H}" rx="5" '
-                     f'fill="{colour.get(grp["device"], "#999")}"/><text x="8" y="15">{label}</text>'
-                     f'<text x="8" y="29" class="sub">{len(grp["nodes"])} nodes · {html.escape(short)}</text></g>')
-    legend = " ".join(f'<span class="key" style="background:{c}"></span>{html.escape(d.rsplit("device:", 1)[-1])}'
-                      for d, c in colour.items())
-    payload = json.dumps(data["groups"]).replace("</", "<\\/")
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>
-body {{ font: 13px system-ui, sans-serif; margin: 0; display: flex; height: 100vh; }}
-#graph {{ flex: 1; overflow: auto; }} #side {{ width: 380px; overflow: auto; border-left: 1px solid #ccc; padding: 8px; }}
-.layer {{ cursor: pointer; }} .layer text {{ fill: white; font-size: 12px; }} .layer text.sub {{ font-size: 10px; }}
-.layer.selected rect {{ stroke: black; stroke-width: 2; }} .edge {{ fill: none; stroke: #888; stroke-width: 1.2; }}
-.key {{ display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 10px; vertical-align: middle; }}
-table {{ border-collapse: collapse; font-size: 12px; }} td {{ padding: 1px 6px; border-bottom: 1px solid #eee; }}
-</style></head><body>
-<div id="graph"><div style="padding:8px"><b>{html.escape(title)}</b>: {len(data["groups"])} groups,
-{sum(len(g["nodes"]) for g in data["groups"]):,} nodes, placed by {html.escape(data["algorithm"])}
-(predicted step {data["step_ms"]:,.2f} ms). {legend}</div>
-<svg id="svg" width="{width}" height="{height}">{"".join(parts)}</svg></div>
-<div id="side"><p>Click a layer to list its nodes.</p></div>
-<script>
-const GROUPS = {payload};
-for (const el of document.querySelectorAll('.layer')) {{
-  el.addEventListener('click', () => {{
-    document.querySelectorAll('.layer.selected').forEach(e => e.classList.remove('selected'));
-    el.classList.add('selected');
-    const g = GROUPS[+el.dataset.index];
-    const rows = g.nodes.slice(0, 500).map(n => '<tr><td>' + n[0] + '</td><td>' + n[1] + '</td><td>' +
-      n[2].split('device:').pop() + '</td></tr>').join('');
-    document.getElementById('side').innerHTML = '<h3>' + g.name + '</h3><p>' + g.nodes.length +
-      ' nodes</p><table>' + rows + '</table>';
-  }});
-}}
-</script></body></html>
-"""
+    """The page: the template with the title and the data inlined (`</` escaped, so no name in the
+    data can close the script), in one pass, so neither is read for the other's placeholder."""
+    template = resources.files("flowctl.cli").joinpath("graph_page.html").read_text(encoding="utf-8")
+    fill = {"TITLE": html.escape(title),
+            "DATA": json.dumps(data, separators=(",", ":")).replace("</", "<\\/")}
+    return re.sub(r"__(TITLE|DATA)__", lambda m: fill[m.group(1)], template)
 
 
 @click.command()
@@ -165,9 +138,9 @@ def graph(spec: str, out: Path | None, tensorboard: Path | None, algorithm: str 
     con = Console(stderr=True)
     used = f"{len(placed.step.graph):,} nodes on {len(placed.devices_used())} device(s)"
     if out is not None:
-        data = collapsed(placed)
+        data = graph_data(placed)
         write_atomic(out, page(data, loaded.spec.name or loaded.spec.model.name))
-        con.print(f"wrote {out}: {len(data['groups'])} groups of {used}")
+        con.print(f"wrote {out}: {len(data['layers'])} layers, {len(data['blocks'])} blocks, {used}")
     if tensorboard is not None:
         writer = EventWriter(tensorboard)
         try:
