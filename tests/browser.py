@@ -1,5 +1,5 @@
-"""A headless Chromium for the tests that look at a page in a real browser: Playwright's own (what
-`.ci/run` installs with `python -m playwright install chromium`), else one on the PATH. The tests
+"""A headless Chromium for the tests that look at a page in a real browser: Playwright's own where
+it was downloaded, else one on the PATH (Debian's, which `.ci/run` installs). The tests
 skip only when there is neither, or when the playwright package itself is missing."""
 from __future__ import annotations
 
