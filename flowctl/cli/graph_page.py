@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.engine.graph import parse_ref
 from flowctl.training.rundir import write_atomic
 
@@ -162,7 +162,7 @@ def graph(spec: str, out: Path | None, tensorboard: Path | None, algorithm: str 
         overrides += (f"devices=[{', '.join(names)}]",)
     loaded = load_spec(spec, overrides)
     placed = plan(loaded, algorithm, None if names else devices, compare=())
-    con = Console(stderr=True)
+    con = consoles.result()
     used = f"{len(placed.step.graph):,} nodes on {len(placed.devices_used())} device(s)"
     if out is not None:
         data = collapsed(placed)

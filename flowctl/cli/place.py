@@ -1,5 +1,5 @@
-"""`flowctl place SPEC --explain`: which node runs where, and why (rich tables on stderr, JSON on
-stdout with --json)."""
+"""`flowctl place SPEC --explain`: which node runs where, and why (tables on stdout, or JSON with
+--json, the tables then on stderr; the learned placer's progress on stderr: consoles.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import ALGORITHMS
@@ -65,7 +66,6 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     from flowctl.spec.overrides import device_names
     from flowctl.training.program import plan
 
-    console = Console(stderr=True)
     names = device_names(devices) if devices else None
     if names:
         overrides += (f"devices=[{', '.join(names)}]",)
@@ -76,8 +76,8 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
         if reward == "measured" and alg != "learned":
             raise PlacementError("--reward measured is the learned placer's; add --algorithm learned")
         if alg == "learned":
-            p = _place_learned(console, loaded, what_if, batch, budget, seed, steps, checkpoint, resume, warm_start,
-                               reward)
+            p = _place_learned(consoles.progress(), loaded, what_if, batch, budget, seed, steps, checkpoint, resume,
+                               warm_start, reward)
         else:
             p = plan(loaded, algorithm, what_if, batch=batch)
     except PlacementError as e:
@@ -98,7 +98,7 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
             out["loops"] = p.loops()
             out["held_at_peak"] = chosen.held_at_peak(limit=limit or 1 << 30)
         click.echo(json.dumps(out, default=str))
-    _render(console, p, explain, by, limit)
+    _render(consoles.result(as_json), p, explain, by, limit)
 
 
 def parse_duration(text: str) -> float:
@@ -127,7 +127,7 @@ def _place_learned(console: Console, loaded: Any, devices: str | None, batch: in
     seconds = parse_duration(budget) if budget else loaded.spec.placement.time_budget_s
     total = float(steps) if steps else seconds
     with Progress(TextColumn("learned placer"), BarColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("starting from the heuristics", total=total)
 
         def progress(step: int, best: float, elapsed: float) -> None:
