@@ -215,7 +215,7 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
             for c in d.candidates if c.score is not None)
         rows.append([r.name, r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
                      "; ".join(r.narrowed_by)[:40] or "-", cands or ("(with its group)" if searched else "-"),
-                     (d.reason if d else ("" if searched else f"set by {chosen.algorithm}"))[:40]])
+                     d.reason if d else ("" if searched else f"set by {chosen.algorithm}")])
     console.print(fit("per node (groups are placed together; candidates: the estimated finish of the whole group "
                       "on each device, ms -- the node's finish, the rest of its group, transfers to placed "
                       "neighbours: the least wins; * chosen, ! over its memory budget)",
