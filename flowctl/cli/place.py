@@ -186,8 +186,10 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
     if rows:
         console.print(fit("at each device's peak, its largest tensors (resident state, outputs not yet freed, "
                           "copies received)",
-                          [Col("device", "right"), Col("tensor"), Col("kind"), Col("size", "right", True)], rows,
-                          width))
+                          # The tensors' names are what a reader looks for: the key, kept whole; a kind
+                          # ("resident") is one word, never folded either.
+                          [Col("device", "right"), Col("tensor"), Col("kind", number=True),
+                           Col("size", "right", True)], rows, width, key=1))
     loops = p.loops()
     if loops:
         rows = [[r["loop"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
