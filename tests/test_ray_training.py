@@ -141,3 +141,17 @@ def test_past_max_failures_the_run_ends_with_exit_5_and_its_checkpoint_intact(tm
     straight = train(spec, tmp_path / "full")
     for k, v in straight.items():
         np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_the_banner_names_each_workers_device():
+    """Two workers' cpu:0 are two devices: the banner says whose (it said 'cpu:0, cpu:0')."""
+    from flowctl.engine.devices import spec_name
+    from flowctl.training.program import place_for_training
+
+    placed = place_for_training(load_text(MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0"),
+                                          filename="mlp.yaml"))
+    assert placed.step.describe(placed.devices_used()) == "model_parallel over worker0/cpu:0, worker1/cpu:0"
+    assert [spec_name(d) for d in ("cpu:1", "/job:worker/task:2/device:gpu:0", "/job:ps/task:0/device:cpu:0")] == \
+        ["cpu:1", "worker2/gpu:0", "ps0/cpu:0"]
+    assert spec_name("/job:w1/task:0/device:cpu:0") == "/job:w1/task:0/device:cpu:0"  # 'w10/cpu:0' reads back wrong
+

@@ -27,7 +27,7 @@ from typing import Any
 import flowctl as fc
 from flowctl.engine import strategies as st
 from flowctl.engine.cluster import Cluster, Device, Link, bus_link, gpu_profile_for
-from flowctl.engine.devices import canonical, parse_device
+from flowctl.engine.devices import canonical, parse_device, spec_name
 from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
 from flowctl.engine.distributed.session import WorkerEvent
 from flowctl.engine.errors import PlacementError, SpecError
@@ -217,7 +217,7 @@ class Step:
         return len(self.async_step.losses) if self.async_step is not None else 1
 
     def describe(self, devices: list[str] | None = None) -> str:
-        short = [d.rsplit("device:", 1)[-1] for d in (devices or self.devices)]
+        short = [spec_name(d) for d in (devices or self.devices)]  # worker1/cpu:0, not a second cpu:0
         if self.strategy == "single":
             return "single device" if len(short) == 1 else f"single, placed over {', '.join(short)}"
         if self.strategy in DATA_PARALLEL:
