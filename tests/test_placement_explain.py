@@ -102,3 +102,19 @@ def test_a_large_colocation_conflict_is_a_short_message_with_every_member_under_
     assert sum(f"'{m}'" in msg for m in det["members"]) < len(det["members"]) // 4  # a few named, all in the JSON
     assert any(m.startswith("lstm_1") for m in det["members"])
     assert any(m.startswith("lstm_2") for m in det["members"])
+
+
+def test_a_node_grouped_with_a_pinned_one_says_so_not_only_feasible_device() -> None:
+    """NMT's inputs may run anywhere; the coarsening groups each with its embedding's lookup, which
+    a rule pins to a GPU: that is why they are there, and the explanation says it (it said "only
+    feasible device" beside three feasible devices and "narrowed by: -")."""
+    p = plan(load_spec(str(ROOT / "specs" / "nmt.yaml")), compare=())
+    decisions = {d.first: d for d in p.chosen.decisions}
+    reports = {r.name: r for r in p.chosen.node_reports()}
+    for node, pinned, device in (("source", "encoder/", "gpu:0"), ("target_in", "decoder/", "gpu:1")):
+        assert len(reports[node].feasible) > 1 and not reports[node].narrowed_by  # free on its own
+        why = decisions[node].reason
+        assert why.startswith(f"grouped with '{pinned}") and f"constraint device='{device}'" in why, why
+    # A node its own rule pins keeps the short reason.
+    assert decisions["encoder/embedding/table"].reason == "only feasible device"
+    assert len(reports["encoder/embedding/table"].feasible) == 1

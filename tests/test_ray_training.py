@@ -5,6 +5,7 @@ last checkpoint intact. One local Ray instance serves the module."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -141,3 +142,72 @@ def test_past_max_failures_the_run_ends_with_exit_5_and_its_checkpoint_intact(tm
     straight = train(spec, tmp_path / "full")
     for k, v in straight.items():
         np.testing.assert_array_equal(again[k], v, err_msg=k)
+
+
+def test_the_banner_names_each_workers_device():
+    """Two workers' cpu:0 are two devices: the banner says whose (it said 'cpu:0, cpu:0')."""
+    from flowctl.engine.devices import spec_name
+    from flowctl.training.program import place_for_training
+
+    placed = place_for_training(load_text(MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0"),
+                                          filename="mlp.yaml"))
+    assert placed.step.describe(placed.devices_used()) == "model_parallel over worker0/cpu:0, worker1/cpu:0"
+    assert [spec_name(d) for d in ("cpu:1", "/job:worker/task:2/device:gpu:0", "/job:ps/task:0/device:cpu:0")] == \
+        ["cpu:1", "worker2/gpu:0", "ps0/cpu:0"]
+    assert spec_name("/job:w1/task:0/device:cpu:0") == "/job:w1/task:0/device:cpu:0"  # 'w10/cpu:0' reads back wrong
+
+
+def test_a_worker_lost_under_the_cli_is_one_step_number_and_flowctls_lines_with_rays_text_in_the_run_log(
+        tmp_path, monkeypatch, capfd):
+    """`flowctl train` on two workers, worker 1 killed after step 5: the person reads flowctl's
+    lines (the banner naming both workers, the loss at step 6: the number the step lines count),
+    on stderr; Ray's paragraph about the dead worker is in RUN/ray.log, on neither stream."""
+    from click.testing import CliRunner
+
+    import flowctl.cli.train as cli_train
+    import flowctl.training.runs as runs
+    from flowctl.cli.main import cli
+
+    spec = tmp_path / "mlp.yaml"
+    spec.write_text(MODEL.replace("seed: 2}", "seed: 2, log_every_steps: 1}") + RAY % 3
+                    + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0"))
+    started: list[Trainer] = []
+    start_run = runs.start_run
+    monkeypatch.setattr(runs, "start_run", lambda *a, **k: started.append(start_run(*a, **k)) or started[-1])
+    show = cli_train._Display.step
+    kill = _killer({5})
+    monkeypatch.setattr(cli_train._Display, "step", lambda self, e: (show(self, e), kill(started[0], e)))
+    run = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", str(spec), "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    fd = capfd.readouterr()
+    err, out = r.stderr, r.stdout
+    assert "model_parallel over worker0/cpu:0, worker1/cpu:0" in err
+    lost = [line for line in err.splitlines() if re.search(r"\blost\b", line)]
+    assert len(lost) == 2, lost  # the worker's state, and the warning with the recovery
+    assert "worker 1: lost (ActorDiedError while running a step)" == lost[0]
+    assert "worker task 1 lost at step 6 " in lost[1] and f"Ray's account in {run / 'ray.log'}" in lost[1]
+    assert [int(n) for line in lost for n in re.findall(r"step (\d+)", line)] == [6]
+    assert out.startswith("trained steps 1-8 in ") and out.count("\n") == 1
+    for stream in (err, out, fd.out, fd.err):
+        assert "A worker died" not in stream and "(raylet)" not in stream
+    assert "A worker died or was killed" in (run / "ray.log").read_text()
+
+
+def test_a_ray_log_takes_rays_text_while_open_and_gives_it_back(tmp_path, capfd):
+    import logging
+
+    import ray._private.worker as ray_worker
+
+    from flowctl.engine.distributed.ray_log import RayLog
+
+    printer, handlers = ray_worker.print_to_stdstream, list(logging.getLogger("ray").handlers)
+    log = RayLog(tmp_path / "run" / "ray.log").open()
+    logging.getLogger("ray.some_module").warning("a record of Ray's logger")
+    ray_worker.print_to_stdstream({"lines": ["A worker died or was killed ..."], "pid": "raylet", "is_err": False},
+                                  ignore_prefix=False)
+    log.close()
+    text = (tmp_path / "run" / "ray.log").read_text()
+    assert "a record of Ray's logger" in text and "(raylet) A worker died or was killed ..." in text
+    assert log.lines == 2 and capfd.readouterr() == ("", "")
+    assert ray_worker.print_to_stdstream is printer and logging.getLogger("ray").handlers == handlers

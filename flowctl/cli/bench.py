@@ -1,4 +1,5 @@
-"""`flowctl bench`: measured speed, as JSON (stdout with --json, a file with --out) and a table."""
+"""`flowctl bench`: measured speed, as JSON (stdout with --json, a file with --out) and a table (on
+stdout, or on stderr beside --json; the progress on stderr: consoles.py)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
@@ -54,7 +56,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching; `fusion`: training steps with and without element-wise fusion) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
-    err = Console(stderr=True, soft_wrap=True)
+    err = consoles.progress(soft_wrap=True)
     if trace_dir is not None and target in SUITES:
         raise FlowctlError(f"--trace traces a spec's placements; '{target}' is a built-in suite")
     if devices is not None and target in SUITES and target != "peers":
@@ -123,7 +125,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         write_atomic(out, json.dumps(results, indent=2) + "\n")
     if as_json:
         click.echo(json.dumps(results, indent=2))
-    render(Console(stderr=True), results)  # tables wrapped to the terminal (err soft-wraps its status lines)
+    render(consoles.result(as_json), results)  # tables wrapped to the terminal (err soft-wraps its status lines)
 
 
 def _render_placement(console: Console, r: dict[str, Any]) -> None:

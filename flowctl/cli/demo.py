@@ -1,12 +1,14 @@
-"""`flowctl demo`: train the embedded default network, with progress on stderr."""
+"""`flowctl demo`: train the embedded default network, with progress on stderr and the result on
+stdout (consoles.py)."""
 from __future__ import annotations
 
 import json
 import time
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from flowctl.cli import consoles
 
 
 @click.command()
@@ -17,11 +19,11 @@ def demo(steps: int, seed: int, as_json: bool) -> None:
     """Train a two-layer network on a generated task (the embedded default job)."""
     from flowctl.api_example import train_demo
 
-    err = Console(stderr=True)
+    err = consoles.progress()
     t0 = time.perf_counter()
     with Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                   TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.0f} steps/s"),
-                  TimeRemainingColumn(), console=err, transient=True) as progress:
+                  TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task("train", total=steps, loss=float("nan"), rate=0.0)
 
         def on_step(step: int, loss: float) -> None:
@@ -32,7 +34,7 @@ def demo(steps: int, seed: int, as_json: bool) -> None:
     elapsed = time.perf_counter() - t0
     first = sum(result.losses[:10]) / min(10, len(result.losses))
     last = sum(result.losses[-10:]) / min(10, len(result.losses))
-    err.print(f"trained {steps} steps in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f} "
+    consoles.result(as_json).print(f"trained {steps} steps in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f} "
               f"({first / max(last, 1e-12):.0f}x lower), accuracy {result.accuracy:.3f}")
     if as_json:
         click.echo(json.dumps({"steps": steps, "seconds": elapsed, "first_loss": first, "final_loss": last,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.training.rundir import write_atomic
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
@@ -135,7 +135,7 @@ def graph(spec: str, out: Path | None, tensorboard: Path | None, algorithm: str 
         overrides += (f"devices=[{', '.join(names)}]",)
     loaded = load_spec(spec, overrides)
     placed = plan(loaded, algorithm, None if names else devices, compare=())
-    con = Console(stderr=True)
+    con = consoles.result()
     used = f"{len(placed.step.graph):,} nodes on {len(placed.devices_used())} device(s)"
     if out is not None:
         data = graph_data(placed)

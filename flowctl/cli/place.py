@@ -1,5 +1,5 @@
-"""`flowctl place SPEC --explain`: which node runs where, and why (rich tables on stderr, JSON on
-stdout with --json)."""
+"""`flowctl place SPEC --explain`: which node runs where, and why (tables on stdout, or JSON with
+--json, the tables then on stderr; the learned placer's progress on stderr: consoles.py)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,9 @@ from typing import Any
 import click
 from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.cli.tables import Col, fit
+from flowctl.engine.devices import spec_name
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import ALGORITHMS
 
@@ -24,16 +26,6 @@ def _bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def _short(dev: str) -> str:
-    """cpu:1 for this process's devices; worker1/cpu:0 for a worker task's."""
-    if dev.startswith("/job:localhost/task:0/device:"):
-        return dev.split("/device:")[-1]
-    if dev.startswith("/job:worker/task:"):
-        task, _, d = dev[len("/job:worker/task:"):].partition("/device:")
-        return f"worker{task}/{d}"
-    return dev
 
 
 @click.command()
@@ -65,7 +57,6 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     from flowctl.spec.overrides import device_names
     from flowctl.training.program import plan
 
-    console = Console(stderr=True)
     names = device_names(devices) if devices else None
     if names:
         overrides += (f"devices=[{', '.join(names)}]",)
@@ -76,8 +67,8 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
         if reward == "measured" and alg != "learned":
             raise PlacementError("--reward measured is the learned placer's; add --algorithm learned")
         if alg == "learned":
-            p = _place_learned(console, loaded, what_if, batch, budget, seed, steps, checkpoint, resume, warm_start,
-                               reward)
+            p = _place_learned(consoles.progress(), loaded, what_if, batch, budget, seed, steps, checkpoint, resume,
+                               warm_start, reward)
         else:
             p = plan(loaded, algorithm, what_if, batch=batch)
     except PlacementError as e:
@@ -98,7 +89,7 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
             out["loops"] = p.loops()
             out["held_at_peak"] = chosen.held_at_peak(limit=limit or 1 << 30)
         click.echo(json.dumps(out, default=str))
-    _render(console, p, explain, by, limit)
+    _render(consoles.result(as_json), p, explain, by, limit)
 
 
 def parse_duration(text: str) -> float:
@@ -127,7 +118,7 @@ def _place_learned(console: Console, loaded: Any, devices: str | None, batch: in
     seconds = parse_duration(budget) if budget else loaded.spec.placement.time_budget_s
     total = float(steps) if steps else seconds
     with Progress(TextColumn("learned placer"), BarColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("starting from the heuristics", total=total)
 
         def progress(step: int, best: float, elapsed: float) -> None:
@@ -164,7 +155,7 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
                   "runs with every op's time off by the cost model's jitter "
                   f"(sd of log {jitter:.2f}), what a measurement should show")
     profiles = {d.name: d.profile.name for d in p.cluster.devices}
-    rows = [[_short(d.device), profiles.get(d.device, "?"), f"{d.ops:,}", f"{d.flops / 1e9:,.2f}",
+    rows = [[spec_name(d.device), profiles.get(d.device, "?"), f"{d.ops:,}", f"{d.flops / 1e9:,.2f}",
              _bytes(d.bytes_in), _bytes(d.bytes_out), _bytes(d.peak_memory), _ms(d.busy),
              f"{100 * d.busy / chosen.step_time:.0f}" if chosen.step_time else "-"] for d in chosen.devices]
     cols = [Col("device", "right"), Col("profile", "right")] + [Col(c, "right", True) for c in (
@@ -181,23 +172,25 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
             console.print(f"note: {n}")
     if not explain:
         return
-    rows = [[_short(dev), h["node"] + ("" if h["port"] == 0 else f":{h['port']}"), h["kind"], _bytes(h["bytes"])]
+    rows = [[spec_name(dev), h["node"] + ("" if h["port"] == 0 else f":{h['port']}"), h["kind"], _bytes(h["bytes"])]
             for dev, held in chosen.held_at_peak(limit=3).items() for h in held]
     if rows:
         console.print(fit("at each device's peak, its largest tensors (resident state, outputs not yet freed, "
                           "copies received)",
-                          [Col("device", "right"), Col("tensor"), Col("kind"), Col("size", "right", True)], rows,
-                          width))
+                          # The tensors' names are what a reader looks for: the key, kept whole; a kind
+                          # ("resident") is one word, never folded either.
+                          [Col("device", "right"), Col("tensor"), Col("kind", number=True),
+                           Col("size", "right", True)], rows, width, key=1))
     loops = p.loops()
     if loops:
-        rows = [[r["loop"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
+        rows = [[r["loop"], str(r["nodes"]), ", ".join(f"{spec_name(k)}×{v}" for k, v in r["devices"].items()),
                  str(r["iterations"]) if r["iterations"] else "unknown (1)", _ms(r["time"]),
                  _ms(r["time"] / max(r["iterations"], 1))] for r in loops]
         console.print(fit("per loop (placed and costed as a unit: an iteration's cost times the trip count)",
                           [Col("loop"), Col("nodes", "right", True), Col("devices"), Col("iterations", "right"),
                            Col("time ms", "right", True), Col("per iteration", "right", True)], rows, width))
     if by == "layer":
-        rows = [[r["layer"], str(r["nodes"]), ", ".join(f"{_short(k)}×{v}" for k, v in r["devices"].items()),
+        rows = [[r["layer"], str(r["nodes"]), ", ".join(f"{spec_name(k)}×{v}" for k, v in r["devices"].items()),
                  f"{r['flops'] / 1e9:,.3f}", _ms(r["time"]), "; ".join(r["narrowed_by"])[:60] or "-"]
                 for r in _by_layer(p)[: limit or None]]
         console.print(fit("per layer", [Col("layer"), Col("nodes", "right", True), Col("devices"),
@@ -211,11 +204,11 @@ def _render(console: Console, p: Any, explain: bool, by: str, limit: int) -> Non
     for r in reports[: limit or None]:
         d = decisions.get(r.name)
         cands = "" if d is None else ", ".join(
-            f"{_short(c.device)}:{_ms(c.score)}{'*' if c.device == d.choice else ''}{'!' if c.note else ''}"
+            f"{spec_name(c.device)}:{_ms(c.score)}{'*' if c.device == d.choice else ''}{'!' if c.note else ''}"
             for c in d.candidates if c.score is not None)
-        rows.append([r.name, r.op, _short(r.device), ",".join(_short(x) for x in r.feasible),
+        rows.append([r.name, r.op, spec_name(r.device), ",".join(spec_name(x) for x in r.feasible),
                      "; ".join(r.narrowed_by)[:40] or "-", cands or ("(with its group)" if searched else "-"),
-                     (d.reason if d else ("" if searched else f"set by {chosen.algorithm}"))[:40]])
+                     d.reason if d else ("" if searched else f"set by {chosen.algorithm}")])
     console.print(fit("per node (groups are placed together; candidates: the estimated finish of the whole group "
                       "on each device, ms -- the node's finish, the rest of its group, transfers to placed "
                       "neighbours: the least wins; * chosen, ! over its memory budget)",

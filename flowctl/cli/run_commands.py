@@ -1,13 +1,13 @@
-"""`flowctl evaluate`, `predict` and `export`: a trained run assessed and used (people's output on
-stderr, JSON on stdout with --json)."""
+"""`flowctl evaluate`, `predict` and `export`: a trained run assessed and used (the result on stdout:
+a person's lines, or JSON with --json, the lines then on stderr; consoles.py)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.training.rundir import write_atomic
 
 RUN_DIR = click.Path(file_okay=False, path_type=Path)
@@ -26,8 +26,8 @@ def evaluate(run_dir: Path, data: str | None, checkpoint: str | None, as_json: b
 
     r = evaluate_run(run_dir, data, checkpoint)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in r.items() if k.startswith("val/"))
-    Console(stderr=True).print(f"{r['checkpoint']} (step {r['step']}) on {r['examples']:,} examples of "
-                               f"{r['data']}: {shown}")
+    consoles.result(as_json).print(f"{r['checkpoint']} (step {r['step']}) on {r['examples']:,} examples of "
+                                   f"{r['data']}: {shown}")
     if as_json:
         click.echo(json.dumps(r))
 
@@ -47,7 +47,7 @@ def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, ou
     from flowctl.training.inference import predict_run
 
     r = predict_run(run_dir, input_path, checkpoint, top)
-    con = Console(stderr=True)
+    con = consoles.result(as_json)
     if "next" in r:
         words = ", ".join(f"{w['word']} {w['probability']:.3f}" for w in r["next"])
         con.print(f"after '{' '.join(r['context'][-8:])}': {words}")
@@ -76,8 +76,8 @@ def export(run_dir: Path, out: Path, checkpoint: str | None, fmt: str, as_json: 
     from flowctl.training.inference import export_run
 
     r = export_run(run_dir, out, checkpoint, fmt)
-    Console(stderr=True).print(f"exported step {r['step']} ({r['nodes']:,} nodes, {r['weights']} weights, "
-                               f"{r['bytes'] / 2**20:,.1f} MiB) to {r['out']}")
+    consoles.result(as_json).print(f"exported step {r['step']} ({r['nodes']:,} nodes, {r['weights']} weights, "
+                                   f"{r['bytes'] / 2**20:,.1f} MiB) to {r['out']}")
     if as_json:
         click.echo(json.dumps(r))
 

@@ -1,25 +1,25 @@
 """`flowctl validate` and `flowctl inspect`: click commands and rich rendering, nothing else.
 
-People's output (the summary line, tables) goes to stderr; data (`--json`, `--schema`) to stdout.
+The result (the summary line, the tables, or `--json`, `--schema`) goes to stdout (consoles.py).
 Spec problems raise SpecError, which the group in main.py prints and maps to exit code 2.
 """
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import click
 from rich.console import Console
 
+from flowctl.cli import consoles
 from flowctl.cli.tables import Col, fit
 from flowctl.spec import json_schema, load_spec
 from flowctl.spec.summary import summarize
 from flowctl.training.program import place_for_training, step_memory
 
 
-def _err() -> Console:
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+def _out() -> Console:
+    return consoles.result(highlight=False, soft_wrap=True)
 
 
 def _si(x: float) -> str:
@@ -65,7 +65,7 @@ def validate(spec: str | None, schema: bool, no_build: bool, overrides: tuple[st
         nodes = (f", {len(placed.step.graph):,} graph nodes in a training step placed by "
                  f"{placed.chosen.algorithm} on {len(placed.devices_used())} device(s)")
     s = loaded.spec
-    _err().print(f"ok: {spec}: model '{s.model.name}', {len(loaded.layers)} layers, "
+    _out().print(f"ok: {spec}: model '{s.model.name}', {len(loaded.layers)} layers, "
                  f"{trainable + frozen:,} parameters ({trainable:,} trainable){nodes}; "
                  f"{s.parallelism.strategy} × {s.parallelism.replicas}, batch {loaded.global_batch}, "
                  f"{len(s.devices)} device(s)")
@@ -86,7 +86,7 @@ def inspect(spec: str, as_json: bool, overrides: tuple[str, ...]) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    con = _err()
+    con = _out()
     rows = [[row["name"], row["type"], _shape(row["output_shape"]), f"{row['params']:,}", str(row["nodes"]),
              _si(row["forward_flops"])] for row in report["layers"]]
     con.print(fit(f"{report['name']} ({spec})", [Col("layer"), Col("type"), Col("output"), Col("params", "right", True),

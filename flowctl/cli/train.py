@@ -1,4 +1,6 @@
-"""`flowctl train` and `flowctl resume`: progress on stderr, a JSON summary on stdout with --json."""
+"""`flowctl train` and `flowctl resume`: progress and per-step lines on stderr, the final summary on
+stdout (or a JSON summary with --json, the summary lines then on stderr: consoles.py); an
+interrupted run's message, with its exit code 130 or 143, on stderr."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,8 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from flowctl.cli import consoles
 
 
 def _rate(x: float) -> str:
@@ -68,11 +72,12 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
         display.start(trainer.step, trainer.total_steps)
         summary = trainer.train()
     summary.restored_from = restored
+    out = consoles.result(as_json, soft_wrap=True)
     rate = f", {_rate(summary.mean_examples_per_s)} examples/s" if summary.steps_run else ""
     if summary.staleness is not None:
-        console.print(f"staleness: mean {summary.staleness['mean']:.2f}, max {summary.staleness['max']} "
-                      f"updates (updates applied by other replicas between a replica's read and its update)")
-    if summary.interrupted:
+        out.print(f"staleness: mean {summary.staleness['mean']:.2f}, max {summary.staleness['max']} "
+                  f"updates (updates applied by other replicas between a replica's read and its update)")
+    if summary.interrupted:  # a non-zero exit: its message beside the errors, on stderr
         console.print(f"interrupted at step {summary.last_step}: checkpoint {summary.checkpoint}; "
                       f"continue with: flowctl resume {summary.run_dir}")
     else:
@@ -80,11 +85,11 @@ def _run(trainer: Any, console: Console, as_json: bool, restored: str | None) ->
         evals = "".join(f"; {k} {v:.4f}" for k, v in (summary.evaluation or {}).items())
         if evals and summary.evaluation_step not in (None, summary.last_step):
             evals += f" (evaluated at step {summary.evaluation_step})"
-        console.print(f"trained steps {summary.first_step + 1}-{summary.last_step}{stopped} in {summary.seconds:.1f} s"
-                      f"{rate}; final loss {summary.final_loss:.4f}{evals}; checkpoint {summary.checkpoint}")
+        out.print(f"trained steps {summary.first_step + 1}-{summary.last_step}{stopped} in {summary.seconds:.1f} s"
+                  f"{rate}; final loss {summary.final_loss:.4f}{evals}; checkpoint {summary.checkpoint}")
         if summary.best:
-            console.print(f"best {summary.best['metric']} {summary.best['value']:.4f} at step {summary.best['step']}: "
-                          f"{summary.best['checkpoint']}")
+            out.print(f"best {summary.best['metric']} {summary.best['value']:.4f} at step {summary.best['step']}: "
+                      f"{summary.best['checkpoint']}")
     if as_json:
         click.echo(json.dumps(summary.to_dict()))
     if summary.interrupted:
@@ -124,7 +129,7 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
     Ctrl-C (or SIGTERM) finishes the step, writes a checkpoint and exits with code 130 (143)."""
     from flowctl.training.runs import command_line_overrides, start_run
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = consoles.progress(soft_wrap=True)
     trainer = start_run(spec, run_dir, data, steps, histograms, prefetch,
                         on_warning=lambda m: console.print(f"warning: {m}"),
                         overrides=command_line_overrides(overrides, devices, algorithm), trace_step=trace_step,
@@ -148,7 +153,7 @@ def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: b
     """Continue the run in RUN_DIR exactly where its last checkpoint left it."""
     from flowctl.training.runs import resume_run
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = consoles.progress(soft_wrap=True)
     r = resume_run(run_dir, steps, allow_spec_change, on_warning=lambda m: console.print(f"warning: {m}"),
                    on_worker=_worker_line(console))
     trainer = r.trainer
@@ -159,8 +164,9 @@ def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: b
         console.print(f"restored {r.checkpoint}: step {trainer.step}, {cursors}, learning rate schedule at step "
                       f"{trainer.step}, {len(trainer.session.rng)} random stream(s); {trainer.program.describe()}")
         if trainer.step >= trainer.total_steps:
-            console.print(f"nothing to do: the run is at step {trainer.step} of {trainer.total_steps} "
-                          f"(pass --steps to train further)")
+            consoles.result(as_json, soft_wrap=True).print(
+                f"nothing to do: the run is at step {trainer.step} of {trainer.total_steps} (pass --steps to train "
+                f"further)")
             return
         _run(trainer, console, as_json, r.checkpoint)
     finally:

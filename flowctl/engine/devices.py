@@ -50,6 +50,18 @@ def device_type(name: str) -> str:
     return parse_device(name).type
 
 
+@functools.lru_cache(maxsize=None)
+def spec_name(name: str) -> str:
+    """The device as a spec writes it, for people to read: `cpu:1` in this process, `worker1/cpu:0`
+    on another task (two workers' `cpu:0` are two devices); the canonical name where a short one
+    would read back as another device (a job whose name ends in a digit)."""
+    d = parse_device(name)
+    if (d.job, d.task) == (DEFAULT_JOB, 0):
+        return f"{d.type}:{d.index}"
+    short = f"{d.job}{d.task}/{d.type}:{d.index}"
+    return short if parse_device(short) == d else str(d)
+
+
 CPU0 = canonical("cpu:0")
 
 

@@ -22,12 +22,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import flowctl as fc
 from flowctl.engine import strategies as st
 from flowctl.engine.cluster import Cluster, Device, Link, bus_link, gpu_profile_for
-from flowctl.engine.devices import canonical, parse_device
+from flowctl.engine.devices import canonical, parse_device, spec_name
 from flowctl.engine.distributed import RaySession, task_resources, worker_cluster
 from flowctl.engine.distributed.session import WorkerEvent
 from flowctl.engine.errors import PlacementError, SpecError
@@ -217,7 +218,7 @@ class Step:
         return len(self.async_step.losses) if self.async_step is not None else 1
 
     def describe(self, devices: list[str] | None = None) -> str:
-        short = [d.rsplit("device:", 1)[-1] for d in (devices or self.devices)]
+        short = [spec_name(d) for d in (devices or self.devices)]  # worker1/cpu:0, not a second cpu:0
         if self.strategy == "single":
             return "single device" if len(short) == 1 else f"single, placed over {', '.join(short)}"
         if self.strategy in DATA_PARALLEL:
@@ -593,10 +594,11 @@ def place_for_training(loaded: LoadedSpec, config: StepConfig | None = None) -> 
     return placed
 
 
-def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Program:
+def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None, ray_log: Path | None = None) -> Program:
     """Build, place and open a session: one device's `Session`, a `DistributedSession` with a
     thread per device and Send/Recv between them, or for `cluster.type: ray` a `RaySession` with a
-    worker actor per task (`on_worker(task, state, detail)` hears each worker start)."""
+    worker actor per task (`on_worker(task, state, detail)` hears each worker start; Ray's own
+    text goes to `ray_log`, when given, not to the terminal)."""
     config = step_config(loaded)
     placed = place_for_training(loaded, config)
     step, cluster = placed.step, placed.cluster
@@ -609,7 +611,8 @@ def open_program(loaded: LoadedSpec, on_worker: WorkerEvent | None = None) -> Pr
     if config.cluster.type == "ray":
         resources = task_resources({task: dict(res) for task, res in config.cluster.resources})
         session = RaySession(step.graph, cluster, placed.assignment, store=fc.ContainerStore(),
-                             address=config.cluster.address, resources=resources, on_worker=on_worker, **transfers)
+                             address=config.cluster.address, resources=resources, on_worker=on_worker, log=ray_log,
+                             **transfers)
     elif step.fixed is None and len(cluster.devices) == 1:
         session = fc.Session(step.graph, device=cluster.names[0], store=fc.ContainerStore())
     else:

@@ -239,6 +239,7 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.metrics = self.path / "metrics.jsonl"
         self.events = self.path / "events"
+        self.ray_log = self.path / "ray.log"  # Ray's own text in a run on Ray (distributed/ray_log.py)
         self.on_warning = on_warning or (lambda m: None)
 
     def exists(self) -> bool:

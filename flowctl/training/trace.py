@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from flowctl.engine.devices import spec_name
 from flowctl.engine.executor import RunStats
 from flowctl.engine.graph import Graph, Node
 from flowctl.engine.placement import SimResult
@@ -21,7 +22,7 @@ MEASURED, PREDICTED = 1, 2
 
 
 def _short(device: str) -> str:
-    return device.rsplit("device:", 1)[-1]
+    return spec_name(device)  # worker1/cpu:0: two workers' cpu:0 are two lanes
 
 
 def _shapes(node: Node) -> list[list[Any]]:

@@ -123,7 +123,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ graph and session
     def _build(self) -> None:
-        self.program: Program = open_program(self.loaded, on_worker=self.on_worker)
+        self.program: Program = open_program(self.loaded, on_worker=self.on_worker, ray_log=self.run.ray_log)
         # §3.3: a remote run restarts lost workers and restores the last checkpoint.
         self.recovery = Recovery(self.program.session, self.spec.cluster.max_failures, self._restore_step) \
             if self.program.remote else None
@@ -419,7 +419,7 @@ class Trainer:
         metrics.flush()
         self.on_warning(f"worker task {', '.join(map(str, r.tasks))} lost at step {r.failed_step} ({r.node or '?'}); "
                         f"restarted ({r.failure} of {self.recovery.max_failures}), {r.replayed} step(s) replayed "
-                        f"from checkpoint {r.resumed_step}")
+                        f"from checkpoint {r.resumed_step}; Ray's account in {self.run.ray_log}")
 
     def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
         if self.program.step.loss_scale is not None:

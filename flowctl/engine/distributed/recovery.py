@@ -49,13 +49,14 @@ class Recovery:
     def handle(self, error: WorkerLostError, step: int) -> Restart:
         """Recover from `error`, raised while step `step` ran; or raise it again when the run must end."""
         if len(self.restarts) >= self.max_failures:
-            raise WorkerLostError(f"{error} (after {len(self.restarts)} restart(s), cluster.max_failures is "
-                                  f"{self.max_failures}; the last checkpoint is intact: resume from it)",
+            raise WorkerLostError(f"{error} (at step {step}, after {len(self.restarts)} restart(s), "
+                                  f"cluster.max_failures is {self.max_failures}; the last checkpoint is intact: "
+                                  f"resume from it)",
                                   task=error.task, node=error.node) from None
         try:
             tasks = self.session.restart_lost_workers()
         except WorkerLostError as e:
-            raise WorkerLostError(f"{e} (the last checkpoint is intact: resume from it)", task=e.task,
+            raise WorkerLostError(f"{e} (at step {step}; the last checkpoint is intact: resume from it)", task=e.task,
                                   node=e.node) from None
         record = Restart(len(self.restarts) + 1, step, tasks, error.node, self.restore(), str(error))
         self.restarts.append(record)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -43,6 +44,7 @@ from flowctl.engine.cluster import Cluster
 from flowctl.engine.container import ContainerStore
 from flowctl.engine.devices import CPU0, parse_device
 from flowctl.engine.distributed.cluster import TaskSpec, check_resources, connect, tasks_of
+from flowctl.engine.distributed.ray_log import RayLog
 from flowctl.engine.distributed.worker import PartitionWire, writable
 from flowctl.engine.errors import ExecutionError, FlowctlError, GraphError, PlacementError, WorkerLostError
 from flowctl.engine.executor import RunStats
@@ -84,7 +86,8 @@ class RaySession(Session):
                  recv_schedule: str = "asap", durations: Mapping[str, float] | None = None,
                  address: str | None = None, resources: Mapping[int, Mapping[str, float]] | None = None,
                  step_timeout: float | None = 600.0, health_interval: float = 2.0, health_timeout: float = 20.0,
-                 start_timeout: float = 120.0, on_worker: WorkerEvent | None = None) -> None:
+                 start_timeout: float = 120.0, on_worker: WorkerEvent | None = None,
+                 log: Path | None = None) -> None:
         """`cluster`: devices of worker tasks (`distributed.worker_cluster`); `placement`: node ->
         device of it, for at least every node a run needs (or a placer's `Placement`). `address`:
         the Ray cluster to join when this process is not connected yet ('auto', 'ray://host:10001';
@@ -92,7 +95,9 @@ class RaySession(Session):
         Timeouts in seconds: a step (None: no limit), the wait between health checks during a step
         and for a ping's answer, and for an actor to start. `on_worker(task, state, detail)` is told
         each worker's state as it changes ("starting", "running", "lost", "restarting"), for a
-        console to show. Other arguments as DistributedSession."""
+        console to show. `log`: a file for Ray's own text while the session is open (its logger,
+        the raylet's account of a dead worker: ray_log.py), instead of the terminal. Other arguments
+        as DistributedSession."""
         # The base Session is this process's share: state nodes the placement leaves out, on the host.
         super().__init__(graph, device=CPU0, store=store or ContainerStore(),
                          check_numerics=check_numerics, executor="dataflow")
@@ -119,8 +124,10 @@ class RaySession(Session):
         self._plan_lock = threading.Lock()
         self._submit_lock = threading.Lock()
         self._closed = False
-        self._owns_ray = connect(address, num_cpus=int(sum(t.num_cpus for t in self.tasks.values())))
+        self.log = RayLog(log).open() if log is not None else None
+        self._owns_ray = False
         try:
+            self._owns_ray = connect(address, num_cpus=int(sum(t.num_cpus for t in self.tasks.values())))
             check_resources(list(self.tasks.values()))
             self._start(list(self.tasks))
             self._introduce()
@@ -270,8 +277,10 @@ class RaySession(Session):
         if ray.is_initialized():
             self._kill(list(self._actors))
         self._actors.clear()
-        if getattr(self, "_owns_ray", False):
+        if self._owns_ray:
             ray.shutdown()
+        if self.log is not None:  # after the shutdown: Ray's last words go to the file too
+            self.log.close()
 
     def __enter__(self) -> "RaySession":
         return self
@@ -369,7 +378,9 @@ class RaySession(Session):
             for ref in ready:
                 t = pending.pop(ref)
                 try:
-                    results[t] = self._get(ref, t, f"running step {step_id}")
+                    # Not "step {step_id}": step_id numbers every Run of this process (initialisation
+                    # and evaluation too); the step's number is its caller's to say (the trainer's).
+                    results[t] = self._get(ref, t, "running a step")
                 except FlowctlError as e:
                     error = e
                     break
@@ -383,14 +394,14 @@ class RaySession(Session):
             dead = sorted(t for t in pending.values() if not ok.get(t, False))
             if dead:
                 self._mark_lost(dead, "no answer to a health check")
-                error = self._lost_error(dead[0], f"running step {step_id}",
+                error = self._lost_error(dead[0], "running a step",
                                          f"no answer to a health check within {self.health_timeout:g} s")
         if error is None:
             return results
         dead = self._abort(step_id, pending, error)
         if dead and not isinstance(error, WorkerLostError):
             # A failed transfer to a worker that died is reported as the death: it can be recovered.
-            raise self._lost_error(dead[0], f"running step {step_id}", f"it died ({error})")
+            raise self._lost_error(dead[0], "running a step", f"it died ({error})")
         raise error
 
     def _abort(self, step_id: int, pending: dict[Any, int], error: BaseException) -> list[int]:

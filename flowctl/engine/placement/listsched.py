@@ -406,7 +406,7 @@ def choose(pb: Problem, i: int, fs: list[int], est: Callable[[int, int], float],
         best = fallback
         reason = "every device over its memory budget: the least over"
     elif len(fs) == 1:
-        reason = "only feasible device"
+        reason = pb.sole_device(g, pb.table.names[i])
     dec = pb.decision(g, best, reason, pb.table.names[i])
     dec.candidates = cands
     decisions.append(dec)

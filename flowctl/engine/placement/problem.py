@@ -47,6 +47,22 @@ class Problem:
                         narrowed_by=self.feas.group_narrowed_by(grp.members), merged=list(grp.merged),
                         choice=self.devices[choice], reason=reason, trigger=trigger)
 
+    def sole_device(self, g: int, name: str) -> str:
+        """Why group `g`, decided at node `name`, has one feasible device: the node's own set (its
+        kernels, its constraint, its colocation group: `narrowed_by` says which), or a member the
+        coarsening grouped it with for cost, whose constraint or kernels the whole group now keeps."""
+        feas = self.feas
+        mine = feas.feasible[feas.group_of[feas.index[name]]]
+        if len(mine) == 1:
+            return "only feasible device"
+        for m in self.coarse.groups[g].members:
+            j = feas.index[m]
+            if mine <= feas.feasible[feas.group_of[j]]:
+                continue  # allows every device `name` does: not what narrowed the group
+            why = feas.narrowed_by(m)
+            return f"grouped with '{m}'" + (f" ({why[0]})" if why else "") + ": its only device"
+        return "only feasible device of its group"
+
 
 def prepare(graph: Graph, cluster: Cluster, cost_model: CostModel, targets: Iterable[str] | None = None) -> Problem:
     tl = list(targets) if targets is not None else None
