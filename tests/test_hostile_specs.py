@@ -113,3 +113,12 @@ def test_blocks_nested_past_the_bound_are_one_error(tmp_path):
         lines += [f"    b{i}:", "      layers:", f"        - {body}"]
     lines += ["  layers:", "    - {name: x, type: input, shape: [8]}", "    - {name: s, block: b0}"]
     spec_error(tmp_path, "\n".join(lines) + "\n", f"blocks nest more than {MAX_NESTING} deep: b0 -> b1")
+
+
+def test_training_on_an_empty_npz_is_one_line_naming_the_file(tmp_path):
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    r = CliRunner().invoke(cli, ["train", "--data", str(empty), "--steps", "1", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "Aborted" not in r.output and "Traceback" not in r.output
+    assert f"{empty}: cannot read arrays: the file is empty" in r.output
