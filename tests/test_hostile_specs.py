@@ -4,6 +4,9 @@ thousands deep, a NUL byte, sizes no machine holds, a block repeated ten million
 spec, an empty .npz, and a Ctrl-C while the command line is still importing."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,43 @@ def test_training_on_an_empty_npz_is_one_line_naming_the_file(tmp_path):
     assert r.exit_code == 2, r.output
     assert "Aborted" not in r.output and "Traceback" not in r.output
     assert f"{empty}: cannot read arrays: the file is empty" in r.output
+
+
+# A Ctrl-C that lands while the console script is still importing: the finder below sends the
+# process SIGINT when numpy is first imported (the engine's first heavy import), in the sequence
+# the installed `flowctl` script runs (`from flowctl.cli.main import main; sys.exit(main())`).
+INTERRUPTED_IMPORT = textwrap.dedent("""
+    import os, signal, sys
+
+    class Interrupt:
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy":
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+    sys.meta_path.insert(0, Interrupt())
+    sys.argv = ["flowctl", "validate", "--no-build", sys.argv[1]]
+    from flowctl.cli.main import main
+    sys.exit(main())
+""")
+
+
+def test_ctrl_c_while_the_cli_imports_exits_130_quietly(tmp_path):
+    spec = tmp_path / "demo.yaml"
+    spec.write_text(DEMO)
+    r = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, str(spec)], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 130, (r.returncode, r.stderr)
+    assert r.stderr == "" and r.stdout == ""
+
+
+def test_the_console_scripts_module_imports_nothing_heavy():
+    """What the script imports before `main` runs is outside its guard: only flowctl's root and
+    its version, no numpy, click or engine."""
+    code = ("import sys; import flowctl.cli.main; "
+            "print(sorted(m for m in sys.modules if m.startswith(('flowctl', 'numpy', 'click', 'rich'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["['flowctl',", "'flowctl.cli',", "'flowctl.cli.main',", "'flowctl.version']"]
