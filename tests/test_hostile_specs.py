@@ -118,6 +118,25 @@ def test_blocks_nested_past_the_bound_are_one_error(tmp_path):
     spec_error(tmp_path, "\n".join(lines) + "\n", f"blocks nest more than {MAX_NESTING} deep: b0 -> b1")
 
 
+def test_out_of_memory_under_the_bounds_is_one_line(tmp_path, monkeypatch):
+    """A model within the bounds can still be more than the machine holds."""
+    import numpy as np
+
+    import flowctl.spec.check as check
+
+    spec = tmp_path / "demo.yaml"
+    spec.write_text(DEMO)
+
+    def too_much(*args, **kw):
+        return np.zeros((2**25, 2**25), np.float32)  # 4 PiB: numpy's own MemoryError and message
+
+    monkeypatch.setattr(check, "_check_devices", too_much)
+    r = CliRunner().invoke(cli, ["validate", "--no-build", str(spec)])
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert r.output.startswith("error: out of memory: Unable to allocate"), r.output
+
+
 def test_training_on_an_empty_npz_is_one_line_naming_the_file(tmp_path):
     empty = tmp_path / "empty.npz"
     empty.write_bytes(b"")

@@ -29,6 +29,11 @@ class FlowctlGroup(click.Group):
             where = f"{e.filename}: " if e.filename else ""
             click.echo(f"error: {where}{e.strerror or e}", err=True)
             sys.exit(1)
+        except MemoryError as e:
+            # A spec's sizes are bounded (spec/check.py), but a model under the bounds can still be
+            # more than this machine holds: numpy's message says how much it asked for.
+            click.echo(f"error: out of memory: {e or 'an allocation failed'}", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=FlowctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
