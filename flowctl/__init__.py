@@ -1,46 +1,36 @@
 """flowctl: a declarative runner for dataflow machine learning (TensorFlow whitepaper, 2015).
 
-The Python API (`import flowctl as fc`) builds the same `Graph` the YAML front end builds.
+The Python API (`import flowctl as fc`) builds the same `Graph` the YAML front end builds. Its names
+live in `flowctl/api.py` and load on first use (`fc.constant`, `from flowctl import Session`), which
+imports the engine and registers every op. Importing this package alone imports nothing heavy, so
+the command line (`flowctl.cli.main`) does its importing inside its own Ctrl-C guard.
 """
 from __future__ import annotations
 
-from flowctl.engine import ops as _ops  # noqa: F401  (registers every op)
-from flowctl.engine.autodiff import gradients
-from flowctl.engine.container import ContainerStore, process_store
-from flowctl.engine.control_flow import cond, while_loop
-from flowctl.engine.errors import (
-    CheckpointError,
-    ExecutionError,
-    FlowctlError,
-    GraphError,
-    NonFiniteError,
-    PlacementError,
-    SpecError,
-)
-from flowctl.engine.executor import RunStats
-from flowctl.engine.graph import Graph, Node, Tensor, default_graph, reset_default_graph
-from flowctl.engine.ops.api import constant
-from flowctl.engine.ops.array import *  # noqa: F401,F403
-from flowctl.engine.ops.conv import *  # noqa: F401,F403
-from flowctl.engine.ops.control import check_numerics, group, identity, no_op, stop_gradient
-from flowctl.engine.ops.elementwise import (
-    abs_, add, add_n, cast, ceil, cos, div, equal, erf, exp, floor, floordiv, floormod, gelu, greater, is_inf, is_nan,
-    less, log, maximum, minimum, mod, mul, neg, ones_like, pow_, relu, round_, round_bf16, rsqrt, select, sigmoid, sign,
-    sin, sqrt, square, sub, tanh, truncatemod, zeros_like,
-)
-from flowctl.engine.ops.indexing import *  # noqa: F401,F403
-from flowctl.engine.ops.matrix import *  # noqa: F401,F403
-from flowctl.engine.ops.queues import *  # noqa: F401,F403
-from flowctl.engine.ops.nn import *  # noqa: F401,F403
-from flowctl.engine.ops.random import *  # noqa: F401,F403
-from flowctl.engine.ops.recurrent import lstm_block_cell, recurrent_matmul, transpose_copy
-from flowctl.engine.ops.reduction import *  # noqa: F401,F403
-from flowctl.engine.ops.state import (
-    assign, assign_add, assign_sub, global_variables_initializer, placeholder, trainable_variables,
-    variable, variables,
-)
-from flowctl.engine.ops.training import apply_gradient_descent, l2_loss
-from flowctl.engine.saved_model import LoadedModel, load_model
-from flowctl.engine.session import Session
+from typing import TYPE_CHECKING, Any
+
 from flowctl.version import __version__
-from flowctl.engine.runtime import DistributedSession
+
+if TYPE_CHECKING:
+    from flowctl.api import *  # noqa: F401,F403
+
+
+def _api() -> dict[str, Any]:
+    import flowctl.api as api  # (not `from flowctl import api`: that asks this __getattr__ first)
+
+    return {k: v for k, v in vars(api).items() if not k.startswith("_")}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__all__":  # `from flowctl import *`
+        return sorted(_api())
+    if name.startswith("__"):
+        raise AttributeError(f"module 'flowctl' has no attribute '{name}'")
+    globals().update(_api())  # bound here once: later lookups never come back
+    if name not in globals():
+        raise AttributeError(f"module 'flowctl' has no attribute '{name}'")
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_api()))

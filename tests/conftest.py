@@ -19,6 +19,10 @@ def _gpu_available() -> bool:
 if not _gpu_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+# Tests build graphs by op name (`Graph().add_node("MatMul", ...)`), some without touching the
+# `flowctl` API that would load the op library: register every op here, as `fc.` does.
+import flowctl.engine.ops  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("gpu" in item.keywords for item in items) and not _gpu_available():

@@ -19,7 +19,7 @@ from flowctl.engine.placement.cost import CostTable
 from flowctl.engine.placement.simulator import held_at_peak, simulate_table
 from flowctl.engine.runtime import DistributedSession
 from flowctl.kernels.registry import INTO, KERNELS
-from flowctl.engine.ops.registry import OPS
+from flowctl.engine.opdef import OPS
 from test_memory_views import LM, ROOT, OneStep, cluster, table
 from fixed_costs import FixedCosts
 

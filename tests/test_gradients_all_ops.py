@@ -18,7 +18,7 @@ from flowctl.engine.control_flow import cond, while_loop
 from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
 from flowctl.engine.gradcheck import check_gradients
 from flowctl.engine.ops.api import make1
-from flowctl.engine.ops.registry import OPS
+from flowctl.engine.opdef import OPS
 
 R = np.random.default_rng(42)
 EXERCISED: set[str] = set()

@@ -87,7 +87,7 @@ def test_check_rejects_shape_mismatch_naming_both_nodes():
         fc.add(a, b, name="sum")
     d = _def(g)
     # rewrite b as a (4, 5) constant: Add of (2,3) and (4,5) cannot broadcast
-    from flowctl.engine.ops.registry import ATTR_TYPES
+    from flowctl.engine.opdef import ATTR_TYPES
 
     d["nodes"][1]["attrs"]["value"] = ATTR_TYPES["tensor"].encode(np.ones((4, 5), np.float32))
     with pytest.raises(fc.GraphError) as e:

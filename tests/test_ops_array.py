@@ -403,7 +403,7 @@ def test_gradient_helper_ops_are_linear_and_differentiable(rng):
 
 
 def test_costs_count_real_work():
-    from flowctl.engine.ops.registry import get_op
+    from flowctl.engine.opdef import get_op
     from flowctl.engine.shapes import TensorSpec as S
 
     f32 = "float32"

@@ -16,7 +16,7 @@ from flowctl.engine.ops.conv import (
     avg_pool, avg_pool_grad, conv2d, conv2d_backprop_filter, conv2d_backprop_input, max_pool,
     max_pool_grad,
 )
-from flowctl.engine.ops.registry import get_op
+from flowctl.engine.opdef import get_op
 from flowctl.engine.shapes import TensorSpec
 from precision import TF32_ROUNDOFF, assert_fp32_close
 

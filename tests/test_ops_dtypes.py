@@ -26,7 +26,7 @@ from flowctl.engine.dtypes import DTYPES
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, make_ref
 from flowctl.engine.ops.api import make1
-from flowctl.engine.ops.registry import ATTR_TYPES, OPS
+from flowctl.engine.opdef import ATTR_TYPES, OPS
 from test_gradients_all_ops import CASES
 
 from flowctl.engine.frames import ROOT, assign_frames
@@ -232,7 +232,7 @@ def test_the_attribute_types_are_what_the_template_rewriting_knows():
 def test_folding_never_casts_a_kernel_result_it_disagrees_with():
     """A kernel at odds with its op's inference (a bug the test above would catch) is not folded:
     folding would cast its value to the declared dtype and change the answer."""
-    from flowctl.engine.ops.registry import register_op
+    from flowctl.engine.opdef import register_op
     from flowctl.kernels.registry import kernel
 
     if "DtypeLiarForTest" not in OPS:

@@ -12,7 +12,7 @@ import pytest
 import flowctl as fc
 from flowctl.engine.gradcheck import check_gradients
 from flowctl.engine.gradcheck import run_graph as run
-from flowctl.engine.ops.registry import get_op
+from flowctl.engine.opdef import get_op
 from flowctl.engine.shapes import TensorSpec
 
 FLAGS = list(itertools.product([False, True], repeat=2))

@@ -321,7 +321,7 @@ def test_dropout_rate_zero_is_identity_and_bad_rate_is_an_error():
 
 # ---------------------------------------------------------------------------- registry facts
 def test_costs_and_flags():
-    from flowctl.engine.ops.registry import NN, get_op, ops_in_group
+    from flowctl.engine.opdef import NN, get_op, ops_in_group
 
     assert {"Softmax", "BiasAdd", "FusedBatchNorm", "Dropout",
             "SparseSoftmaxCrossEntropyWithLogits"} <= ops_in_group(NN)

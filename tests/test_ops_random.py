@@ -145,7 +145,7 @@ def test_bad_attributes_are_construction_errors():
 
 
 def test_random_ops_are_stateful_and_cost_per_sample():
-    from flowctl.engine.ops.registry import RANDOM, get_op, ops_in_group
+    from flowctl.engine.opdef import RANDOM, get_op, ops_in_group
 
     assert {"RandomUniform", "RandomNormal", "TruncatedNormal"} <= ops_in_group(RANDOM)
     op = get_op("RandomNormal")

@@ -12,7 +12,7 @@ import pytest
 import flowctl as fc
 from flowctl.engine.gradcheck import check_gradients
 from flowctl.engine.gradcheck import run_graph as run
-from flowctl.engine.ops.registry import get_op
+from flowctl.engine.opdef import get_op
 from flowctl.engine.shapes import TensorSpec
 
 
@@ -242,7 +242,7 @@ NOT_VALUE_REDUCTIONS = {"ArgMax", "CumSum", "TopK", "ReduceGrad", "ReduceMaxGrad
 
 
 def test_every_reduction_op_has_an_empty_axis_case():
-    from flowctl.engine.ops.registry import REDUCTION, ops_in_group
+    from flowctl.engine.opdef import REDUCTION, ops_in_group
 
     assert ops_in_group(REDUCTION) - NOT_VALUE_REDUCTIONS == set(EMPTY_AXIS)
 

@@ -12,7 +12,7 @@ import flowctl as fc
 from flowctl.engine.cluster import Cluster, Device, DeviceProfile, Link
 from flowctl.engine.devices import canonical
 from flowctl.engine.graph import Graph, Node
-from flowctl.engine.ops.registry import OPS, register_op
+from flowctl.engine.opdef import OPS, register_op
 from flowctl.engine.optimizers import SGD
 from flowctl.engine.placement import (
     MeasuredCostModel,

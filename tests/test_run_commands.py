@@ -90,6 +90,22 @@ def test_bad_input_is_one_line_and_its_exit_code(demo_run, args, code, text):
     assert len(r.output.strip().splitlines()) == 1
 
 
+def test_an_empty_or_damaged_npz_is_one_line_naming_the_file(demo_run, tmp_path):
+    """An empty .npz made numpy raise EOFError, which click printed as "Aborted!" (exit 1)."""
+    whole = validation_arrays(demo_run, tmp_path / "val.npz").read_bytes()
+    for name, data, why in [("empty.npz", b"", "the file is empty"),
+                            ("text.npz", b"not arrays\n", "not an .npy or .npz file"),
+                            ("cut.npz", whole[: len(whole) // 2], "damaged or cut short")]:
+        path = tmp_path / name
+        path.write_bytes(data)
+        for args in (["predict", str(demo_run), str(path)], ["evaluate", str(demo_run), "--data", str(path)]):
+            r = CliRunner().invoke(cli, args)
+            assert r.exit_code == 2, (args, r.output)
+            assert "Aborted" not in r.output and "Traceback" not in r.output
+            assert len(r.output.strip().splitlines()) == 1, r.output
+            assert f"{name}: cannot read arrays: {why}" in r.output, r.output
+
+
 def test_a_language_model_predicts_next_words_and_reports_perplexity(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     corpus = tmp_path / "corpus.txt"

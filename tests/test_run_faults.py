@@ -259,6 +259,50 @@ def test_stopped_before_its_first_step_resumes_from_step_0(spec, full, tmp_path)
     assert_same_finish(run, full)
 
 
+# ----------------------------------------------------------------------------- every checkpoint deleted
+def test_a_run_whose_checkpoints_were_all_deleted_is_refused_unless_restart(spec, full, tmp_path):
+    """It restarted from step 0 saying the run "stopped before its first checkpoint", while its
+    metrics showed 12 steps. Now: what happened, and no change; --restart trains from step 0 with
+    the old metrics set aside, so metrics.jsonl holds steps 1-12 once."""
+    run = tmp_path / "run"
+    r = invoke("train", str(spec), "--run-dir", str(run))
+    assert r.exit_code == 0, r.output
+    old_metrics = (run / "metrics.jsonl").read_bytes()
+    for c in (run / "checkpoints").glob("ckpt-*"):
+        shutil.rmtree(c)
+    # What says a checkpoint was written: checkpoints/latest and run.json's "finished"; then the
+    # latter alone; then (as if killed) the metrics past the first checkpoint due, at step 4.
+    for what, evidence in [("the checkpoint directories", "checkpoints/latest names one"),
+                           ("the whole checkpoints folder", "run.json says it finished"),
+                           ("run.json's status", "a checkpoint was due at step 4")]:
+        if what == "run.json's status":
+            info = json.loads((run / "run.json").read_text())
+            (run / "run.json").write_text(json.dumps({**info, "status": "running"}))
+        before = {k: v for k, v in files(run).items() if k != ".lock"}
+        r = invoke("resume", str(run))
+        assert r.exit_code == 6, (what, r.output)
+        the_error(r.output, "metrics.jsonl records 12 step(s)", evidence, "no checkpoint is left", "--restart")
+        assert {k: v for k, v in files(run).items() if k != ".lock"} == before, what  # refused: nothing touched
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    r = invoke("resume", str(run), "--restart")
+    assert r.exit_code == 0, r.output
+    assert "starting the run again from step 0 (--restart)" in " ".join(r.output.split())
+    aside = list(run.glob("metrics.*.jsonl"))
+    assert len(aside) == 1 and aside[0].read_bytes() == old_metrics, aside
+    assert aside[0].name in " ".join(r.output.split())
+    assert_same_finish(run, full)  # steps 1-12, once, as the run that never failed
+
+
+def test_restart_is_refused_while_a_checkpoint_is_left(spec, full, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    before = {k: v for k, v in files(run).items() if k != ".lock"}
+    r = invoke("resume", str(run), "--restart")
+    assert r.exit_code == 6, r.output
+    the_error(r.output, "--restart", "ckpt-00000012 is left", "resume continues from it")
+    assert {k: v for k, v in files(run).items() if k != ".lock"} == before
+
+
 # ----------------------------------------------------------------------------- non-finite values
 def test_a_non_finite_schedule_value_is_refused_before_a_run_starts(tmp_path):
     """A NaN written into the schedule is a spec error at its line, before any run directory is made
@@ -367,7 +411,7 @@ def test_a_read_only_run_dir_is_one_line_and_exit_6(spec, full, tmp_path):
         the_error(r.stderr, f"{parent / 'new'}: write failed (")
     finally:
         ro.undo()
-    assert files(run) == before
+    assert {k: v for k, v in files(run).items() if k != ".lock"} == before
     r = invoke("resume", str(run))
     assert r.exit_code == 0, r.output
     assert_same_finish(run, full)

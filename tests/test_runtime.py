@@ -15,7 +15,7 @@ import pytest
 import flowctl as fc
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.devices import canonical
-from flowctl.engine.ops.registry import MOVEMENT, OPS, register_op
+from flowctl.engine.opdef import MOVEMENT, OPS, register_op
 from flowctl.engine.optimizers import SGD
 from flowctl.engine.runtime import DistributedSession, count_transfers
 from flowctl.kernels.registry import _SPECIFIC, KERNELS, kernel

@@ -148,14 +148,21 @@ def train(spec: str | None, steps: int | None, run_dir: Path | None, data: str |
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--steps", type=click.IntRange(min=1), help="Train until this many steps in all (default: the spec's).")
 @click.option("--allow-spec-change", is_flag=True, help="Resume even though the spec changed.")
+@click.option("--restart", is_flag=True,
+              help="The run's checkpoints were all lost: train it again from step 0, its metrics.jsonl "
+                   "set aside as metrics.<time>.jsonl.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, as_json: bool) -> None:
-    """Continue the run in RUN_DIR exactly where its last checkpoint left it."""
+def resume(run_dir: Path, steps: int | None, allow_spec_change: bool, restart: bool, as_json: bool) -> None:
+    """Continue the run in RUN_DIR exactly where its last checkpoint left it.
+
+    A run with no checkpoint left though one was written (its metrics, checkpoints/latest or run.json
+    say so) is refused unless --restart; a run killed before its first checkpoint starts again from
+    step 0."""
     from flowctl.training.runs import resume_run
 
     console = consoles.progress(soft_wrap=True)
     r = resume_run(run_dir, steps, allow_spec_change, on_warning=lambda m: console.print(f"warning: {m}"),
-                   on_worker=_worker_line(console))
+                   on_worker=_worker_line(console), restart=restart)
     trainer = r.trainer
     try:
         cursors = "; ".join(f"replica {k} data epoch {s.epoch} batch {s.position}" for k, s in

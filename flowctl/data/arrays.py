@@ -2,12 +2,35 @@
 fresh order (when shuffling) and drops the last partial batch, so every batch has one shape."""
 from __future__ import annotations
 
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from flowctl.data.base import DataSource, InputSpec
 from flowctl.engine.errors import SpecError
+
+
+# What np.load raises for a file that is not arrays: empty (EOFError), truncated or not a zip
+# (BadZipFile, zlib.error, OSError), neither .npy nor .npz (ValueError: it will not unpickle).
+READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def cannot_read(path: Path, e: BaseException) -> SpecError:
+    """The one message for a file numpy cannot read arrays from."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        head = b"?"
+    if not head:
+        why = "the file is empty"
+    elif not head.startswith((b"\x93NUMPY", b"PK")):
+        why = "not an .npy or .npz file (numpy's array formats)"
+    else:
+        why = f"damaged or cut short ({str(e) or type(e).__name__})"
+    return SpecError(f"{path}: cannot read arrays: {why}")
 
 
 def _load(path: Path, inputs: list[InputSpec], features: dict[str, str]) -> dict[str, np.ndarray]:
@@ -28,8 +51,8 @@ def _load(path: Path, inputs: list[InputSpec], features: dict[str, str]) -> dict
                                     f"{', '.join(z.files)})")
                 out[spec.name] = z[key]
             return out
-    except (ValueError, OSError) as e:
-        raise SpecError(f"{path}: cannot read arrays: {e}") from None
+    except READ_ERRORS as e:
+        raise cannot_read(path, e) from None
 
 
 class ArraySource(DataSource):

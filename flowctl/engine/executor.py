@@ -58,7 +58,7 @@ from flowctl.engine.frame_executor import FrameTables, run_frames
 from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ledger import Ledger
-from flowctl.engine.ops.registry import COMMUNICATION, resident
+from flowctl.engine.opdef import COMMUNICATION, resident
 from flowctl.kernels.registry import array_module, bind, bind_into, check_finite
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from typing import Iterable, Mapping
 from flowctl.engine.frames import ROOT, assign_frames, has_control_flow, switch_reach
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ops.fused import FUSED_OP, FusedProgram, FusedStep
-from flowctl.engine.ops.registry import ELEMENTWISE, get_op
+from flowctl.engine.opdef import ELEMENTWISE, get_op
 from flowctl.engine.passes import fix_references
 
 __all__ = ["fusable", "fuse", "fused_nodes"]

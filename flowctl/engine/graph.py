@@ -10,13 +10,13 @@ import contextlib
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from flowctl.engine.dtypes import as_dtype
 from flowctl.engine.errors import GraphError, did_you_mean
-from flowctl.engine.ops.registry import OpDef, get_op
+from flowctl.engine.opdef import OpDef, get_op
 from flowctl.engine.shapes import InferError, TensorSpec
 
 GRAPHDEF_VERSION = 1
@@ -106,32 +106,36 @@ class Tensor:
         return (isinstance(other, Tensor) and other.graph is self.graph
                 and other.node == self.node and other.port == self.port)
 
-    # Operator overloads build nodes through the op library (imported lazily: it imports us).
-    def _bin(self, op: str, other: Any, reverse: bool = False) -> "Tensor":
-        from flowctl.engine.ops import api
+    # The graph knows no op: the op library installs the operators (`a + b` builds an Add node)
+    # when it is imported (ops/api.py), so the import arrow points from the ops to the graph.
+    OPERATORS: ClassVar[tuple[str, ...]] = (
+        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+        "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__matmul__",
+        "__neg__")
 
-        a, b = (other, self) if reverse else (self, other)
-        return api.binary(op, a, b)
+    @classmethod
+    def _override_operator(cls, name: str, fn: Callable[..., "Tensor"]) -> None:
+        """Install one of `OPERATORS` (TensorFlow's Tensor._override_operator)."""
+        if name not in cls.OPERATORS:
+            raise ValueError(f"Tensor has no operator {name}; it overloads {sorted(cls.OPERATORS)}")
+        setattr(cls, name, fn)
 
-    def __add__(self, o: Any) -> "Tensor": return self._bin("Add", o)
-    def __radd__(self, o: Any) -> "Tensor": return self._bin("Add", o, True)
-    def __sub__(self, o: Any) -> "Tensor": return self._bin("Sub", o)
-    def __rsub__(self, o: Any) -> "Tensor": return self._bin("Sub", o, True)
-    def __mul__(self, o: Any) -> "Tensor": return self._bin("Mul", o)
-    def __rmul__(self, o: Any) -> "Tensor": return self._bin("Mul", o, True)
-    def __truediv__(self, o: Any) -> "Tensor": return self._bin("Div", o)
-    def __rtruediv__(self, o: Any) -> "Tensor": return self._bin("Div", o, True)
-    def __floordiv__(self, o: Any) -> "Tensor": return self._bin("FloorDiv", o)
-    def __rfloordiv__(self, o: Any) -> "Tensor": return self._bin("FloorDiv", o, True)
-    def __mod__(self, o: Any) -> "Tensor": return self._bin("FloorMod", o)
-    def __rmod__(self, o: Any) -> "Tensor": return self._bin("FloorMod", o, True)
-    def __pow__(self, o: Any) -> "Tensor": return self._bin("Pow", o)
-    def __matmul__(self, o: Any) -> "Tensor": return self._bin("MatMul", o)
-
-    def __neg__(self) -> "Tensor":
-        from flowctl.engine.ops import api
-
-        return api.unary("Neg", self)
+    if TYPE_CHECKING:  # the signatures of what the op library installs
+        def __add__(self, o: Any) -> Tensor: ...
+        def __radd__(self, o: Any) -> Tensor: ...
+        def __sub__(self, o: Any) -> Tensor: ...
+        def __rsub__(self, o: Any) -> Tensor: ...
+        def __mul__(self, o: Any) -> Tensor: ...
+        def __rmul__(self, o: Any) -> Tensor: ...
+        def __truediv__(self, o: Any) -> Tensor: ...
+        def __rtruediv__(self, o: Any) -> Tensor: ...
+        def __floordiv__(self, o: Any) -> Tensor: ...
+        def __rfloordiv__(self, o: Any) -> Tensor: ...
+        def __mod__(self, o: Any) -> Tensor: ...
+        def __rmod__(self, o: Any) -> Tensor: ...
+        def __pow__(self, o: Any) -> Tensor: ...
+        def __matmul__(self, o: Any) -> Tensor: ...
+        def __neg__(self) -> Tensor: ...
 
 
 _default = threading.local()

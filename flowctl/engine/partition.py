@@ -36,7 +36,7 @@ from flowctl.engine.errors import GraphError, PlacementError
 from flowctl.engine.frames import ROOT, Frames, switch_reach
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.ops.communication import COMPRESSIBLE
-from flowctl.engine.ops.registry import COMMUNICATION, CONTROL, get_op
+from flowctl.engine.opdef import COMMUNICATION, CONTROL, get_op
 from flowctl.engine.partition_loops import add_control_loops
 
 RECV_SCHEDULES = ("asap", "alap")

@@ -29,7 +29,7 @@ from flowctl.engine.devices import short_device
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.frames import ROOT, Frames, assign_frames, has_control_flow
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
-from flowctl.engine.ops.registry import get_op
+from flowctl.engine.opdef import get_op
 
 _CONTROL = ("Merge", "Switch", "NextIteration")
 

@@ -21,7 +21,7 @@ from flowctl.engine.errors import GraphError
 from flowctl.engine.executor import Plan, needed_nodes
 from flowctl.engine.frames import CONTROL_FLOW_OPS
 from flowctl.engine.graph import Graph, Node, Tensor, attrs_equal, make_ref, parse_ref
-from flowctl.engine.ops.registry import (
+from flowctl.engine.opdef import (
     COMMUNICATION, ELEMENTWISE, MATRIX, MOVEMENT, NN, REDUCTION, get_op,
 )
 from flowctl.engine.shapes import TensorSpec

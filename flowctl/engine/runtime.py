@@ -55,7 +55,7 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, PlacementError
 from flowctl.engine.executor import Plan, RunStats, needed_nodes
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import COMMUNICATION
+from flowctl.engine.opdef import COMMUNICATION
 from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
 from flowctl.engine.session import Session, require_device

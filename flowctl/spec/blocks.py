@@ -21,6 +21,11 @@ from flowctl.spec.validation import report_validation
 
 _REF = re.compile(r"\$\{([^}]*)\}")
 INPUT = "$input"
+# An expanded model's layer count, checked before each block use expands (its repeat times its
+# block's layers, nested repeats multiplied), so `repeat: 10000000` is refused at once instead of
+# being built. Inception-v3 expands to a few hundred layers.
+MAX_LAYERS = 100_000
+MAX_NESTING = 32  # blocks inside blocks (each level is a few frames of the expansion's recursion)
 
 
 @dataclass
@@ -71,8 +76,38 @@ def expand(root: LocDict, problems: Problems) -> Expansion:
                 prev = item["name"]
             expanded.append(item)
             expanded.item_marks.append(layers.item_marks[i])
+    if len(expanded) > MAX_LAYERS:
+        problems.at(root, ("model", "layers"), f"the model has {len(expanded):,} layers, more than the "
+                    f"{MAX_LAYERS:,} a model may have")
+        problems.raise_if_any()
     model["layers"] = expanded
     return out
+
+
+def _size(items: Any, blocks: LocDict, stack: tuple[str, ...], memo: dict[str, int]) -> int:
+    """The layers `items` expand to: a block use counts its repeat times its block's size. A use
+    the expansion will refuse (unknown block, a cycle, too deep) counts one; a repeat given by a
+    `${param}` counts one here and is counted when its use expands."""
+    n = 0
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict) and "block" in item and "type" not in item:
+            name = item.get("block")
+            if isinstance(name, str) and name in blocks and name not in stack and len(stack) < MAX_NESTING:
+                if name not in memo:
+                    bdef = blocks[name]
+                    memo[name] = _size(bdef.get("layers") if isinstance(bdef, dict) else None, blocks,
+                                       stack + (name,), memo)
+                n += _repeat(item) * memo[name]
+            else:
+                n += 1
+        else:
+            n += 1
+    return n
+
+
+def _repeat(use: dict) -> int:
+    r = use.get("repeat", 1)
+    return r if isinstance(r, int) and not isinstance(r, bool) and r >= 1 else 1
 
 
 def _alias(name: Any, aliases: dict[str, str]) -> Any:
@@ -88,6 +123,12 @@ def _use(root: LocDict, use: LocDict, loc: tuple, prefix: str, start: str | None
         return None
     bname, bdef, declared = checked
     repeat = int(use.get("repeat", 1))
+    size = repeat * _size(bdef["layers"], blocks, stack + (bname,), {})
+    if len(emitted) + size > MAX_LAYERS:
+        problems.at(root, loc + ("repeat",) if "repeat" in use and not stack else loc,
+                    f"the model would have {len(emitted) + size:,} layers, more than the {MAX_LAYERS:,} "
+                    f"a model may have: block '{bname}' × {repeat:,} expands to {size:,}")
+        problems.raise_if_any()
     names, each = use.get("names"), use.get("each")
     current = start
     for k in range(repeat):
@@ -128,6 +169,10 @@ def _check_use(root: LocDict, use: LocDict, loc: tuple, blocks: LocDict, stack: 
         return None
     if bname in stack:
         problems.at(root, loc + ("block",), f"block '{bname}' uses itself: {' -> '.join(stack + (bname,))}")
+        return None
+    if len(stack) >= MAX_NESTING:
+        problems.at(root, loc + ("block",), f"blocks nest more than {MAX_NESTING} deep: "
+                    + " -> ".join(stack + (bname,)))
         return None
     bdef = blocks[bname]
     if not isinstance(bdef, LocDict) or not isinstance(bdef.get("layers"), LocList):

@@ -13,11 +13,16 @@ from flowctl.engine.errors import PlacementError, did_you_mean
 from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.blocks import Expansion, Instance
 from flowctl.spec.layers import Layer, LayerError, Weight, count
-from flowctl.spec.layers.base import fmt
+from flowctl.spec.layers.base import elements, fmt
 from flowctl.spec.schema import ArrayData, ParallelTextData, Spec, TextData
 from flowctl.spec.source import LocDict, Mark, Problems, locate
 
 DEFAULT_BATCH = 32
+# Sizes a spec may ask for. 2^31 elements is where int32 indexing ends (cuBLAS, cuDNN, TensorFlow's
+# kernels); a model of 2^31 float32 parameters holds 8 GiB, 32 GiB with its gradients and Adam's
+# slots. Beyond these a spec is a typo (`units: 1000000000`), and numpy would fail building it.
+MAX_PARAMETERS = 2**31
+MAX_ELEMENTS = 2**31  # one layer's output, per example
 
 
 @dataclass
@@ -137,8 +142,33 @@ def _check_layers(spec: Spec, root: LocDict, expansion: Expansion, problems: Pro
                         + (f" [inputs: {shapes}]" if shapes and not shown else ""))
             failed.add(name)
             continue
+        too_big = _too_big(layer, spec_out, ws)
+        if too_big:
+            problems.at(root, loc, too_big)
+            failed.add(name)
+            continue
         out[name] = LayerInfo(layer, i, refs, spec_out, ws, mark, via)
+    total = sum(sum(w.size for w in info.weights) for info in out.values())
+    if total > MAX_PARAMETERS:
+        biggest = sorted(out.values(), key=lambda info: -sum(w.size for w in info.weights))[:3]
+        problems.at(root, ("model", "layers"), f"the model has {total:,} parameters, more than the "
+                    f"{MAX_PARAMETERS:,} (2^31) a model may hold (largest: "
+                    + ", ".join(f"{info.name} {sum(w.size for w in info.weights):,}" for info in biggest) + ")")
     return out
+
+
+def _too_big(layer: Layer, output: TensorSpec, weights: list[Weight]) -> str:
+    """Why a layer is beyond the sizes a spec may ask for, or ''."""
+    size = sum(w.size for w in weights)
+    if size > MAX_PARAMETERS:
+        shapes = ", ".join(f"{w.name} {list(w.shape)}" for w in weights if w.size)
+        return (f"{layer.type} layer '{layer.name}' has {size:,} parameters ({shapes}), more than the "
+                f"{MAX_PARAMETERS:,} (2^31) a model may hold")
+    per_example = elements(output)
+    if per_example is not None and per_example > MAX_ELEMENTS:
+        return (f"{layer.type} layer '{layer.name}' outputs {per_example:,} elements per example "
+                f"(shape {fmt(output.shape)}), more than the {MAX_ELEMENTS:,} (2^31) a tensor may hold")
+    return ""
 
 
 def root_layer(root: LocDict, i: int) -> dict:
@@ -299,8 +329,11 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
             problems.at(root, loc, f"'{rule.metric}' is not evaluated: training.metrics is "
                         f"{t.metrics} (write val/<metric> for one of them)")
     loss_type = loaded.layers[loaded.loss].layer.type if loaded.loss in loaded.layers else None
+    # A loss layer that failed has said why; the metrics are judged once it builds.
+    loss_failed = loss_type is None and any(layer.is_loss and layer.name not in loaded.layers
+                                            for layer in spec.model.layers if isinstance(layer, Layer))
     for i, m in enumerate(t.metrics):
-        if m in ("accuracy", "top5", "perplexity") and loss_type != "softmax_cross_entropy":
+        if m in ("accuracy", "top5", "perplexity") and loss_type != "softmax_cross_entropy" and not loss_failed:
             problems.at(root, ("training", "metrics", i), f"metric {m} needs a softmax_cross_entropy loss, "
                         f"the model's loss is {loss_type or 'not set'}")
     if isinstance(data, ArrayData):

@@ -14,7 +14,7 @@ from flowctl.spec.check import LoadedSpec, check
 from flowctl.spec.layers import LAYERS
 from flowctl.spec.overrides import apply as apply_overrides
 from flowctl.spec.schema import Spec
-from flowctl.spec.source import LocDict, LocList, Problems, load_yaml
+from flowctl.spec.source import LocDict, LocList, Mark, Problems, load_yaml
 from flowctl.spec.validation import report_validation
 
 
@@ -40,7 +40,10 @@ def load_text(text: str, filename: str = "<spec>", base_dir: Path | None = None,
     root = load_yaml(text, filename)
     problems = Problems()
     if not isinstance(root, LocDict):
-        problems.add(getattr(root, "mark", None), "", "a spec is a mapping with `version: 1` and a `model:`")
+        # A plain value or an empty file has no mark of its own: it starts at the file's start.
+        mark = getattr(root, "mark", None) or Mark(filename, 1, 1)
+        empty = "the spec is empty: " if root is None else ""  # (no text, or comments only)
+        problems.add(mark, "", empty + "a spec is a mapping with `version: 1` and a `model:`")
         problems.raise_if_any()
     # Overrides of a block's definition apply before blocks are expanded, the rest to the layers
     # as expanded (so `model.layers.<instance>/<layer>.units` reaches one instance's layer).

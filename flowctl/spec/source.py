@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.reader import ReaderError
 
 from flowctl.engine.errors import SpecError
 
@@ -117,10 +118,26 @@ def spec_error(items: Iterable[Problem]) -> SpecError:
     return err
 
 
+# How deep mappings and lists may nest. A spec nests a handful of levels; the bound keeps the
+# recursive passes over the tree (composing, constructing, copying blocks) far from Python's
+# recursion limit, which a file nested a few thousand levels would otherwise reach.
+MAX_DEPTH = 100
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that builds LocDict/LocList and rejects duplicate keys."""
+    """SafeLoader that builds LocDict/LocList, rejects duplicate keys and nesting beyond MAX_DEPTH."""
 
     filename = "<spec>"
+    depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:  # type: ignore[override]
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
+            return super().compose_node(parent, index)  # type: ignore[no-untyped-call]
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> LocDict:  # type: ignore[override]
         self.flatten_mapping(node)
@@ -160,6 +177,12 @@ _Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)  # type: ignore
 _Loader.add_constructor("tag:yaml.org,2002:seq", _construct_seq)  # type: ignore[arg-type]
 
 
+class _TooDeep(Exception):
+    def __init__(self, mark: Any) -> None:
+        super().__init__("too deep")
+        self.mark = mark
+
+
 class _Duplicate(Exception):
     def __init__(self, mark: Mark, key: Any, first: Mark) -> None:
         super().__init__(key)
@@ -167,12 +190,21 @@ class _Duplicate(Exception):
 
 
 def load_yaml(text: str, filename: str = "<spec>") -> Any:
-    """Parse YAML text into LocDict/LocList trees. Syntax errors and duplicate keys raise SpecError
-    with the position."""
+    """Parse YAML text into LocDict/LocList trees. Syntax errors, characters YAML forbids,
+    duplicate keys and nesting beyond MAX_DEPTH raise SpecError with the position."""
     loader_cls = type("SpecLoader", (_Loader,), {"filename": filename})
-    loader = loader_cls(text)
     try:
-        return loader.get_single_data()
+        loader = loader_cls(text)  # (the reader checks every character here)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+    except ReaderError as e:
+        raise spec_error([Problem(_offset_mark(filename, text, e.position), "",
+                                  _unprintable(e.character))]) from None
+    except _TooDeep as e:
+        raise spec_error([Problem(Mark(filename, e.mark.line + 1, e.mark.column + 1), "",
+                                  f"mappings and lists nested more than {MAX_DEPTH} levels deep (a spec needs a handful)")]) from None
     except _Duplicate as e:
         raise spec_error([Problem(e.mark, "", f"duplicate key '{e.key}' (first given at {e.first})")]) from None
     except yaml.MarkedYAMLError as e:
@@ -182,8 +214,17 @@ def load_yaml(text: str, filename: str = "<spec>") -> Any:
         raise spec_error([Problem(mark, "", f"YAML syntax error: {what}")]) from None
     except yaml.YAMLError as e:
         raise spec_error([Problem(Mark(filename, 1, 1), "", f"YAML error: {e}")]) from None
-    finally:
-        loader.dispose()
+
+
+def _offset_mark(filename: str, text: str, offset: int) -> Mark:
+    line_start = text.rfind("\n", 0, offset) + 1
+    return Mark(filename, text.count("\n", 0, offset) + 1, offset - line_start + 1)
+
+
+def _unprintable(character: Any) -> str:
+    code = ord(character) if isinstance(character, str) else character
+    name = "NUL" if code == 0 else f"U+{code:04X}"
+    return f"character {name} is not allowed in YAML (a control character; a spec is plain text)"
 
 
 def locate(root: Any, loc: Sequence[Any], key: bool = False) -> tuple[Mark | None, tuple[str, ...]]:

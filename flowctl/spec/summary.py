@@ -17,7 +17,7 @@ from flowctl.engine.frames import run_counts
 from flowctl.engine.dtypes import itemsize
 from flowctl.engine.executor import needed_nodes
 from flowctl.engine.graph import Graph
-from flowctl.engine.ops.registry import SOURCE, STATE
+from flowctl.engine.opdef import SOURCE, STATE
 from flowctl.engine.placement.cost import concrete_shapes, views_of
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel, build_model

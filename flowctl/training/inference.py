@@ -19,6 +19,7 @@ import numpy as np
 
 import flowctl as fc
 from flowctl.data import InputSpec, make_source
+from flowctl.data.arrays import READ_ERRORS, cannot_read
 from flowctl.data.text import UNK, Vocabulary, read_words
 from flowctl.engine import checkpoint as ckpt
 from flowctl.engine.errors import CheckpointError, SpecError
@@ -127,8 +128,11 @@ def _logits_of(m: RunModel) -> fc.Tensor:
 def _predict_arrays(m: RunModel, path: Path, top: int) -> dict[str, Any]:
     logits_t = _logits_of(m)
     labels = m.evaluator.labels
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except READ_ERRORS as e:
+        raise cannot_read(path, e) from None
     needed = _forward_inputs(m, logits_t)
     absent = [k for k in needed if k not in arrays]
     if absent:

@@ -7,6 +7,7 @@ event files), the graph that was trained, and the checkpoints.
     RUN/graph.json          the GraphDef that was trained
     RUN/devices.json        the devices
     RUN/metrics.jsonl       one line per step: step, loss, learning rate, examples/s, time
+    RUN/metrics.<time>.jsonl  the metrics of a run started over (`resume --restart`), set aside
     RUN/events/             TensorBoard event files
     RUN/checkpoints/        ckpt-<step>/ directories and the `latest` pointer
 
@@ -25,6 +26,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
@@ -348,6 +350,39 @@ class RunDir:
             write_atomic(self.metrics, b"".join(line + b"\n" for line in keep).decode())
         except OSError as e:
             raise write_failed(self.metrics, e) from None
+
+    def logged_steps(self) -> int:
+        """The highest step metrics.jsonl records (0 for none); damaged lines are passed over here
+        without a word (the rewrite that follows a resume reports them)."""
+        try:
+            raw = self.metrics.read_bytes()
+        except OSError:
+            return 0
+        steps = [0]
+        for line in raw.split(b"\n"):
+            try:
+                steps.append(metrics_record(line)["step"])
+            except Damaged:
+                continue
+        return max(steps)
+
+    def set_metrics_aside(self) -> Path | None:
+        """Move metrics.jsonl to metrics.<UTC time>.jsonl, so a run started over from step 0 writes
+        a file of its own; the path it went to, or None when there was none."""
+        if not self.metrics.exists():
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.path / f"metrics.{stamp}.jsonl"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.path / f"metrics.{stamp}-{n}.jsonl"
+        self.inside(self.metrics)
+        try:
+            os.rename(self.metrics, target)
+        except OSError as e:
+            raise write_failed(self.metrics, e) from None
+        return target
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """The metric records in order; damaged lines are skipped with a warning."""

@@ -168,15 +168,17 @@ class Resumed:
 
 
 def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool = False,
-               on_warning: Warn | None = None, on_worker: WorkerEvent | None = None) -> Resumed:
+               on_warning: Warn | None = None, on_worker: WorkerEvent | None = None,
+               restart: bool = False) -> Resumed:
     """The run in `run_dir` restored from its newest valid checkpoint. The spec is read again from
     where the run found it (else the run's copy); a change to what it computes is refused, listing
-    the changes, unless `allow_spec_change`."""
+    the changes, unless `allow_spec_change`. `restart`: a run whose checkpoints were all lost
+    starts again from step 0 (Trainer.restore), instead of being refused."""
     run = RunDir(run_dir, on_warning)
     loaded, spec_path = load_run_spec(run)
     lock = RunLock(run.path).acquire()
     try:
-        resumed = _resume(run, loaded, spec_path, steps, allow_spec_change, on_warning, on_worker)
+        resumed = _resume(run, loaded, spec_path, steps, allow_spec_change, on_warning, on_worker, restart)
     except BaseException:
         lock.release()
         raise
@@ -185,7 +187,7 @@ def resume_run(run_dir: Path, steps: int | None = None, allow_spec_change: bool 
 
 
 def _resume(run: RunDir, loaded: LoadedSpec, spec_path: str, steps: int | None, allow_spec_change: bool,
-            on_warning: Warn | None, on_worker: WorkerEvent | None) -> Resumed:
+            on_warning: Warn | None, on_worker: WorkerEvent | None, restart: bool = False) -> Resumed:
     changes = _changes(run, loaded)
     if changes and not allow_spec_change:
         raise CheckpointError(f"{spec_path} changed since the run started: "
@@ -195,7 +197,7 @@ def _resume(run: RunDir, loaded: LoadedSpec, spec_path: str, steps: int | None, 
     trainer = Trainer(loaded, run.path, steps=steps, allow_spec_change=allow_spec_change, on_warning=on_warning,
                       on_worker=on_worker)
     try:
-        restored = trainer.restore()
+        restored = trainer.restore(restart)
         if changes is None:  # the checkpoint's own spec hash matched: record the spec again
             run.write_json("spec.resolved.json", {"sha256": trainer.hash, "spec": trainer.resolved})
     except BaseException:

@@ -192,18 +192,41 @@ class Trainer:
                              "spec_sha256": self.hash, "strategy": self.strategy, **self._products()})
         self.run.truncate_metrics(-1)
 
-    def restore(self) -> str:
+    def restore(self, restart: bool = False) -> str:
         """Load the newest valid checkpoint; returns its path. A checkpoint whose files pass but
         whose state does not restore (a cursor or RNG state it cannot use) is skipped like a
-        damaged one. A run stopped before its first checkpoint starts again from step 0."""
+        damaged one. A run stopped before its first checkpoint starts again from step 0. A run
+        whose checkpoints were all lost (the metrics, the `latest` pointer or run.json say one was
+        written) is refused, unless `restart`: then it starts again from step 0 and its metrics
+        are set aside (metrics.<time>.jsonl), so the file never holds two runs' steps."""
         self.run.inside(self.run.checkpoints)
         if self.checkpoints.empty():
             self.checkpoints.remove_temporaries()
+            logged = self.run.logged_steps()
+            lost = self._lost_checkpoint(logged)
+            if lost and not restart:
+                raise CheckpointError(
+                    f"{self.run.path}: metrics.jsonl records {logged} step(s) and {lost}, but no checkpoint is "
+                    f"left in {self.run.checkpoints} (deleted?): resume has nothing to continue from. Pass "
+                    f"--restart to train the run again from step 0 (metrics.jsonl is set aside as "
+                    f"metrics.<time>.jsonl)")
             self.session.run(self.init)
             self.step = 0
-            self.on_warning("the run stopped before its first checkpoint: starting it again from step 0")
-            origin = "the initial state (no checkpoint was written)"
+            if restart:
+                moved = self.run.set_metrics_aside()
+                self.on_warning("starting the run again from step 0 (--restart)" + (
+                    f"; its metrics of {logged} step(s) are now {moved.name}" if moved else ""))
+            else:
+                ran = f" at step {logged}" if logged else ""
+                self.on_warning(f"the run stopped{ran} before its first checkpoint: starting it again from "
+                                f"step 0" + (f" (the metrics of steps 1-{logged} are dropped)" if logged else ""))
+            origin = "the initial state (no checkpoint was written)" if not lost else \
+                "the initial state (--restart: the checkpoints were lost)"
         else:
+            if restart:
+                raise CheckpointError(f"{self.run.path}: --restart starts over a run whose checkpoints were "
+                                      f"lost, but {self.checkpoints.latest() or self.run.checkpoints} is left: "
+                                      f"resume continues from it (to start afresh, train into a new --run-dir)")
             c = self.checkpoints.restore_latest(allow_spec_change=self.allow_spec_change, accept=self._load)
             for w in c.warnings:
                 self.on_warning(w)
@@ -211,6 +234,20 @@ class Trainer:
         self.run.truncate_metrics(self.step)
         self.run.update_info(status="running", step=self.step, **self._products())
         return origin
+
+    def _lost_checkpoint(self, logged: int) -> str:
+        """What says a checkpoint was written once, in a run that has none now; '' if nothing does
+        (a run killed before its first checkpoint)."""
+        latest = self.run.checkpoints / ckpt.LATEST
+        if latest.exists():
+            return f"{latest} names one"
+        status = self.run.info_or_empty().get("status")
+        if status in ("finished", "interrupted", "early_stopped"):  # each ends with a save
+            return f"run.json says it {status.replace('_', ' ')} (saving a checkpoint)"
+        every = self.ckpt_every_steps
+        if every and logged > every:
+            return f"a checkpoint was due at step {every}"
+        return ""
 
     def _products(self) -> dict[str, Any]:
         """A run on a GPU records how its float32 products ran (training.allow_tf32): "tf32" or

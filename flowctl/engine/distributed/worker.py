@@ -45,7 +45,7 @@ from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import ExecutionError, FlowctlError
 from flowctl.engine.executor import RunStats
 from flowctl.engine.graph import GRAPHDEF_VERSION, Graph, Node
-from flowctl.engine.ops.registry import get_op
+from flowctl.engine.opdef import get_op
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousKey, StepContext
 from flowctl.engine.runtime import DevicePlan, DeviceThreads, PartitionSpec, compile_partition, root_cause
 from flowctl.engine.session import Session

@@ -1,5 +1,8 @@
-"""The op library. Importing this package registers every op (OpDef) in the registry."""
+"""The op library. Importing this package registers every op (an OpDef in `flowctl.engine.opdef`)
+and installs Tensor's operators (`api`). The graph imports none of it: whoever builds a graph by
+op name imports this package first (`import flowctl` does)."""
 from flowctl.engine.ops import (  # noqa: F401
+    api,
     array,
     communication,
     control,

@@ -1,7 +1,8 @@
-"""Building blocks for the Python API: turning values into Const nodes and adding nodes."""
+"""Building blocks for the Python API: turning values into Const nodes and adding nodes, and
+Tensor's operators (`a + b`), installed here because the graph imports no op."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -71,3 +72,23 @@ def binary(op: str, a: Any, b: Any, name: str | None = None) -> Tensor:
 
 def unary(op: str, x: Any, name: str | None = None) -> Tensor:
     return make1(op, [x], name=name)
+
+
+def _operator(op: str, reverse: bool) -> Callable[[Tensor, Any], Tensor]:
+    def method(self: Tensor, other: Any) -> Tensor:
+        return binary(op, other, self) if reverse else binary(op, self, other)
+    return method
+
+
+# Tensor.OPERATORS -> (the op it builds, whether the Tensor is the right operand)
+_OPERATORS = {"__add__": ("Add", False), "__radd__": ("Add", True), "__sub__": ("Sub", False),
+              "__rsub__": ("Sub", True), "__mul__": ("Mul", False), "__rmul__": ("Mul", True),
+              "__truediv__": ("Div", False), "__rtruediv__": ("Div", True), "__floordiv__": ("FloorDiv", False),
+              "__rfloordiv__": ("FloorDiv", True), "__mod__": ("FloorMod", False), "__rmod__": ("FloorMod", True),
+              "__pow__": ("Pow", False),
+              "__matmul__": ("MatMul", False)}
+for _name in Tensor.OPERATORS:
+    if _name == "__neg__":
+        Tensor._override_operator(_name, lambda self: unary("Neg", self))
+    else:
+        Tensor._override_operator(_name, _operator(*_OPERATORS[_name]))

@@ -18,7 +18,7 @@ import numpy as np
 from flowctl.engine.dtypes import INTS, as_dtype
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import constant, graph_of, make, make1
-from flowctl.engine.ops.registry import (
+from flowctl.engine.opdef import (
     MOVEMENT, REQUIRED, SOURCE, elementwise_cost, memory_bytes, movement_cost, register_op, view_leading,
     view_reshape, view_same,
 )

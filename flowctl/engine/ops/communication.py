@@ -20,7 +20,7 @@ import numpy as np
 from flowctl.engine.dtypes import as_dtype, itemsize
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import graph_of, make1, make_op
-from flowctl.engine.ops.registry import COMMUNICATION, REQUIRED, register_op
+from flowctl.engine.opdef import COMMUNICATION, REQUIRED, register_op
 from flowctl.engine.shapes import InferError, TensorSpec
 
 __all__ = ["send", "recv", "wire_bytes"]

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import graph_of, make, make1, make_op
-from flowctl.engine.ops.registry import (
+from flowctl.engine.opdef import (
     CONTROL, MOVEMENT, REQUIRED, STATE, elementwise_cost, movement_cost, register_op, view_same,
 )
 from flowctl.engine.shapes import InferError, TensorSpec

@@ -19,7 +19,7 @@ from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import make1
-from flowctl.engine.ops.registry import NN, memory_bytes, register_op
+from flowctl.engine.opdef import NN, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal, merge_dim
 
 __all__ = ["avg_pool", "avg_pool_grad", "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from flowctl.engine.dtypes import as_dtype, is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import graph_of, make1
-from flowctl.engine.ops.registry import ELEMENTWISE, elementwise_cost, movement_cost, register_op
+from flowctl.engine.opdef import ELEMENTWISE, elementwise_cost, movement_cost, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, broadcast, dims_equal
 
 UNARY = ("Neg", "Exp", "Log", "Sqrt", "Rsqrt", "Square", "Relu", "Sigmoid", "Tanh", "Abs", "Sign")

@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from flowctl.engine.errors import GraphError
-from flowctl.engine.ops.registry import ELEMENTWISE, REQUIRED, get_op, memory_bytes, register_op
+from flowctl.engine.opdef import ELEMENTWISE, REQUIRED, get_op, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec
 
 FUSED_OP = "FusedElementwise"

@@ -17,7 +17,7 @@ import numpy as np
 from flowctl.engine.dtypes import INTS, as_dtype, is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import constant, convert, graph_of, make1
-from flowctl.engine.ops.registry import MOVEMENT, REQUIRED, SOURCE, memory_bytes, register_op
+from flowctl.engine.opdef import MOVEMENT, REQUIRED, SOURCE, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal
 
 __all__ = ["gather_nd", "scatter_nd", "range_"]

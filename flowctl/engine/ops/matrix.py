@@ -11,7 +11,7 @@ from typing import Any
 
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import convert, graph_of, make1
-from flowctl.engine.ops.registry import MATRIX, memory_bytes, register_op
+from flowctl.engine.opdef import MATRIX, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, broadcast, dims_equal
 
 __all__ = ["matmul", "batch_matmul", "matrix_inverse", "matrix_determinant", "einsum"]

@@ -14,7 +14,7 @@ from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import constant, graph_of, make, make1
 from flowctl.engine.ops.elementwise import neg, rsqrt
-from flowctl.engine.ops.registry import NN, REQUIRED, CostFn, memory_bytes, register_op
+from flowctl.engine.opdef import NN, REQUIRED, CostFn, memory_bytes, register_op
 from flowctl.engine.ops.state import assign_sub
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal, merge_dim, normalize_axis
 

@@ -35,7 +35,7 @@ from flowctl.engine.dtypes import as_dtype
 from flowctl.engine.errors import GraphError, QueueClosedError
 from flowctl.engine.graph import Graph, Node, Tensor, parse_ref
 from flowctl.engine.ops.api import constant, graph_of, make, make1, make_op
-from flowctl.engine.ops.registry import REQUIRED, STATE, movement_cost, register_op
+from flowctl.engine.opdef import REQUIRED, STATE, movement_cost, register_op
 from flowctl.engine.queue import QueueRef, QueueSpec
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal
 

@@ -16,7 +16,7 @@ import numpy as np
 from flowctl.engine.dtypes import as_dtype, is_float, itemsize
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import graph_of, make1
-from flowctl.engine.ops.registry import RANDOM, REQUIRED, register_op
+from flowctl.engine.opdef import RANDOM, REQUIRED, register_op
 from flowctl.engine.shapes import InferError, TensorSpec
 
 __all__ = ["random_normal", "random_uniform", "truncated_normal"]

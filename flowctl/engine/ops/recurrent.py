@@ -24,7 +24,7 @@ from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import make
-from flowctl.engine.ops.registry import MATRIX, MOVEMENT, NN, memory_bytes, movement_cost, register_op
+from flowctl.engine.opdef import MATRIX, MOVEMENT, NN, memory_bytes, movement_cost, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal, merge_dim
 
 __all__ = ["lstm_block_cell", "recurrent_matmul", "transpose_copy"]

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import convert, graph_of, make1
-from flowctl.engine.ops.registry import REDUCTION, REQUIRED, memory_bytes, register_op
+from flowctl.engine.opdef import REDUCTION, REQUIRED, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, normalize_axes, normalize_axis
 
 __all__ = ["reduce_sum", "reduce_prod", "reduce_mean", "reduce_max", "reduce_min", "argmax", "cumsum", "top_k"]

@@ -8,7 +8,7 @@ import numpy as np
 from flowctl.engine.dtypes import as_dtype, is_float, np_dtype
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import constant, convert, graph_of, make1
-from flowctl.engine.ops.registry import REQUIRED, SOURCE, STATE, movement_cost, register_op
+from flowctl.engine.opdef import REQUIRED, SOURCE, STATE, movement_cost, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal
 
 

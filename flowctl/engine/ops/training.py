@@ -23,7 +23,7 @@ import numpy as np
 from flowctl.engine.dtypes import is_float
 from flowctl.engine.graph import Tensor
 from flowctl.engine.ops.api import convert, make1
-from flowctl.engine.ops.registry import MOVEMENT, REDUCTION, STATE, memory_bytes, register_op
+from flowctl.engine.opdef import MOVEMENT, REDUCTION, STATE, memory_bytes, register_op
 from flowctl.engine.shapes import InferError, TensorSpec, dims_equal
 
 __all__ = ["apply_adam", "apply_gradient_descent", "apply_momentum", "gather_grad_rows", "l2_loss",

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flowctl.engine.graph import Graph, parse_ref
-from flowctl.engine.ops.registry import CONTROL
+from flowctl.engine.opdef import CONTROL
 from flowctl.engine.placement.cost import CostTable
 from flowctl.engine.placement.feasibility import Feasibility, UnionFind
 

@@ -29,8 +29,8 @@ from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.frames import has_control_flow, output_counts, run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.ops.registry import CONTROL, ELEMENTWISE, view_reshape, view_same
-from flowctl.engine.ops.registry import resident as is_resident
+from flowctl.engine.opdef import CONTROL, ELEMENTWISE, view_reshape, view_same
+from flowctl.engine.opdef import resident as is_resident
 from flowctl.engine.shapes import TensorSpec, concrete
 
 MEASURED_VERSION = 1

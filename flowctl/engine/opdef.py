@@ -231,6 +231,10 @@ def get_op(name: str) -> OpDef:
     try:
         return OPS[name]
     except KeyError:
+        if not OPS:  # the op library registers every op at once, when it is imported
+            raise GraphError(f"unknown op '{name}': no op is registered yet; importing the op library "
+                             f"registers them (`import flowctl.engine.ops`, or any name of "
+                             f"`import flowctl as fc`)") from None
         raise GraphError(f"unknown op '{name}'{did_you_mean(name, OPS)}") from None
 
 
