@@ -68,11 +68,8 @@ class Input(Layer):
     arity: ClassVar[tuple[int, int | None]] = (0, 0)
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
-        # The layers compute in model.dtype, so a float input of another dtype could meet no weight;
-        # the data source feeds the input's dtype (synthetic draws, arrays cast to it).
-        if self.dtype is not None and is_float(self.dtype) and self.dtype != self._dtype:
-            raise LayerError(f"input '{self.name}' is {self.dtype} but model.dtype is {self._dtype}: a float input "
-                             f"takes the model's dtype (leave out dtype here, or make the two agree)", "dtype")
+        # Unset: the model's dtype (a float input then meets weights of its own dtype); a dtype the
+        # spec names is kept, as a float64 input fed straight to a loss needs.
         return TensorSpec((None, *self.shape), self.dtype or self._dtype)
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
