@@ -118,7 +118,8 @@ def test_peak_memory_comes_from_a_fresh_process_per_framework():
     mem = peak_memory(Row("tiny_lm", TINY, 4), threads=1)
     for framework in ("flowctl", "pytorch"):
         m = mem[framework]
-        assert 0 < m["built_mib"] <= m["peak_mib"] and m["step_mib"] >= 0
+        assert 0 < m["built_mib"] <= m["peak_mib"] and m["step_mib"] >= 0 and m["first_step_s"] > 0
+    assert mem["jit"]["first_step_s_empty_cache"] > 0 and mem["jit"]["first_step_s_warm_cache"] > 0
 
 
 def test_unknown_row_is_one_clear_error():

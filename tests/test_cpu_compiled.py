@@ -122,3 +122,29 @@ def test_the_rule_picks_compiled_kernels_only_where_they_apply() -> None:
     with reference_kernels():
         assert chosen("FusedBatchNorm", "cpu", attrs, f32) is None
     assert {("FusedBatchNorm", "cpu"), ("MaxPoolGrad", "cpu")} <= set(VARIANTS)
+
+
+_RUN_ONCE = """
+import numpy as np
+from flowctl.engine.shapes import TensorSpec
+from flowctl.kernels.registry import bind
+from flowctl.kernels.cpu import batchnorm
+x = np.ones((2, 3, 3, 4), "float32"); s = np.ones(4, "float32")
+specs = [TensorSpec(a.shape, "float32") for a in (x, s, s)]
+bind("FusedBatchNorm", "cpu", {"epsilon": 1e-3, "activation": "relu"}, specs)(x, s, s)
+stats = batchnorm._kernels()[0].stats
+print(len(stats.cache_hits), len(stats.cache_misses))
+"""
+
+
+def test_a_second_process_loads_the_compiled_kernels_from_the_jit_cache(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _RUN_ONCE], env=env, capture_output=True, text=True, check=True)
+            .stdout.split() for _ in range(2)]
+    assert runs[0] == ["0", "1"]  # compiled, and written to the cache
+    assert runs[1] == ["1", "0"]  # loaded from it: no compile
+    assert any(p.suffix == ".nbi" for p in tmp_path.rglob("*"))

@@ -339,13 +339,17 @@ def _peak_in_child(row: Row, framework: str, threads: int, device: str = "cpu:0"
     torch.set_num_threads(threads)
     loaded = _load(row)
     arrays = _batch(loaded, row.batch)
+    t0 = time.perf_counter()
     run = flowctl_step(loaded, arrays, row.train, device) if framework == "flowctl" else \
         torch_step(loaded, arrays, row.train, device)[0]
     built = _status_kib("VmRSS")
-    for _ in range(3):
+    run()
+    first = time.perf_counter() - t0
+    for _ in range(2):
         run()
     peak = _status_kib("VmHWM")
-    out = {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024}
+    out = {"built_mib": built / 1024, "peak_mib": peak / 1024, "step_mib": (peak - built) / 1024,
+           "first_step_s": first}
     if device.startswith("gpu"):
         if framework == "pytorch":
             out["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -358,14 +362,34 @@ def _peak_in_child(row: Row, framework: str, threads: int, device: str = "cpu:0"
 
 def peak_memory(row: Row, threads: int, device: str = "cpu:0") -> dict[str, dict[str, float]]:
     """Each framework's resident memory for `row`, each measured alone in a fresh process (one
-    process's peak cannot be split between two frameworks that share its heap)."""
+    process's peak cannot be split between two frameworks that share its heap). flowctl's child
+    runs twice over one new numba cache folder: its first step (building the step included) with
+    an empty JIT cache, then with the cache the first left (`jit`); the second gives the memory."""
     import multiprocessing
+    import tempfile
 
     ctx = multiprocessing.get_context("spawn")
-    out = {}
+    out: dict[str, dict[str, float]] = {}
     for framework in ("flowctl", "pytorch"):
-        with ctx.Pool(1) as pool:
-            out[framework] = pool.apply(_peak_in_child, (row, framework, threads, device))
+        if framework != "flowctl":
+            with ctx.Pool(1) as pool:
+                out[framework] = pool.apply(_peak_in_child, (row, framework, threads, device))
+            continue
+        saved = os.environ.get("NUMBA_CACHE_DIR")
+        with tempfile.TemporaryDirectory(prefix="flowctl-jit-") as cache:
+            os.environ["NUMBA_CACHE_DIR"] = cache  # a spawned child reads it before numba loads
+            try:
+                firsts = []
+                for _ in range(2):
+                    with ctx.Pool(1) as pool:
+                        out[framework] = pool.apply(_peak_in_child, (row, framework, threads, device))
+                    firsts.append(out[framework]["first_step_s"])
+            finally:
+                if saved is None:
+                    os.environ.pop("NUMBA_CACHE_DIR", None)
+                else:
+                    os.environ["NUMBA_CACHE_DIR"] = saved
+        out["jit"] = {"first_step_s_empty_cache": firsts[0], "first_step_s_warm_cache": firsts[1]}
     return out
 
 

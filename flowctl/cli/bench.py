@@ -198,6 +198,12 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
                                                                 "params (spec / twin)")],
                       rows, console.width))
     for name, row in r["rows"].items():
+        jit = row.get("memory", {}).get("jit")
+        if jit:
+            console.print(f"  {name}: flowctl's first step (building it included) "
+                          f"{jit['first_step_s_empty_cache']:.1f} s with an empty JIT cache, "
+                          f"{jit['first_step_s_warm_cache']:.1f} s with a warm one; PyTorch's "
+                          f"{row['memory']['pytorch']['first_step_s']:.1f} s")
         if "ratio_captured" in row:
             cap, eager = row["pytorch_captured"], row.get("flowctl_eager")
             console.print(f"  {name} ({row['precision']}): PyTorch's step captured {cap['median_s'] * 1e3:.2f} ms, "
