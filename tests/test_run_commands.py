@@ -238,3 +238,32 @@ def test_an_lstm_model_exports_to_onnx_and_computes_the_runs_logits(tmp_path):
     m = open_run(run)
     want = m.session.run(m.evaluator.logits, {m.evaluator.model.inputs["tokens"]: x})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+SHRINK_NMT = ["training.batch_size=2", "devices=[cpu:0]", "placement.constraints=[]", "placement.colocate=[]",
+              *(f"model.layers.{side}/{layer}.units=8" for side in ("encoder", "decoder") for layer in ("lstm_1", "lstm_2")),
+              *(f"model.layers.{side}/embedding.{k}={v}" for side in ("encoder", "decoder") for k, v in (("dim", 6), ("vocab", 30))),
+              *(f"model.layers.{i}.{k}={v}" for i in ("source", "target_in", "target_out") for k, v in (("classes", 30), ("shape", "[4]"))),
+              "model.layers.projection.units=30"]
+
+
+def test_nmt_with_attention_exports_to_onnx_and_computes_the_runs_logits(tmp_path):
+    """NMT (shrunk): the attention's batched products (BatchMatMul with adj_y) and its softmax have
+    ONNX forms; the exported model's logits are the run's on the same source and target."""
+    onnx = pytest.importorskip("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    run, out = tmp_path / "run", tmp_path / "o"
+    sets = [x for s in SHRINK_NMT for x in ("--set", s)]
+    r = CliRunner().invoke(cli, ["train", str(ROOT / "specs" / "nmt.yaml"), "--run-dir", str(run), "--steps", "2", *sets])
+    assert r.exit_code == 0, r.output
+    r = _json(["export", str(run), "--out", str(out), "--format", "onnx"])
+    model = onnx.load(r["file"])
+    names = [i.name for i in model.graph.input]
+    assert sorted(names) == ["source", "target_in"] and [o.name for o in model.graph.output] == ["logits"]
+    rng = np.random.default_rng(4)
+    feed = {k: rng.integers(0, 30, (3, 4)).astype(np.int32) for k in names}
+    (got,) = ReferenceEvaluator(model).run(None, feed)
+    m = open_run(run)
+    want = m.session.run(m.evaluator.logits, {m.evaluator.model.inputs[k]: v for k, v in feed.items()})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

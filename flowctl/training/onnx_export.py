@@ -75,6 +75,17 @@ def _emit(b: _Builder, node: Node) -> None:
             b.add("Transpose", [w], [w + "/T"], perm=[1, 0])
             w += "/T"
         b.add("MatMul", [x, w], outs)
+    elif node.op in ("Softmax", "LogSoftmax"):  # opset 13 on: along one axis, as ours
+        b.add(node.op, ins, outs, axis=int(a["axis"]))
+    elif node.op == "BatchMatMul":  # adj_x / adj_y: the last two axes of that operand swapped
+        operands = []
+        for ref, spec, adj in zip(ins, b.graph.input_specs(node), (a.get("adj_x"), a.get("adj_y"))):
+            if adj:
+                r = len(spec.shape)
+                b.add("Transpose", [ref], [ref + "/adj"], perm=[*range(r - 2), r - 1, r - 2])
+                ref += "/adj"
+            operands.append(ref)
+        b.add("MatMul", operands, outs)
     elif node.op == "Concat":
         b.add("Concat", ins, outs, axis=int(a["axis"]))
     elif node.op == "Split":
