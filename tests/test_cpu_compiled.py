@@ -64,6 +64,16 @@ def test_batch_norm_forward_and_gradient_match_the_reference(dtype: str, shape: 
     _close(*_pair("FusedBatchNormGrad", attrs, dy, x, scale, mean, var, *rest, dmean, dvar), dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("relu", [False, True])
+def test_channel_affine_matches_the_reference(dtype: str, relu: bool) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 9, 9, 48)).astype(dtype)
+    scale, shift = rng.standard_normal(48).astype(dtype), rng.standard_normal(48).astype(dtype)
+    fast, ref = _pair("ChannelAffine", {"activation": "relu" if relu else "none"}, x, scale, shift)
+    np.testing.assert_array_equal(fast, ref)  # the same two roundings per element
+
+
 POOLS = [((3, 3), (2, 2), "VALID", (2, 15, 15, 8)), ((3, 3), (1, 1), "SAME", (3, 9, 11, 5)),
          ((2, 2), (2, 2), "SAME", (2, 7, 7, 4)), ((8, 8), (1, 1), "VALID", (2, 8, 8, 16)),
          ((3, 3), (2, 2), "SAME", (1, 10, 6, 3))]

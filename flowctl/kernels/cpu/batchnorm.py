@@ -187,3 +187,23 @@ def fused_batch_norm_grad_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
         return batch_norm_grad(dy, x, scale, mean, var, y, stat_grads, eps)
 
     return run
+
+
+def channel_affine(x: Any, scale: Any, shift: Any, relu: bool) -> Any:
+    """relu?(x * scale + shift) per channel (inference's batch norm), one read and one write: the
+    normalising kernel with a zero mean (x - 0 is x exactly)."""
+    _, normalise, _, _ = _kernels()
+    x2 = _rows(x)
+    m, c = x2.shape
+    y = np.empty(x.shape, dtype=x.dtype)
+    y2 = y.reshape(-1, c)
+    zero = np.zeros(c, dtype=x.dtype)
+    scale, shift = np.asarray(scale, dtype=x.dtype), np.asarray(shift, dtype=x.dtype)
+    _run_pieces(_pieces(m, c, BN_ELEMENTS), lambda p: normalise(x2, p.start, p.stop, zero, scale, shift, relu, y2))
+    return y
+
+
+@variant("ChannelAffine", "cpu", "numba", _applies)
+def channel_affine_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
+    relu = attrs["activation"] == "relu"
+    return lambda x, scale, shift: channel_affine(x, scale, shift, relu)
