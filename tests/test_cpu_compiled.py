@@ -96,6 +96,27 @@ def test_pools_and_their_gradients_match_the_reference(dtype, ksize, strides, pa
     _close(*_pair("AvgPoolGrad", attrs, rng.standard_normal(ref.shape).astype(dtype), x), dtype)
 
 
+CONVS = [((2, 9, 9, 6), (3, 3, 6, 5), (1, 1), "SAME"), ((2, 11, 10, 4), (3, 3, 4, 8), (2, 2), "VALID"),
+         ((2, 8, 8, 5), (1, 7, 5, 6), (1, 1), "SAME"), ((1, 9, 9, 3), (5, 5, 3, 4), (1, 1), "SAME"),
+         ((2, 12, 12, 4), (3, 3, 4, 4), (2, 2), "SAME"), ((3, 7, 7, 8), (7, 1, 8, 3), (1, 1), "SAME"),
+         ((2, 48, 48, 3), (3, 3, 3, 4), (1, 1), "SAME"), ((2, 95, 95, 3), (3, 3, 3, 5), (2, 2), "VALID")]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("x_shape,f_shape,strides,padding", CONVS)
+def test_the_input_gradient_with_a_compiled_col2im_is_the_references_bits(dtype, x_shape, f_shape, strides,
+                                                                           padding) -> None:
+    """The same pieces, GEMMs and order of additions as the reference: its bits exactly (the
+    strided and Co > C cases take col2im, the others the transposed convolution)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(x_shape).astype(dtype)
+    f = rng.standard_normal(f_shape).astype(dtype)
+    attrs = {"strides": strides, "padding": padding}
+    y = KERNELS[("Conv2D", "cpu")](np, dict(attrs))(x, f)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    np.testing.assert_array_equal(*_pair("Conv2DBackpropInput", attrs, dy, f, x))
+
+
 def test_max_pool_keeps_a_nan_as_the_reference_does() -> None:
     x = np.arange(2 * 4 * 4 * 2, dtype="float32").reshape(2, 4, 4, 2)
     x[0, 1, 1, 0] = np.nan

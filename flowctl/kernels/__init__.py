@@ -9,3 +9,4 @@ from flowctl.kernels.cuda import kernels as cuda_kernels  # noqa: F401,E402 -- o
 from flowctl.kernels.cuda import state as cuda_state  # noqa: F401,E402 -- gpu state writes under the step's guard
 from flowctl.kernels.cpu import batchnorm as cpu_batchnorm  # noqa: F401,E402 -- numba variants (issue 32)
 from flowctl.kernels.cpu import pool as cpu_pool  # noqa: F401,E402
+from flowctl.kernels.cpu import conv as cpu_conv  # noqa: F401,E402

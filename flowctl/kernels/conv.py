@@ -133,23 +133,47 @@ def _span(piece: tuple[int, int, int, int], ho: int, wo: int) -> slice:
     return slice((b0 * ho + r0) * wo, ((b1 - 1) * ho + r1) * wo)
 
 
+class Moves:
+    """The data movement of the window passes, apart from their GEMMs: gathering one piece's
+    windows into columns (im2col) and adding one piece's per-tap columns back onto the windows of
+    the input (col2im). These are numpy's (strided views, one copy; kh*kw slice additions); a
+    compiled CPU variant (kernels/cpu/conv.py) passes its own, so one convolution algorithm serves
+    both and the variant differs only in how the bytes move."""
+
+    def gather(self, xp: Any, src: Any, piece: tuple[int, int, int, int], kh: int, kw: int, sh: int, sw: int,
+               wo: int, buf: Any) -> Any:
+        view = _windows(xp, src, piece, kh, kw, sh, sw, wo)
+        m = view.shape[0] * view.shape[1] * view.shape[2]
+        cols = buf[:m]
+        xp.copyto(cols.reshape(view.shape), view)
+        return cols
+
+    def scatter_add(self, xp: Any, z: Any, dst: Any, piece: tuple[int, int, int, int], kh: int, kw: int, sh: int,
+                    sw: int, wo: int) -> None:
+        """dst's windows of the piece += z (images, rows, Wo, kh, kw, C), tap by tap in order."""
+        b0, b1, r0, r1 = piece
+        for i in range(kh):
+            for j in range(kw):
+                dst[b0:b1, r0 * sh + i:(r1 - 1) * sh + i + 1:sh, j:(wo - 1) * sw + j + 1:sw] += z[:, :, :, i, j]
+
+
+NUMPY_MOVES = Moves()
+
+
 class _Columns:
     """One buffer for the gathered windows (im2col) of every piece of a pass: a piece's columns
     are copied in, multiplied, and overwritten by the next piece's, so they stay in cache."""
 
-    def __init__(self, xp: Any, pieces: tuple, wo: int, k: int, dtype: Any) -> None:
+    def __init__(self, xp: Any, pieces: tuple, wo: int, k: int, dtype: Any, moves: Moves = NUMPY_MOVES) -> None:
         most = max((b1 - b0) * (r1 - r0) for b0, b1, r0, r1 in pieces) * wo
-        self.xp, self.buf = xp, xp.empty((most, k), dtype=dtype)
+        self.xp, self.buf, self.moves = xp, xp.empty((most, k), dtype=dtype), moves
 
-    def gather(self, view: Any) -> Any:
-        m = view.shape[0] * view.shape[1] * view.shape[2]
-        cols = self.buf[:m]
-        self.xp.copyto(cols.reshape(view.shape), view)
-        return cols
+    def gather(self, src: Any, piece: tuple[int, int, int, int], kh: int, kw: int, sh: int, sw: int, wo: int) -> Any:
+        return self.moves.gather(self.xp, src, piece, kh, kw, sh, sw, wo, self.buf)
 
 
 def _window_gemm(xp: Any, src: Any, wmat: Any, kh: int, kw: int, sh: int, sw: int, out: Any,
-                 rows: int | None) -> Any:
+                 rows: int | None, moves: Moves = NUMPY_MOVES) -> Any:
     """out (N, Ho, Wo, Co) = the windows of the padded `src` times wmat (kh*kw*C, Co), piece by
     piece: each piece's windows gathered once into a reused buffer, one GEMM into out. Runs of
     pieces go to the intra-op threads, each with its own buffer (they write disjoint rows)."""
@@ -159,10 +183,9 @@ def _window_gemm(xp: Any, src: Any, wmat: Any, kh: int, kw: int, sh: int, sw: in
 
     def part(run: range) -> None:
         mine = pieces[run.start:run.stop]
-        cols = _Columns(xp, mine, wo, wmat.shape[0], src.dtype)
+        cols = _Columns(xp, mine, wo, wmat.shape[0], src.dtype, moves)
         for piece in mine:
-            xp.matmul(cols.gather(_windows(xp, src, piece, kh, kw, sh, sw, wo)), wmat,
-                      out=flat[_span(piece, ho, wo)])
+            xp.matmul(cols.gather(src, piece, kh, kw, sh, sw, wo), wmat, out=flat[_span(piece, ho, wo)])
 
     intra.for_chunks(len(pieces), part, xp=xp, least=PARALLEL_PIECES)
     return out
@@ -177,7 +200,7 @@ FILTER_GROUPS = 4
 
 
 def _window_gemm_t(xp: Any, src: Any, dy: Any, kh: int, kw: int, sh: int, sw: int,
-                   rows: int | None) -> Any:
+                   rows: int | None, moves: Moves = NUMPY_MOVES) -> Any:
     """sum over output positions of window^T dy, (kh*kw*C, Co): the filter gradient as one GEMM per
     piece over a reused window buffer, accumulated in place within each of FILTER_GROUPS groups
     of pieces (the groups are what the intra-op threads share)."""
@@ -187,10 +210,10 @@ def _window_gemm_t(xp: Any, src: Any, dy: Any, kh: int, kw: int, sh: int, sw: in
 
     def group(run: range) -> Any:
         mine = pieces[run.start:run.stop]
-        cols = _Columns(xp, mine, wo, kh * kw * src.shape[3], src.dtype)
+        cols = _Columns(xp, mine, wo, kh * kw * src.shape[3], src.dtype, moves)
         dw = part = None
         for piece in mine:
-            c = cols.gather(_windows(xp, src, piece, kh, kw, sh, sw, wo))
+            c = cols.gather(src, piece, kh, kw, sh, sw, wo)
             if dw is None:
                 dw = xp.matmul(c.T, flat[_span(piece, ho, wo)])
             else:
@@ -206,7 +229,7 @@ def _window_gemm_t(xp: Any, src: Any, dy: Any, kh: int, kw: int, sh: int, sw: in
 
 
 def _col2im(xp: Any, dy: Any, wt: Any, kh: int, kw: int, sh: int, sw: int, dst: Any,
-            rows: int | None) -> Any:
+            rows: int | None, moves: Moves = NUMPY_MOVES) -> Any:
     """Add each output position's dy @ wt (Co, kh*kw*C) back onto its window of the padded `dst`
     (the strided convolution's input gradient), piece by piece through a reused buffer. Windows
     of neighbouring pieces of one image overlap, which the additions handle in order; the intra-op
@@ -224,9 +247,7 @@ def _col2im(xp: Any, dy: Any, wt: Any, kh: int, kw: int, sh: int, sw: int, dst: 
             b0, b1, r0, r1 = piece
             m = (b1 - b0) * (r1 - r0) * wo
             z = xp.matmul(flat[_span(piece, ho, wo)], wt, out=cols.buf[:m]).reshape(b1 - b0, r1 - r0, wo, kh, kw, c)
-            for i in range(kh):
-                for j in range(kw):
-                    dst[b0:b1, r0 * sh + i:(r1 - 1) * sh + i + 1:sh, j:(wo - 1) * sw + j + 1:sw] += z[:, :, :, i, j]
+            moves.scatter_add(xp, z, dst, piece, kh, kw, sh, sw, wo)
 
     if len(pieces) < PARALLEL_PIECES:
         part(range(len(images)))
@@ -257,7 +278,8 @@ def _output_side(sh: int, sw: int, kh: int, kw: int, c: int, co: int) -> bool:
     return sh == sw == 1 and (co <= c or (kh > 1 and kw > 1 and 2 * co <= 3 * c))
 
 
-def conv2d_forward(xp: Any, x: Any, f: Any, strides: tuple, padding: str, rows: int | None = None) -> Any:
+def conv2d_forward(xp: Any, x: Any, f: Any, strides: tuple, padding: str, rows: int | None = None,
+                   moves: Moves = NUMPY_MOVES) -> Any:
     kh, kw, c, co = f.shape
     n = x.shape[0]
     sh, sw, ph, pw, h, w, ho, wo = _geometry(x.shape, kh, kw, strides, padding)
@@ -267,11 +289,11 @@ def conv2d_forward(xp: Any, x: Any, f: Any, strides: tuple, padding: str, rows: 
         return xp.matmul(xs.reshape(-1, c), f.reshape(c, co)).reshape(n, ho, wo, co)
     y = xp.empty((n, ho, wo, co), dtype=x.dtype)
     src = _pad_for_windows(xp, x, kh, kw, sh, sw, ph, pw, ho, wo)
-    return _window_gemm(xp, src, f.reshape(kh * kw * c, co), kh, kw, sh, sw, y, rows)
+    return _window_gemm(xp, src, f.reshape(kh * kw * c, co), kh, kw, sh, sw, y, rows, moves)
 
 
 def conv2d_backprop_input(xp: Any, dy: Any, f: Any, x_shape: tuple, strides: tuple, padding: str,
-                          rows: int | None = None) -> Any:
+                          rows: int | None = None, moves: Moves = NUMPY_MOVES) -> Any:
     kh, kw, c, co = f.shape
     n = dy.shape[0]
     x_shape = (n,) + tuple(x_shape[1:])
@@ -288,24 +310,24 @@ def conv2d_backprop_input(xp: Any, dy: Any, f: Any, x_shape: tuple, strides: tup
         # position sees every output that read it, against the flipped filter with in and out swapped.
         src = _pad(xp, dy, kh - 1 - ph, h - ho + ph, kw - 1 - pw, w - wo + pw)
         f_flip = xp.ascontiguousarray(f[::-1, ::-1].transpose(0, 1, 3, 2)).reshape(kh * kw * co, c)
-        return _window_gemm(xp, src, f_flip, kh, kw, 1, 1, xp.empty(x_shape, dtype=dy.dtype), rows)
+        return _window_gemm(xp, src, f_flip, kh, kw, 1, 1, xp.empty(x_shape, dtype=dy.dtype), rows, moves)
     after_h, after_w = _after(h, kh, sh, ph, ho), _after(w, kw, sw, pw, wo)
     dst = xp.zeros((n, ph + h + after_h, pw + w + after_w, c), dtype=dy.dtype)
-    _col2im(xp, dy, f.reshape(kh * kw * c, co).T, kh, kw, sh, sw, dst, rows)
+    _col2im(xp, dy, f.reshape(kh * kw * c, co).T, kh, kw, sh, sw, dst, rows, moves)
     if ph == pw == after_h == after_w == 0:
         return dst
     return xp.ascontiguousarray(dst[:, ph:ph + h, pw:pw + w])
 
 
 def conv2d_backprop_filter(xp: Any, x: Any, dy: Any, f_shape: tuple, strides: tuple, padding: str,
-                           rows: int | None = None) -> Any:
+                           rows: int | None = None, moves: Moves = NUMPY_MOVES) -> Any:
     kh, kw, c, co = (int(d) for d in f_shape)
     sh, sw, ph, pw, h, w, ho, wo = _geometry(x.shape, kh, kw, strides, padding)
     if kh == kw == 1:
         xs = x if sh == sw == 1 else xp.ascontiguousarray(x[:, ::sh, ::sw])
         return xp.matmul(xs.reshape(-1, c).T, xp.ascontiguousarray(dy).reshape(-1, co)).reshape(1, 1, c, co)
     src = _pad_for_windows(xp, x, kh, kw, sh, sw, ph, pw, ho, wo)
-    return _window_gemm_t(xp, src, dy, kh, kw, sh, sw, rows).reshape(kh, kw, c, co)
+    return _window_gemm_t(xp, src, dy, kh, kw, sh, sw, rows, moves).reshape(kh, kw, c, co)
 
 
 @kernel("Conv2D")
