@@ -532,7 +532,7 @@ def step_memory(loaded: LoadedSpec) -> dict[str, Any]:
                   StaticCostModel(cluster, batch=config.per_replica_batch), targets=step.targets)
     s = pl.simulation.device(dev)
     t = pl.table
-    slots = sum(sum(t.out_bytes[i]) for i in range(t.referenced)) if t is not None else 0
+    slots = sum(sum(t.out_bytes[i]) for i in t.referenced) if t is not None else 0
     return {"device": dev, "step_peak_bytes": s.peak_memory, "step_resident_bytes": s.resident,
             "step_slot_bytes": slots}
 
