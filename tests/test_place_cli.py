@@ -5,6 +5,7 @@ import json
 import re
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -111,10 +112,15 @@ def test_bench_spec_measures_placements_beside_predictions(tmp_path):
     # simulator's contention factor solved from that ratio (never below 1).
     c = data["contention"]
     assert c["ratio"] == pytest.approx(c["together_s"] / c["alone_s"]) and c["factor"] >= 1.0
+    ref = data["one_device_reference"]
+    assert ref["name"] in ("single", "one_device_all_threads")
+    one_device = {"single": data["placements"]["single"]["measured_step_s"], "one_device_all_threads": base["step_s"]}
+    assert ref["step_s"] == min(one_device.values()) == one_device[ref["name"]]
     for alg, p in data["placements"].items():
         v = p["vs_one_device"]
         assert v["low"] <= v["high"] and v["faster"] in ("a", "b", None), alg
         assert v["ratio"] == pytest.approx(p["measured_step_s"] / base["measured_step_s"]), alg
+        assert p["vs_best_one_device"]["ratio"] == pytest.approx(p["measured_step_s"] / ref["step_s"]), alg
     # Every pair of placements, the one predicted faster first, with the measured verdict.
     pred = {a: p["predicted_step_s"] for a, p in data["placements"].items()}
     assert data["ranking_predicted"] == sorted(pred, key=pred.get)
@@ -146,7 +152,81 @@ def test_bench_spec_rounds_option(tmp_path):
     assert len(data["pairs"]) == 1
     text = " ".join(r.output.split())  # rich wraps lines
     assert "median of 2 rounds x 1 steps, 95% interval" in text
+    assert "vs best 1 device" in text and "one-device run" in text
     assert re.search(r"(single|greedy) predicted [\d.]+x (single|greedy); measured [\d.]+x \[[\d.]+-[\d.]+\]", text)
+
+
+def _run(ms: float) -> dict:
+    return {"measured_step_s": ms / 1e3, "measured_low_s": ms / 1e3, "measured_high_s": ms / 1e3,
+            "examples_per_s": 16 / (ms / 1e3)}
+
+
+def _bench_results(single_ms: float, whole_ms: float) -> dict:
+    """`bench SPEC` results as report() writes them: single, model parallel (greedy), no expert rules."""
+    from flowctl.bench.spec import one_device_reference
+
+    placed = {"single": {**_run(single_ms), "devices_used": ["cpu:0"]},
+              "greedy": {**_run(500.0), "devices_used": ["cpu:0", "cpu:1"]}}
+    for p in placed.values():
+        p.update(predicted_step_s=p["measured_step_s"], prediction_error=0.0, error=None)
+    times = {"single": [[single_ms]], "greedy": [[500.0]], "one_device_all_threads": [[whole_ms]]}
+    one = SimpleNamespace(assignment={"a": "cpu:0", "b": "cpu:0"})
+    ref = one_device_reference(times, {"single": one}, "one_device_all_threads")  # type: ignore[dict-item]
+    return {"spec": "towers", "batch": 16, "rounds": 1, "steps": 1,
+            "one_device_all_threads": {"threads": 2, "step_s": whole_ms / 1e3, **_run(whole_ms)},
+            "one_device_reference": {"name": ref, "step_s": min(single_ms, whole_ms) / 1e3},
+            "placements": {"single": placed["single"], "greedy": placed["greedy"],
+                           "expert": {"error": "no rules in the spec (placement.constraints or parallelism.groups)"}}}
+
+
+def test_bench_spec_compares_with_the_faster_one_device_run() -> None:
+    # Under load, the whole step on one device with both BLAS threads ran slower than `single` on
+    # one thread: the speed-up column was a ratio against that slower run alone ("1.73x").
+    from flowctl.cli.bench import spec_table
+
+    cols, rows, notes = spec_table(_bench_results(single_ms=800.0, whole_ms=1384.0))
+    assert [c.header for c in cols][-1] == "vs best 1 device"
+    by = {row[0]: row for row in rows}
+    assert by["single"][-1] == "1.00x" and by["greedy"][-1] == "1.60x"
+    assert by["1 device, 2 threads"][-1] == "0.58x"
+    assert "the step of single (800.0 ms), the faster one-device run (1 device, 2 threads: 1,384.0 ms)" in notes[0]
+    # Where the two threads win, they are the reference.
+    _, rows, notes = spec_table(_bench_results(single_ms=900.0, whole_ms=600.0))
+    by = {row[0]: row for row in rows}
+    assert by["1 device, 2 threads"][-1] == "1.00x" and by["greedy"][-1] == "1.20x"
+    assert "the step of 1 device, 2 threads (600.0 ms), the faster one-device run (single: 900.0 ms)" in notes[0]
+    # A `single` the spec's constraints spread over two devices is no one-device run.
+    r = _bench_results(single_ms=400.0, whole_ms=600.0)
+    r["placements"]["single"]["devices_used"] = ["cpu:0", "cpu:1"]
+    r["one_device_reference"] = {"name": "one_device_all_threads", "step_s": 0.6}
+    _, rows, notes = spec_table(r)
+    assert {row[0]: row for row in rows}["single"][-1] == "1.50x"
+    assert "the step of 1 device, 2 threads (600.0 ms), the only one-device run measured" in notes[0]
+
+
+def test_bench_spec_puts_a_placers_reason_in_a_note_not_in_a_numeric_column() -> None:
+    from flowctl.cli.bench import spec_table
+
+    cols, rows, notes = spec_table(_bench_results(single_ms=800.0, whole_ms=1384.0))
+    expert = next(row for row in rows if row[0] == "expert")
+    assert expert[1:] == ["-"] * (len(cols) - 1)
+    assert "expert: not measured: no rules in the spec (placement.constraints or parallelism.groups)" in notes
+    numeric = [i for i, c in enumerate(cols) if c.header in ("examples/s", "vs best 1 device", "predicted ms")]
+    for row in rows:
+        for i in numeric:
+            assert row[i] == "-" or re.fullmatch(r"[\d,.]+x?", row[i]), (row[0], cols[i].header, row[i])
+
+
+def test_the_one_device_reference_is_the_faster_run_and_never_a_spread_single() -> None:
+    from flowctl.bench.spec import one_device_reference
+
+    one = SimpleNamespace(assignment={"a": "cpu:0", "b": "cpu:0"})
+    spread = SimpleNamespace(assignment={"a": "cpu:0", "b": "cpu:1"})  # capped memory spreads `single`
+    times = {"single": [[1.0, 1.1]], "whole": [[2.0, 2.1]]}
+    assert one_device_reference(times, {"single": one}, "whole") == "single"  # type: ignore[dict-item]
+    assert one_device_reference(times, {"single": spread}, "whole") == "whole"  # type: ignore[dict-item]
+    assert one_device_reference(times, {"single": one}, None) == "single"  # type: ignore[dict-item]
+    assert one_device_reference({"greedy": [[1.0]]}, {}, None) is None
 
 
 def _strategy_spec(tmp_path: Path, parallelism: str) -> Path:

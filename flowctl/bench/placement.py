@@ -56,9 +56,12 @@ MODELS = [
 DEFAULT_ROWS = [("inception_v3", 4, "k40"), ("nmt", 4, "k40"), ("nmt_free", 4, "k40"), ("lstm4", 4, "k40")]
 
 
-def _variant(spec_file: str, variant: str, gpus: int, free: bool = False) -> LoadedSpec:
-    """The spec on `gpus` GPUs; `free`: without any placement constraint or expert stages."""
+def _variant(spec_file: str, variant: str, gpus: int, free: bool = False, optimizer: str | None = None) -> LoadedSpec:
+    """The spec on `gpus` GPUs; `free`: without any placement constraint or expert stages;
+    `optimizer`: another optimizer type than the spec's."""
     d = yaml.safe_load((SPECS / spec_file).read_text())
+    if optimizer:
+        d["training"]["optimizer"] = {"type": optimizer}
     d["devices"] = ["cpu:0"] + [f"gpu:{i}" for i in range(max(gpus, 2))]
     if free:
         d["placement"] = {"algorithm": "greedy"}

@@ -253,29 +253,53 @@ def _render_ratios(console: Console, r: dict[str, Any]) -> None:
     console.print(fit("results", [Col("figure"), Col("value", "right")], rows, console.width))
 
 
-def _render_spec(console: Console, r: dict[str, Any]) -> None:
+def spec_table(r: dict[str, Any]) -> tuple[list[Col], list[list[str]], list[str]]:
+    """`bench SPEC`'s table: columns, rows, and the notes under it (what the speed-up column
+    compares with; why a placer has no row of figures). Numeric columns hold numbers or "-"."""
     base = r.get("one_device_all_threads")  # virtual CPU devices only; with a GPU, `single` is the baseline
+    ref = r.get("one_device_reference")
     cols = [Col("placement")] + [Col(c, "right") for c in ("devices", "predicted ms", "measured ms", "error",
                                                            "examples/s")]
-    cols += [Col("vs 1 device", "right")] if base else []
+    cols += [Col("vs best 1 device", "right")] if ref else []
+    base_label = f"1 device, {base['threads']} threads" if base else ""
 
     def measured(p: dict[str, Any]) -> str:
         lo, med, hi = (p[k] * 1e3 for k in ("measured_low_s", "measured_step_s", "measured_high_s"))
         return f"{med:,.1f} [{lo:,.1f}-{hi:,.1f}]"
 
-    rows = []
+    def speedup(p: dict[str, Any]) -> list[str]:
+        return [f"{ref['step_s'] / p['measured_step_s']:.2f}x"] if ref else []
+
+    rows, notes = [], []
     if base:
-        rows.append([f"1 device, {base['threads']} threads", "1", "-", measured(base), "-",
-                     f"{base['examples_per_s']:,.1f}", "1.00x"])
+        rows.append([base_label, "1", "-", measured(base), "-", f"{base['examples_per_s']:,.1f}", *speedup(base)])
     for alg, p in r["placements"].items():
         if p.get("error") is not None:
-            rows.append([alg, "-", "-", "-", "-", str(p["error"])[:40], *(["-"] if base else [])])
+            rows.append([alg, "-", "-", "-", "-", "-", *(["-"] if ref else [])])
+            notes.append(f"{alg}: not measured: {p['error']}")
             continue
         rows.append([alg, str(len(p["devices_used"])), f"{p['predicted_step_s'] * 1e3:,.1f}", measured(p),
-                     f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}",
-                     *([f"{base['step_s'] / p['measured_step_s']:.2f}x"] if base else [])])
+                     f"{100 * p['prediction_error']:+.0f}%", f"{p['examples_per_s']:,.1f}", *speedup(p)])
+    if ref:
+        name = base_label if ref["name"] == "one_device_all_threads" else ref["name"]
+        others = []
+        if base and ref["name"] != "one_device_all_threads":
+            others.append(f"{base_label}: {base['measured_step_s'] * 1e3:,.1f} ms")
+        single = r["placements"].get("single", {})
+        if ref["name"] != "single" and single.get("error") is None and len(single.get("devices_used", [])) == 1:
+            others.append(f"single: {single['measured_step_s'] * 1e3:,.1f} ms")
+        which = f"the faster one-device run ({'; '.join(others)})" if others else "the only one-device run measured"
+        notes.insert(0, f"vs best 1 device: the step of {name} ({ref['step_s'] * 1e3:,.1f} ms), {which}, "
+                        f"over each row's")
+    return cols, rows, notes
+
+
+def _render_spec(console: Console, r: dict[str, Any]) -> None:
+    cols, rows, notes = spec_table(r)
     console.print(fit(f"{r['spec']}: measured vs predicted step time (batch {r['batch']}; median of "
                       f"{r['rounds']} rounds x {r['steps']} steps, 95% interval)", cols, rows, console.width))
+    for line in notes:
+        console.print(f"  {line}")
     for alg, path in r.get("traces", {}).items():
         console.print(f"  trace of one {alg} step: {path}")
     if "jitter" in r:

@@ -106,7 +106,8 @@ def inspect(spec: str, as_json: bool, overrides: tuple[str, ...]) -> None:
     con.print(f"memory at batch {report['batch_size']}: activations {_bytes(m['activation_bytes'])}, "
               f"parameters {_bytes(m['parameter_bytes'])}")
     con.print(f"a training step on {m['device'].rsplit('/', 1)[-1]} holds {_bytes(m['step_peak_bytes'])} at peak "
-              f"({_bytes(m['step_resident_bytes'])} resident: parameters, optimizer slots, inputs), as "
+              f"({_bytes(m['step_resident_bytes'])} resident: parameters, optimizer slots "
+              f"{_bytes(m['step_slot_bytes'])}, inputs), as "
               f"`place` simulates it")
 
 

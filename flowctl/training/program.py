@@ -521,7 +521,8 @@ def step_memory(loaded: LoadedSpec) -> dict[str, Any]:
     """What one training step holds with everything on the spec's first device, by the placement
     simulator (the figure `place` shows per device): the peak, and the resident part of it --
     parameters, optimizer slots, fed inputs -- the rest being activations kept for the backward
-    pass, gradients and temporaries alive at the peak. `flowctl inspect` reports it."""
+    pass, gradients and temporaries alive at the peak -- and of the resident part, the optimizer's
+    slots (the state only the updates name: CostTable.referenced). `flowctl inspect` reports it."""
     config = step_config(loaded)
     step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config)
@@ -531,7 +532,10 @@ def step_memory(loaded: LoadedSpec) -> dict[str, Any]:
     pl = evaluate(step.graph, {n: dev for n in step.graph.nodes}, cluster,
                   StaticCostModel(cluster, batch=config.per_replica_batch), targets=step.targets)
     s = pl.simulation.device(dev)
-    return {"device": dev, "step_peak_bytes": s.peak_memory, "step_resident_bytes": s.resident}
+    t = pl.table
+    slots = sum(sum(t.out_bytes[i]) for i in t.referenced) if t is not None else 0
+    return {"device": dev, "step_peak_bytes": s.peak_memory, "step_resident_bytes": s.resident,
+            "step_slot_bytes": slots}
 
 
 # ---------------------------------------------------------------------------- what a trainer runs

@@ -378,6 +378,27 @@ def forwards_of(graph: Graph, names: list[str], index: dict[str, int], inputs: l
     return out if any(out) else []
 
 
+def referenced_state(graph: Graph, step: Iterable[str]) -> dict[str, str]:
+    """The Variables a step names by reference only (ref inputs: the executors neither wait for
+    nor pass them, `needed_nodes`), each with the step node that names it first: optimizer
+    slots (momentum, Adam's moments) and counters (Adam's step) that their update alone touches.
+    The step runs nothing of theirs, yet their arrays are held for the whole step on the device
+    of the update that names them (colocated with it, §4.3), which is its variable's: resident
+    memory, as the parameters are. Left out, a step with Adam counted as one with SGD (NMT on one
+    K40 capped at 1300 MiB was accepted, though its variables alone are 1,475 MiB)."""
+    names = list(step)
+    inside = set(names)
+    out: dict[str, str] = {}
+    for name in names:
+        node = graph.nodes[name]
+        for k in node.opdef.ref_inputs:
+            if k < len(node.inputs):
+                src = parse_ref(node.inputs[k])[0]
+                if src not in inside and src not in out and graph.nodes[src].opdef.resource == "variable":
+                    out[src] = name
+    return out
+
+
 def writes_of(graph: Graph, names: list[str], index: dict[str, int]) -> list[int]:
     """Per step node, the index of the Variable its first ref input names where it writes state
     (OpDef.resource "variable_input(s)"), else -1; empty where no node does."""
@@ -415,7 +436,9 @@ class CostTable:
     excluded: they name state, they move no bytes), `controls[i]` its control predecessors
     (including the data inputs of a Group, which waits for them but reads nothing),
     `succ[i]` every consumer. `resident[i]` is true for nodes whose outputs live across steps
-    (Variables, Consts, fed Placeholders): the simulator counts them as resident memory."""
+    (Variables, Consts, fed Placeholders): the simulator counts them as resident memory. The
+    nodes at `referenced` are the state the step names only by reference (`referenced_state`:
+    optimizer slots): resident on their device, they take no time (the step runs nothing of theirs)."""
 
     names: list[str]
     index: dict[str, int]
@@ -459,6 +482,7 @@ class CostTable:
     # nodes; empty: none. A write goes into the variable's own array once nothing else reads that
     # array (kernels/state.updatable_in_place, on a CPU and a GPU alike), holding no new bytes.
     writes: list[int] = field(default_factory=list)
+    referenced: list[int] = field(default_factory=list)  # `referenced_state`: resident, never run
     _held: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -486,7 +510,17 @@ class CostTable:
 
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, model: CostModel, step: Iterable[str]) -> CostTable:
-        names = list(step)
+        """The table of `step` (the nodes one step runs, in topological order) and of the state it
+        names only by reference (`referenced_state`), each just before the node that names it
+        first: Variables have no inputs, so the order stays topological, and every group of nodes
+        (a slot is colocated with its variable's update) first appears where it did without them,
+        so placers that follow the step's order choose as they did."""
+        run = list(step)
+        before: dict[str, list[str]] = {}
+        for state, user in referenced_state(graph, run).items():
+            before.setdefault(user, []).append(state)
+        names = [x for n in run for x in (*before.get(n, ()), n)]
+        quiet = {x for xs in before.values() for x in xs}
         index = {n: i for i, n in enumerate(names)}
         devices = cluster.names
         # A cost model answers by device profile (ARCHITECTURE: profiles describe devices), so ask
@@ -510,7 +544,12 @@ class CostTable:
             fl, nb = static.estimate(graph, node)
             w = runs.get(name, 1.0)
             fl, nb = fl * w, nb * w
-            if model is static:  # one estimate serves every profile
+            if name in quiet:  # held, never run: no time, no launch
+                fl = 0.0
+                per = {r: 0.0 for r in rep_list}
+                if model is not static and stream_time is not None:
+                    stream_rows.append([0.0] * len(devices))
+            elif model is static:  # one estimate serves every profile
                 per = {r: static.time_of(fl, nb, devices[r]) for r in rep_list}
             else:
                 per = {r: w * float(model.op_time(graph, node, devices[r])) for r in rep_list}
@@ -546,7 +585,7 @@ class CostTable:
                 succ[j].append(i)
             resident.append(is_resident(node.opdef))
         host_time = getattr(model, "host_time", None)
-        host = [float(host_time(graph.nodes[n])) if host_time else 0.0 for n in names]
+        host = [float(host_time(graph.nodes[n])) if host_time and n not in quiet else 0.0 for n in names]
         procs: dict[tuple[str, int], int] = {}
         lanes = [procs.setdefault((p.job, p.task), len(procs)) for p in map(parse_device, devices)]
         is_async = [streamed.get(col[d], False) for d in range(len(devices))]
@@ -564,4 +603,5 @@ class CostTable:
         return cls(names, index, devices, times, flops, out_bytes, inputs, controls, succ, resident, model,
                    host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
                    float(getattr(model, "jitter", 0.0)), out_runs, views,
-                   forwards_of(graph, names, index, inputs, out_bytes, resident, views), writes_of(graph, names, index))
+                   forwards_of(graph, names, index, inputs, out_bytes, resident, views), writes_of(graph, names, index),
+                   [i for i, n in enumerate(names) if n in quiet])

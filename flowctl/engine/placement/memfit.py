@@ -22,9 +22,11 @@ from the fitted placement and from the placer's own overflowing choice, single m
 exchanges of two units, keeps what the simulator says is faster and fits: the moves find a fit
 with few groups moved, the search a good one. Where the model's layers are known (a spec-built
 model: `Problem.layers`), the search also runs over units that keep a layer whole (split where
-one is heavy): the moves a person makes, which runs of groups cut anywhere miss (nmt_free on two
-capped K40s, greedy: 217.4 ms by runs, 202.0 by layers, against 213.9 uncapped). Memory is the
-simulator's: what a step holds at its peak, the same figure `place` prints per device.
+one is heavy): the moves a person makes, which runs of groups cut anywhere miss (nmt_free with
+SGD on two K40s capped at 740 MiB, greedy: 227.7 ms by runs, 190.4 by layers, against 205.8
+uncapped). Memory is the simulator's: what a step holds at its peak, the same figure `place`
+prints per device, optimizer slots included. Figures below that name no optimizer are NMT's with
+Adam, measured before its moments were counted as memory (the caps were then 763 MiB).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ class Problem:
     cluster: Cluster
     cost_model: CostModel
     targets: list[str] | None
-    step: list[str]  # topological order
+    step: list[str]  # topological order: the table's nodes (what runs, led by the slots it holds)
     table: CostTable  # indexed like `step`
     feas: Feasibility
     coarse: Coarsening
@@ -66,9 +66,9 @@ class Problem:
 
 def prepare(graph: Graph, cluster: Cluster, cost_model: CostModel, targets: Iterable[str] | None = None) -> Problem:
     tl = list(targets) if targets is not None else None
-    step = step_nodes(graph, tl)
     feas = feasible_sets(graph, cluster)
-    table = CostTable.build(graph, cluster, cost_model, step)
+    table = CostTable.build(graph, cluster, cost_model, step_nodes(graph, tl))
+    step = table.names  # what runs, and the state it names by reference (optimizer slots)
     co = coarsen(graph, feas, table)
     step_group = [co.group_of[feas.index[n]] for n in step]
     return Problem(graph, cluster, cost_model, tl, step, table, feas, co, step_group)

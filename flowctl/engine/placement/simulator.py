@@ -173,11 +173,10 @@ def expect(graph: Graph, placement: Mapping[str, str], cluster: Cluster, cost_mo
 
 def _tabulate(graph: Graph, placement: Mapping[str, str], cluster: Cluster, cost_model: CostModel,
               targets: Iterable[str] | None) -> tuple[CostTable, list[int]]:
-    step = step_nodes(graph, targets)
-    table = CostTable.build(graph, cluster, cost_model, step)
+    table = CostTable.build(graph, cluster, cost_model, step_nodes(graph, targets))
     index = {d: i for i, d in enumerate(table.devices)}
     dev = []
-    for n in step:
+    for n in table.names:
         if n not in placement:
             raise PlacementError(f"node '{n}' ({graph.nodes[n].op}) has no device in the placement")
         try:
