@@ -23,31 +23,11 @@ from click.testing import CliRunner
 from flowctl.cli.main import cli
 from flowctl.spec.loader import load_spec
 from browser import chromium
+from tiny_specs import LM_TWO_DEVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {"lstm_lm": ROOT / "specs" / "lstm_lm.yaml", "inception_v3": ROOT / "specs" / "inception_v3.yaml"}
 WINDOW = {"width": 1600, "height": 1000}
-
-TWO_DEVICES = """\
-version: 1
-name: lstm2
-model:
-  layers:
-    - {name: tokens, type: input, shape: [8], dtype: int32, classes: 200}
-    - {name: embedding, type: embedding, vocab: 200, dim: 32}
-    - {name: lstm_1, type: lstm, units: 48}
-    - {name: lstm_2, type: lstm, units: 48}
-    - {name: softmax, type: dense, units: 200}
-    - {name: targets, type: input, shape: [8], dtype: int32, classes: 200}
-    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
-devices: [cpu:0, cpu:1]
-parallelism:
-  strategy: model_parallel
-  groups:
-    - {layers: [embedding, lstm_1], device: cpu:0}
-    - {layers: [lstm_2, softmax, loss], device: cpu:1}
-training: {optimizer: {type: sgd}, learning_rate: 0.5, batch_size: 8, steps: 3}
-"""
 
 NESTED = """\
 version: 1
@@ -185,7 +165,7 @@ def open_page(browser):
 
 def test_the_page_data_is_the_spec_forward_pass_with_every_node_in_one_place(tmp_path):
     spec = tmp_path / "lstm2.yaml"
-    spec.write_text(TWO_DEVICES)
+    spec.write_text(LM_TWO_DEVICES)
     text = _write(spec, tmp_path / "g.html")
     data = _data(text)
     layers = {l["name"]: l for l in data["layers"]}

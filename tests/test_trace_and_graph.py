@@ -17,6 +17,7 @@ from flowctl.cli.main import cli
 from flowctl.training.trace import busy_ms
 from browser import chromium
 from test_place_cli import TWO_TOWERS
+from tiny_specs import LM_TWO_DEVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 LM = ROOT / "specs" / "lstm_lm.yaml"
@@ -25,28 +26,6 @@ LM = ROOT / "specs" / "lstm_lm.yaml"
 LM_GROUPS = ('parallelism={strategy: model_parallel, groups: ['
              '{layers: [embedding, dropout_0, lstm_1], device: "cpu:0"}, '
              '{layers: [dropout_1, lstm_2, dropout_2, softmax, loss], device: "cpu:1"}]}')
-
-SPEC = """\
-version: 1
-name: lstm2
-model:
-  layers:
-    - {name: tokens, type: input, shape: [8], dtype: int32, classes: 200}
-    - {name: embedding, type: embedding, vocab: 200, dim: 32}
-    - {name: lstm_1, type: lstm, units: 48}
-    - {name: lstm_2, type: lstm, units: 48}
-    - {name: softmax, type: dense, units: 200}
-    - {name: targets, type: input, shape: [8], dtype: int32, classes: 200}
-    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
-devices: [cpu:0, cpu:1]
-parallelism:
-  strategy: model_parallel
-  groups:
-    - {layers: [embedding, lstm_1], device: cpu:0}
-    - {layers: [lstm_2, softmax, loss], device: cpu:1}
-training: {optimizer: {type: sgd}, learning_rate: 0.5, batch_size: 8, steps: 3}
-"""
-
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> tuple[Path, dict]:
@@ -108,7 +87,7 @@ def test_a_tiny_models_trace_is_well_formed_too(tmp_path):
     """Ops of microseconds: executor bookkeeping is a large share of the thread's time there, so
     only the ordering of the counts holds, not the 10%."""
     spec = tmp_path / "lstm2.yaml"
-    spec.write_text(SPEC)
+    spec.write_text(LM_TWO_DEVICES)
     r = CliRunner().invoke(cli, ["train", str(spec), "--run-dir", str(tmp_path / "run"), "--trace", "2"])
     assert r.exit_code == 0, r.output
     trace = json.loads((tmp_path / "run" / "trace-2.json").read_text())

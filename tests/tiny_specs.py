@@ -29,3 +29,25 @@ training:
   seed: 2
 checkpoint: {every_steps: 100, keep: 2}
 """
+
+# A two-layer LSTM LM split over two CPU devices by model parallelism.
+LM_TWO_DEVICES = """\
+version: 1
+name: lstm2
+model:
+  layers:
+    - {name: tokens, type: input, shape: [8], dtype: int32, classes: 200}
+    - {name: embedding, type: embedding, vocab: 200, dim: 32}
+    - {name: lstm_1, type: lstm, units: 48}
+    - {name: lstm_2, type: lstm, units: 48}
+    - {name: softmax, type: dense, units: 200}
+    - {name: targets, type: input, shape: [8], dtype: int32, classes: 200}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+devices: [cpu:0, cpu:1]
+parallelism:
+  strategy: model_parallel
+  groups:
+    - {layers: [embedding, lstm_1], device: cpu:0}
+    - {layers: [lstm_2, softmax, loss], device: cpu:1}
+training: {optimizer: {type: sgd}, learning_rate: 0.5, batch_size: 8, steps: 3}
+"""

@@ -240,6 +240,23 @@ def batch_norm_forward(xp: Any, x: Any, scale: Any, offset: Any, eps: float, rel
     return y, mean, var
 
 
+def bn_grad_coefficients(xp: Any, scale: Any, var: Any, eps: float, m: int, dot: Any, doffset: Any,
+                         stat_grads: tuple) -> tuple[Any, Any, Any, Any]:
+    """(dscale, k, a, b) of dx = k*g + (x - mean)*a + b, from the per-channel sums of g (doffset)
+    and of g*(x - mean) (dot) over m rows, plus the statistics' own gradients when they were used
+    downstream."""
+    rstd = 1.0 / xp.sqrt(var + eps)
+    dscale = dot * rstd
+    k = scale * rstd
+    a = -k * rstd * dscale / m
+    b = -k * doffset / m
+    if stat_grads:  # the batch statistics were themselves used downstream
+        dmean, dvar = stat_grads
+        a = a + 2.0 / m * dvar
+        b = b + dmean / m
+    return dscale, k, a, b
+
+
 def batch_norm_grad(xp: Any, dy: Any, x: Any, scale: Any, mean: Any, var: Any, y: Any | None,
                     stat_grads: tuple, eps: float, elements: int | None = None) -> tuple[Any, Any, Any]:
     """(dx, dscale, doffset). With `y` (the forward output after a fused ReLU) dy is first masked
@@ -277,15 +294,7 @@ def batch_norm_grad(xp: Any, dy: Any, x: Any, scale: Any, mean: Any, var: Any, y
         for s_off, s_dot in part:
             doffset += s_off
             dot += s_dot
-    rstd = 1.0 / xp.sqrt(var + eps)
-    dscale = dot * rstd
-    k = scale * rstd
-    a = -k * rstd * dscale / m
-    b = -k * doffset / m
-    if stat_grads:  # the batch statistics were themselves used downstream
-        dmean, dvar = stat_grads
-        a = a + 2.0 / m * dvar
-        b = b + dmean / m
+    dscale, k, a, b = bn_grad_coefficients(xp, scale, var, eps, m, dot, doffset, stat_grads)
 
     def apply(run: range) -> None:
         for p in pieces[run.start:run.stop]:

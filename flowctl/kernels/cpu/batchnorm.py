@@ -18,7 +18,7 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.cpu.jit import FLOAT_TYPES, available, compiled, njit
-from flowctl.kernels.nn import BN_ELEMENTS, PARALLEL_BN_PIECES, _bn_grad_args, _pieces
+from flowctl.kernels.nn import BN_ELEMENTS, PARALLEL_BN_PIECES, _bn_grad_args, _pieces, bn_grad_coefficients
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
@@ -146,15 +146,7 @@ def batch_norm_grad(dy: Any, x: Any, scale: Any, mean: Any, var: Any, y: Any | N
         g_sum += s
         gx_sum += t
     doffset, dot = g_sum.astype(dt), gx_sum.astype(dt)
-    rstd = (1.0 / np.sqrt(var + eps)).astype(dt)
-    dscale = dot * rstd
-    k = scale * rstd
-    ca = -k * rstd * dscale / m
-    cb = -k * doffset / m
-    if stat_grads:  # the batch statistics were themselves used downstream
-        dmean, dvar = stat_grads
-        ca = ca + 2.0 / m * dvar
-        cb = cb + dmean / m
+    dscale, k, ca, cb = bn_grad_coefficients(np, scale, var, eps, m, dot, doffset, stat_grads)
     dx = np.empty(x.shape, dtype=dt)
     dx2 = dx.reshape(-1, c)
     ca, cb, k = (np.asarray(v, dtype=dt) for v in (ca, cb, k))
