@@ -156,8 +156,9 @@ def test_place_per_device_sizes_keep_their_units_at_80_columns() -> None:
 
 @pytest.mark.parametrize("columns", ["80", "120"])
 def test_place_explain_keeps_the_tensor_names_held_at_peak_whole(columns: str) -> None:
-    """NMT's largest tensors at each device's peak: each name whole on one line (at 80 columns its
-    46-character gradient was folded after 44), as a table where it fits, else as records."""
+    """NMT's largest tensors at each device's peak: each name whole on one line (at 80 columns a
+    46-character gradient was folded after 44), as a table where it fits, else as records. With
+    the optimizer's slots resident, Adam's moments of the embedding tables (30 characters) lead."""
     r = CliRunner(env={"COLUMNS": columns}).invoke(cli, ["place", str(SPECS / "nmt.yaml"), "--explain",
                                                          "--limit", "1"])
     assert r.exit_code == 0, r.output
@@ -165,7 +166,7 @@ def test_place_explain_keeps_the_tensor_names_held_at_peak_whole(columns: str) -
     _assert_fits(out, int(columns), tables_only=True)
     placed = plan(load_spec(SPECS / "nmt.yaml"), compare=())
     held = [h["node"] for hs in placed.chosen.held_at_peak(limit=3).values() for h in hs]
-    assert max(map(len, held)) > 44
+    assert max(map(len, held)) >= 30
     missing = [n for n in held if not _whole(n, out)]
     assert not missing, missing
     assert "resident" in out and not re.search(r"│ nt +│", out)  # the kind, one word, not folded either
