@@ -13,7 +13,7 @@ from flowctl.cli.main import cli
 from flowctl.engine.graph import parse_ref
 from flowctl.spec.loader import load_spec
 from flowctl.training.program import plan
-from test_trace_and_graph import SPEC as _TRACE_SPEC
+from tiny_specs import LM_TWO_DEVICES as _TRACE_SPEC
 
 pytest.importorskip("tensorboard")
 
