@@ -87,6 +87,34 @@ def test_flowctl_profile_accounts_for_the_step_by_op():
     assert 0 < total <= prof["step_ms"]  # kernels inside the step they were timed in
 
 
+def test_a_reference_kernels_step_binds_no_compiled_variant(monkeypatch):
+    """`--reference-kernels`' runner binds its plan with the variants off (a conv net with batch norm
+    and pooling, which has compiled kernels), the ordinary runner with them on; both compute the
+    same loss to float32 rounding."""
+    import numpy as np
+
+    import flowctl.kernels.registry as registry
+    from flowctl.bench.peers import _batch, _load, flowctl_step
+
+    picked: list[tuple[str, bool]] = []
+    chosen = registry.chosen
+    monkeypatch.setattr(registry, "chosen", lambda *a: picked.append((a[0], (v := chosen(*a)) is not None)) or v)
+    row = Row("tiny_conv", TINY_CONV, 2)
+    loaded = _load(row)
+    arrays = _batch(loaded, 2)
+    fast = flowctl_step(loaded, arrays, train=True)
+    loss_fast = fast()[0]
+    assert any(ok for op, ok in picked if op == "FusedBatchNorm")
+    picked.clear()
+    ref = flowctl_step(loaded, arrays, train=True, reference=True)
+    loss_ref = ref()[0]
+    assert picked and not any(ok for _, ok in picked)
+    np.testing.assert_allclose(loss_fast, loss_ref, rtol=1e-5)
+    if "torch" in sys.modules or __import__("importlib").util.find_spec("torch"):
+        r = run_peers([row], steps=1, rounds=1, blas_n=128, memory=False, reference=True)
+        assert r["rows"]["tiny_conv"]["kernels_ratio"] > 0
+
+
 def test_peers_profile_lists_both_frameworks_ops():
     pytest.importorskip("torch")
     r = run_peers([Row("tiny_lm", TINY, 4)], steps=1, rounds=1, blas_n=128, memory=False, profile=True)

@@ -93,10 +93,15 @@ def _logits(loaded: Any) -> str:
 class FlowctlStep:
     """One flowctl step on fixed arrays, callable; `profile` says where a step's time goes."""
 
-    def __init__(self, session: Any, fetch: Any, feeds: dict[Any, Any]) -> None:
-        self.session, self.fetch, self.feeds = session, fetch, feeds
+    def __init__(self, session: Any, fetch: Any, feeds: dict[Any, Any], reference: bool = False) -> None:
+        self.session, self.fetch, self.feeds, self.reference = session, fetch, feeds, reference
 
     def __call__(self) -> Any:
+        if self.reference:  # the plan is bound at the first run: its kernels are the reference ones
+            from flowctl.kernels.registry import reference_kernels
+
+            with reference_kernels():
+                return self.session.run(self.fetch, self.feeds)
         return self.session.run(self.fetch, self.feeds)
 
     def profile(self, steps: int = 2) -> dict[str, Any]:
@@ -134,7 +139,7 @@ def _ranked(table: dict[str, tuple[float, int]], step_s: float, top: int = 12) -
 
 
 def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool, device: str = "cpu:0",
-                 capture: bool | None = None) -> FlowctlStep:
+                 capture: bool | None = None, reference: bool = False) -> FlowctlStep:
     """A callable that runs one flowctl step on `arrays`, every node on `device`. A step fetches
     its loss (or logits) to the host, so it has finished on a GPU when the call returns. On a GPU
     its steps are captured as one CUDA graph unless `capture` is False."""
@@ -152,7 +157,7 @@ def flowctl_step(loaded: Any, arrays: dict[str, np.ndarray], train: bool, device
     feeds.update({model.inputs[k]: v for k, v in arrays.items() if k in model.inputs})
     session = fc.Session(model.graph, device=device, store=ContainerStore(), capture=capture)
     session.run(model.initializer())
-    return FlowctlStep(session, fetch, feeds)
+    return FlowctlStep(session, fetch, feeds, reference)
 
 
 def torch_profile(torch: Any, step: Callable[[], Any], steps: int = 2, gpu: bool = False) -> dict[str, Any]:
@@ -394,7 +399,8 @@ def peak_memory(row: Row, threads: int, device: str = "cpu:0") -> dict[str, dict
 
 
 def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool = False,
-            device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = ()) -> dict[str, Any]:
+            device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = (),
+            reference: bool = False) -> dict[str, Any]:
     """One row. On a GPU, four runners take turns: flowctl's step captured as a CUDA graph (the
     `flowctl` figure) and eager, PyTorch's eager (the `pytorch` figure: the ratio is against it) and
     its captured step; GPU memory is each allocator's, read in this process."""
@@ -425,6 +431,8 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
             say(f"{row.name}: PyTorch's step could not be captured: {e}")
     else:
         runners["pytorch"], twin_params = torch_step(loaded, arrays, row.train, device, precision)
+        if reference:  # flowctl's step with the reference kernels alone, in the same rounds
+            runners["flowctl_reference"] = flowctl_step(loaded, arrays, row.train, device, reference=True)
     for run in runners.values():  # warm-up: plans, allocators, thread pools; a GPU's captures
         run()
         run()
@@ -436,6 +444,9 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
             runners[name]()  # after the other framework ran, caches and threads are its
             times[name] += [_timed(runners[name]) for _ in range(steps)]
     out = summarize(times["flowctl"], times["pytorch"])
+    if "flowctl_reference" in times:
+        out["flowctl_reference"] = summarize(times["flowctl_reference"], times["pytorch"])["flowctl"]
+        out["kernels_ratio"] = float(np.median(times["flowctl"]) / np.median(times["flowctl_reference"]))
     if gpu:
         out["memory"] = memory
         out["capture"] = runners["flowctl"].session.capture_report()
@@ -468,7 +479,8 @@ def flowctl_gpu_bytes(session: Any) -> int:
 def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: int = 3,
               progress: Callable[[str], None] | None = None, blas_n: int = 2048,
               threads: int | None = None, memory: bool = True, profile: bool = False,
-              device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = ()) -> dict[str, Any]:
+              device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = (),
+              reference: bool = False) -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
     `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
     count both frameworks compute with (default: every CPU). `memory`: also each framework's
@@ -476,7 +488,8 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     framework's step time goes, by op (one profiled step pair after the timed ones). `device`:
     where both run, cpu:0 or gpu:N (TF32 allowed on both sides there, as issue 19's table).
     `precision`: fp32, or fp16/bf16 (flowctl's `training.precision`, PyTorch's autocast).
-    `overrides`: KEY=VALUE spec overrides for flowctl's side (`--set`)."""
+    `overrides`: KEY=VALUE spec overrides for flowctl's side (`--set`). `reference`: on a CPU, also
+    time flowctl's step with its reference kernels only (`flowctl_reference`, `kernels_ratio`)."""
     if precision not in PRECISIONS:
         raise FlowctlError(f"bench peers: precision is one of {', '.join(PRECISIONS)}, not '{precision}'")
     if torch_device(device).startswith("cuda"):
@@ -493,14 +506,14 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     try:
         with threadpool_limits(n):
             return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile, device,
-                        precision, overrides)
+                        precision, overrides, reference)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
          blas_n: int, memory: bool, profile: bool = False, device: str = "cpu:0", precision: str = "fp32",
-         overrides: Sequence[str] = ()) -> dict[str, Any]:
+         overrides: Sequence[str] = (), reference: bool = False) -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -518,7 +531,7 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
         machine.update(gpu_machine(torch, device))
     results: dict[str, Any] = {"machine": machine, "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:
-        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device, precision, overrides)
+        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device, precision, overrides, reference)
         if memory and device == "cpu:0":  # a GPU row measured its devices' memory in this process
             say(f"{row.name}: resident memory, each framework in a fresh process")
             results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads(), device)

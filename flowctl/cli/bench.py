@@ -45,13 +45,16 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "l
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="peers: flowctl's training.precision, PyTorch's autocast type.")
+@click.option("--reference-kernels", is_flag=True,
+              help="peers: also time flowctl with its reference kernels only (no compiled variants), in the "
+                   "same rounds: what the compiled kernels are worth.")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A spec target: trace one more step of each placement into this directory "
                    "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, learned_steps: int | None,
           rows: str | None, devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None,
-          precision: str = "fp32") -> None:
+          precision: str = "fp32", reference_kernels: bool = False) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching; `fusion`: training steps with and without element-wise fusion) or a spec file (placements measured on its devices beside the simulator's
@@ -101,7 +104,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         render = _render_ratios
     elif target == "peers":
         results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
-                                 devices or "cpu:0", precision, overrides)
+                                 devices or "cpu:0", precision, overrides, reference_kernels)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -151,7 +154,7 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
 
 def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None,
            profile: bool = False, device: str = "cpu:0", precision: str = "fp32",
-           overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], Any]:
+           overrides: tuple[str, ...] = (), reference: bool = False) -> tuple[dict[str, Any], Any]:
     """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
     from flowctl.bench.peers import run_peers
     from flowctl.engine.devices import canonical
@@ -162,7 +165,8 @@ def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int
     picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
     with err.status("benchmarking against PyTorch") as status:
         results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads,
-                            profile=profile, device=short, precision=precision, overrides=overrides)
+                            profile=profile, device=short, precision=precision, overrides=overrides,
+                            reference=reference)
     return results, _render_peers
 
 
@@ -198,6 +202,11 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
                                                                 "params (spec / twin)")],
                       rows, console.width))
     for name, row in r["rows"].items():
+        if "flowctl_reference" in row:
+            ref = row["flowctl_reference"]
+            console.print(f"  {name}: flowctl with its reference kernels only {ref['median_s']:.3f} s "
+                          f"[{ref['ci95_s'][0]:.3f}-{ref['ci95_s'][1]:.3f}]; the compiled kernels' step is "
+                          f"{row['kernels_ratio']:.2f} of it")
         jit = row.get("memory", {}).get("jit")
         if jit:
             console.print(f"  {name}: flowctl's first step (building it included) "
