@@ -119,34 +119,6 @@ class LedgerArray(np.ndarray):
             return out
         return h
 
-    def __float__(self) -> float:
-        type(self)._ledger._sync("float")
-        return float(np.ndarray.view(self, np.ndarray))
-
-    def __int__(self) -> int:
-        type(self)._ledger._sync("int")
-        return int(np.ndarray.view(self, np.ndarray))
-
-    def __complex__(self) -> complex:
-        type(self)._ledger._sync("complex")
-        return complex(np.ndarray.view(self, np.ndarray))
-
-    def __bool__(self) -> bool:
-        type(self)._ledger._sync("bool")
-        return bool(np.ndarray.view(self, np.ndarray))
-
-    def __index__(self) -> int:
-        type(self)._ledger._sync("index")
-        return np.ndarray.view(self, np.ndarray).__index__()
-
-    def item(self, *args: Any) -> Any:
-        type(self)._ledger._sync("item")
-        return np.ndarray.view(self, np.ndarray).item(*args)
-
-    def tolist(self) -> Any:
-        type(self)._ledger._sync("tolist")
-        return np.ndarray.view(self, np.ndarray).tolist()
-
     def __repr__(self) -> str:  # counted, never refused (a debugger or a failing assert prints it)
         type(self)._ledger._sync("repr", refuse=False)
         return "Ledger" + repr(np.ndarray.view(self, np.ndarray))
@@ -171,6 +143,23 @@ def _method(name: str) -> Callable[..., Any]:
 
 for _n in _METHODS:
     setattr(LedgerArray, _n, _method(_n))
+
+
+def _host_read(name: str, read: Any) -> Any:
+    """A read of a LedgerArray's value on the host (float(a), bool(a), a.item(), ...): counted as
+    a synchronisation (refused inside a capture, as cupy's are)."""
+    def method(self: Any, *args: Any) -> Any:
+        type(self)._ledger._sync(name)
+        return read(np.ndarray.view(self, np.ndarray), *args)
+
+    method.__name__ = name
+    return method
+
+
+for _name, _read in (("__float__", float), ("__int__", int), ("__complex__", complex), ("__bool__", bool),
+                     ("__index__", lambda a: a.__index__()), ("item", lambda a, *i: a.item(*i)),
+                     ("tolist", lambda a: a.tolist())):
+    setattr(LedgerArray, _name, _host_read(_name.strip("_"), _read))
 
 
 class _Ufunc:

@@ -12,6 +12,7 @@ max and is not counted in an average (TensorFlow's rule).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -27,14 +28,19 @@ Fn = Callable[..., Any]
 @compiled
 def _kernels() -> Any:
     @njit
+    def span(o: int, s: int, p: int, k: int, size: int) -> tuple[int, int]:
+        """The window of output position o along one axis, clipped to the unpadded input."""
+        return max(o * s - p, 0), min(o * s - p + k, size)
+
+    @njit
     def max_pool(x: Any, n0: int, n1: int, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int, y: Any) -> None:
         h, w, c = x.shape[1], x.shape[2], x.shape[3]
         ho, wo = y.shape[1], y.shape[2]
         for n in range(n0, n1):
             for r in range(ho):
-                i0, i1 = max(r * sh - ph, 0), min(r * sh - ph + kh, h)
+                i0, i1 = span(r, sh, ph, kh, h)
                 for q in range(wo):
-                    j0, j1 = max(q * sw - pw, 0), min(q * sw - pw + kw, w)
+                    j0, j1 = span(q, sw, pw, kw, w)
                     for ch in range(c):
                         y[n, r, q, ch] = x[n, i0, j0, ch]
                     for i in range(i0, i1):
@@ -54,9 +60,9 @@ def _kernels() -> Any:
         for n in range(n0, n1):
             dx[n] = 0
             for r in range(ho):
-                i0, i1 = max(r * sh - ph, 0), min(r * sh - ph + kh, h)
+                i0, i1 = span(r, sh, ph, kh, h)
                 for q in range(wo):
-                    j0, j1 = max(q * sw - pw, 0), min(q * sw - pw + kw, w)
+                    j0, j1 = span(q, sw, pw, kw, w)
                     taken[:] = False
                     for i in range(i0, i1):
                         for j in range(j0, j1):
@@ -71,9 +77,9 @@ def _kernels() -> Any:
         ho, wo = y.shape[1], y.shape[2]
         for n in range(n0, n1):
             for r in range(ho):
-                i0, i1 = max(r * sh - ph, 0), min(r * sh - ph + kh, h)
+                i0, i1 = span(r, sh, ph, kh, h)
                 for q in range(wo):
-                    j0, j1 = max(q * sw - pw, 0), min(q * sw - pw + kw, w)
+                    j0, j1 = span(q, sw, pw, kw, w)
                     y[n, r, q, :] = 0
                     for i in range(i0, i1):
                         for j in range(j0, j1):
@@ -92,9 +98,9 @@ def _kernels() -> Any:
         for n in range(n0, n1):
             dx[n] = 0
             for r in range(ho):
-                i0, i1 = max(r * sh - ph, 0), min(r * sh - ph + kh, h)
+                i0, i1 = span(r, sh, ph, kh, h)
                 for q in range(wo):
-                    j0, j1 = max(q * sw - pw, 0), min(q * sw - pw + kw, w)
+                    j0, j1 = span(q, sw, pw, kw, w)
                     count = (i1 - i0) * (j1 - j0)
                     for ch in range(c):
                         g[ch] = dy[n, r, q, ch] / count
@@ -103,7 +109,8 @@ def _kernels() -> Any:
                             for ch in range(c):
                                 dx[n, i, j, ch] += g[ch]
 
-    return max_pool, max_pool_grad, avg_pool, avg_pool_grad
+    return SimpleNamespace(max_pool=max_pool, max_pool_grad=max_pool_grad, avg_pool=avg_pool,
+                           avg_pool_grad=avg_pool_grad)
 
 
 def _by_images(n: int, per_image: int, body: Callable[[int, int], None]) -> None:
@@ -118,14 +125,14 @@ def _by_images(n: int, per_image: int, body: Callable[[int, int], None]) -> None
     intra.for_chunks(len(pieces), runs, least=2)
 
 
-def _pool(which: int, attrs: dict[str, Any]) -> Fn:
+def _pool(which: str, attrs: dict[str, Any]) -> Fn:
     (kh, kw), strides, padding = attrs["ksize"], attrs["strides"], attrs["padding"]
 
     def run(x: Any) -> Any:
         x = np.ascontiguousarray(x)
         sh, sw, ph, pw, h, w, ho, wo = _geometry(x.shape, kh, kw, strides, padding)
         y = np.empty((x.shape[0], ho, wo, x.shape[3]), dtype=x.dtype)
-        k = _kernels()[which]
+        k = getattr(_kernels(), which)
         _by_images(x.shape[0], h * w * x.shape[3], lambda a, b: k(x, a, b, kh, kw, sh, sw, ph, pw, y))
         return y
 
@@ -134,12 +141,12 @@ def _pool(which: int, attrs: dict[str, Any]) -> Fn:
 
 @variant("MaxPool", "cpu", "numba", lambda attrs, ins: floats_nhwc(ins))
 def max_pool_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
-    return _pool(0, attrs)
+    return _pool("max_pool", attrs)
 
 
 @variant("AvgPool", "cpu", "numba", lambda attrs, ins: floats_nhwc(ins))
 def avg_pool_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
-    return _pool(2, attrs)
+    return _pool("avg_pool", attrs)
 
 
 @variant("MaxPoolGrad", "cpu", "numba", lambda attrs, ins: floats_nhwc(ins, (0, 1, 2)))
@@ -150,7 +157,7 @@ def max_pool_grad_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
         x, y, dy = (np.ascontiguousarray(a) for a in (x, y, dy))
         sh, sw, ph, pw, h, w, ho, wo = _geometry(x.shape, kh, kw, strides, padding)
         dx = np.empty(x.shape, dtype=dy.dtype)
-        k = _kernels()[1]
+        k = _kernels().max_pool_grad
         _by_images(x.shape[0], h * w * x.shape[3], lambda a, b: k(x, y, dy, a, b, kh, kw, sh, sw, ph, pw, dx))
         return dx
 
@@ -166,7 +173,7 @@ def avg_pool_grad_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
         x_shape = (dy.shape[0],) + tuple(like_x.shape[1:])
         sh, sw, ph, pw, h, w, ho, wo = _geometry(x_shape, kh, kw, strides, padding)
         dx = np.empty(x_shape, dtype=dy.dtype)
-        k = _kernels()[3]
+        k = _kernels().avg_pool_grad
         _by_images(dy.shape[0], h * w * dy.shape[3], lambda a, b: k(dy, a, b, kh, kw, sh, sw, ph, pw, dx))
         return dx
 
