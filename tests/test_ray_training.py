@@ -102,6 +102,26 @@ def test_sync_data_parallel_over_two_workers_equals_it_on_two_local_devices(tmp_
         np.testing.assert_allclose(remote[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
 
 
+def test_allreduce_over_two_workers_resumes_exactly_and_survives_a_killed_worker_byte_for_byte(tmp_path):
+    """Issue 33: 20 steps straight == 10 + resume + 10, and a run whose worker is killed at step 12
+    ends with the uninterrupted run's final checkpoint, byte for byte."""
+    spec = (MODEL.replace("steps: 8", "steps: 20").replace("every_steps: 3", "every_steps: 5") + RAY % 3
+            + "parallelism: {strategy: sync_data_parallel, reduce: allreduce}\n")
+    local = train(spec.replace(RAY % 3, LOCAL), tmp_path / "local")
+    straight = train(spec, tmp_path / "full")
+    train(spec, tmp_path / "split", steps=10)
+    train(spec, tmp_path / "split", resume=True)
+    train(spec, tmp_path / "killed", on_step=_killer({12}))
+    assert "replica_1/h/kernel" in straight  # each worker held its own copy
+    for k, v in local.items():  # the same numbers as two devices of one process, bit for bit
+        np.testing.assert_array_equal(straight[k], v, err_msg=k)
+    assert losses(tmp_path / "split") == losses(tmp_path / "killed") == losses(tmp_path / "full")
+    final = "checkpoints/ckpt-00000020/tensors.safetensors"
+    assert '"event": "restart"' in (tmp_path / "killed" / "metrics.jsonl").read_text()
+    for run in ("split", "killed"):
+        assert (tmp_path / run / final).read_bytes() == (tmp_path / "full" / final).read_bytes(), run
+
+
 def test_a_ray_run_resumes_exactly(tmp_path):
     spec = MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0")
     straight = train(spec, tmp_path / "full")

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 import flowctl as fc
 from flowctl.cli.main import cli
 from flowctl.data import make_source
+from flowctl.engine import checkpoint as ckpt
 from flowctl.engine import strategies as st
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.devices import canonical
@@ -68,10 +69,13 @@ def data_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def mlp(strategy: str = "single", opt: str = "adam", steps: int = 5, replicas: int | None = None) -> str:
+def mlp(strategy: str = "single", opt: str = "adam", steps: int = 5, replicas: int | None = None,
+        reduce: str | None = None) -> str:
     par = PARALLELISM[strategy]
     if replicas is not None:
         par = par.replace("replicas: 2", f"replicas: {replicas}")
+    if reduce is not None:
+        par = par.replace("}", f", reduce: {reduce}}}")
     return MLP.format(opt=opt, steps=steps, par=par)
 
 
@@ -100,19 +104,24 @@ def worst_relative(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 
 # ----------------------------------------------------------------------------- sync (Figure 7 top)
+@pytest.mark.parametrize("reduce", ["parameter_device", "allreduce"])
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_sync_equals_one_replica_on_the_concatenated_batch(data_dir, replicas, opt):
+def test_sync_equals_one_replica_on_the_concatenated_batch(data_dir, replicas, opt, reduce):
     one = train(mlp("single", opt), data_dir, data_dir / "one")
-    sync = train(mlp("sync_data_parallel", opt, replicas=replicas), data_dir, data_dir / "sync")
-    ref, got = one.session.variable_values(), sync.session.variable_values()
+    sync = train(mlp("sync_data_parallel", opt, replicas=replicas, reduce=reduce), data_dir, data_dir / "sync")
+    mirrors = ckpt.mirrors(sync.model.graph)
+    assert bool(mirrors) == (reduce == "allreduce")
+    ref = one.session.variable_values()
+    got = {k: v for k, v in sync.session.variable_values().items() if k not in mirrors}
     assert any("/Adam/" in k or "/SGD" in k or "kernel" in k for k in ref)
     # Measured: 7e-8 (SGD) and 3e-7 (Adam) after 5 steps, 2 or 4 replicas: float32 rounding of
     # per-replica sums versus one sum over the batch.
     assert worst_relative(got, ref) < 1e-6
     np.testing.assert_allclose(losses(data_dir / "sync"), losses(data_dir / "one"), rtol=1e-6)
     assert losses(data_dir / "one")[-1] < losses(data_dir / "one")[0]  # it trains
-    # Replica k's forward and gradient nodes run on device k; the parameters and update on device 0.
+    # Replica k's forward and gradient nodes run on device k; with a parameter device the
+    # parameters and update are on device 0, with all-reduce each replica's copies on its own.
     pl, graph = sync.program.placement, sync.model.graph
     assert pl is not None
     for k in range(replicas):
@@ -120,6 +129,12 @@ def test_sync_equals_one_replica_on_the_concatenated_batch(data_dir, replicas, o
         assert any("/gradients/" in n for n in mine)
         assert {pl[n] for n in mine if not graph.nodes[n].opdef.ref_inputs} == {CPU[k]}
     assert pl["h/kernel"] == pl["h/kernel/Adam/m" if opt == "adam" else "h/kernel"] == CPU[0]
+    if reduce == "allreduce":
+        values = sync.session.variable_values()
+        for k in range(1, replicas):  # every replica holds the same parameters and slots, bitwise
+            assert pl[f"replica_{k}/h/kernel"] == CPU[k]
+            for name in ("h/kernel", "logits/bias") + (("h/kernel/Adam/m", "Adam/t") if opt == "adam" else ()):
+                assert np.array_equal(values[f"replica_{k}/{name}"], values[name]), name
     sp = sync.session.step_plan([sync.loss, sync.train_op], sync.program.step.train.feeds(sync.data.next_batch()))
     moved = count_transfers(sp.partitions)
     assert all(moved.get((CPU[0], CPU[k]), 0) > 0 and moved.get((CPU[k], CPU[0]), 0) > 0

@@ -74,7 +74,10 @@ def graph_data(placed: Any) -> dict[str, Any]:
         if layer is not None:
             members[layer].append(row)
         else:
-            other[name.split("/", 1)[0] if "/" in name else "(other)"].append(row)
+            # A data-parallel replica's own optimizer state and update (replica_1/Adam/t) sit with
+            # the first replica's (Adam/t), as its copies of a layer sit with the layer.
+            plain = re.sub(r"^replica_\d+/", "", name)
+            other[plain.split("/", 1)[0] if "/" in plain else "(other)"].append(row)
 
     def entry(name: str, nodes: list[list[str]]) -> dict[str, Any]:
         devices = Counter(n[2] for n in nodes)

@@ -654,6 +654,7 @@ def capture(session: Session, optimizer: Optimizer | None = None) -> tuple[dict[
     if missing:
         raise CheckpointError(f"variable {missing[0]!r} is not initialized; run the initializer before "
                               f"saving a checkpoint")
+    values = _primaries(session.graph, values)
     state: dict[str, Any] = {
         "graph_seed": session.graph.seed,
         "rng": session.rng_states(),
@@ -666,6 +667,31 @@ def capture(session: Session, optimizer: Optimizer | None = None) -> tuple[dict[
     return values, state
 
 
+def mirrors(graph: Any) -> dict[str, str]:
+    """mirror -> primary: the Variables an all-reduce replica holds as copies of replica 0's
+    (engine/allreduce.py). A checkpoint holds the primaries only."""
+    return {n.name: n.attrs["mirror_of"] for n in graph.nodes.values() if n.op == "Variable" and n.attrs.get("mirror_of")}
+
+
+def _primaries(graph: Any, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`values` without the mirrors, after checking that each trainable mirror and each optimizer
+    slot mirror equals its primary bitwise (replicas that drifted apart are a bug, not a state to
+    save; mirrors of non-trainable model state, such as batch norm's moving averages, which only
+    replica 0 updates, are not compared)."""
+    from flowctl.engine.graph import parse_ref
+
+    m = mirrors(graph)
+    if not m:
+        return dict(values)
+    updated = {parse_ref(r)[0] for n in graph.nodes.values() if n.opdef.ref_inputs
+               for i, r in enumerate(n.inputs) if i in n.opdef.ref_inputs and not n.name.endswith("/init")}
+    for mirror, primary in m.items():
+        if mirror in updated and not np.array_equal(values[mirror], values[primary]):
+            raise CheckpointError(f"replica variable {mirror!r} differs from {primary!r}: the all-reduce replicas "
+                                  f"drifted apart, so there is no one state to save")
+    return {k: v for k, v in values.items() if k not in m}
+
+
 def apply(session: Session, tensors: Mapping[str, np.ndarray], state: Mapping[str, Any], strict: bool = True,
           origin: str | Path = "checkpoint") -> None:
     """Load a checkpoint's tensors and RNG states into `session`. Shapes and dtypes must match the
@@ -675,7 +701,8 @@ def apply(session: Session, tensors: Mapping[str, np.ndarray], state: Mapping[st
     from flowctl.engine.dtypes import np_dtype
 
     nodes = session.graph.nodes
-    variables = {n.name: n for n in nodes.values() if n.op == "Variable"}
+    mirrored = mirrors(session.graph)
+    variables = {n.name: n for n in nodes.values() if n.op == "Variable" and n.name not in mirrored}
     if strict:
         absent = sorted(set(variables) - set(tensors))
         if absent:
@@ -706,5 +733,6 @@ def apply(session: Session, tensors: Mapping[str, np.ndarray], state: Mapping[st
         if unknown:
             raise CheckpointError(f"{origin}: inconsistent (random state for {unknown[0]!r}, which is not a "
                                   f"random op of the graph)")
+    load_now.update({m: load_now[p] for m, p in mirrored.items() if p in load_now})
     session.load_variables(load_now)
     session.set_rng_states({k: v for k, v in rng.items() if k in random_ops})

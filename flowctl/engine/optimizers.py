@@ -16,7 +16,7 @@ edge from the Variable node, so the read the gradients used always happens befor
 from __future__ import annotations
 
 import contextlib
-
+import copy
 from typing import Any, Sequence
 
 import numpy as np
@@ -59,6 +59,7 @@ class Optimizer:
         self.name = name
         self._slots: dict[tuple[int, str, str], Tensor] = {}  # (graph id, var, slot) -> Variable
         self._state: dict[tuple[int, str], Tensor] = {}  # (graph id, key) -> non-slot Variable
+        self.state_prefix = ""  # before the shared state's names: a replica's own copy (allreduce.py)
 
     # ------------------------------------------------------------------ public API
     def compute_gradients(self, loss: Tensor, var_list: Sequence[Tensor] | None = None) -> GradsAndVars:
@@ -126,6 +127,14 @@ class Optimizer:
                 for slot in self.slot_names:
                     self._slot(v, slot)
 
+    def replica(self, prefix: str) -> "Optimizer":
+        """The same optimizer with slots and shared state of its own, the shared state's names
+        under `prefix` (a replica's `replica_1/Adam/t` beside `Adam/t`): an all-reduce replica's
+        update of its own copy of the variables (allreduce.py)."""
+        other = copy.copy(self)
+        other._slots, other._state, other.state_prefix = {}, {}, prefix
+        return other
+
     def slots(self) -> list[Tensor]:
         """The per-variable slot Variables, in creation order."""
         return list(self._slots.values())
@@ -147,7 +156,7 @@ class Optimizer:
         k = (id(graph), key)
         if k not in self._state:
             with graph.absolute_scope():
-                self._state[k] = variable(value, name=f"{self.name}/{key}", trainable=False)
+                self._state[k] = variable(value, name=f"{self.state_prefix}{self.name}/{key}", trainable=False)
         return self._state[k]
 
     def _lr(self, dtype: str) -> Tensor:

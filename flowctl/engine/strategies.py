@@ -329,12 +329,23 @@ def _replicas(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variable
     return maps, losses, ins, ups, per
 
 
+REDUCES = ("parameter_device", "allreduce")
+
+
 def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
                        optimizer: Optimizer, devices: Sequence[str], *, param_device: str | None = None,
-                       updates: Sequence[Tensor] = (), process: GradientProcess | None = None) -> TrainStep:
+                       updates: Sequence[Tensor] = (), process: GradientProcess | None = None,
+                       reduce: str = "parameter_device", bucket_bytes: int | None = None) -> TrainStep:
     """Figure 7 top: replica k (forward and gradients, every node under `replica_<k>/`) on
     devices[k]; Variables, the gradient average, the optimizer and the update on `param_device`
-    (default devices[0]). Replica 0's side updates (batch-norm moving averages) run with the step."""
+    (default devices[0]). Replica 0's side updates (batch-norm moving averages) run with the step.
+    `reduce="allreduce"`: every replica holds its own copy of the variables and the gradients are
+    ring-all-reduced between the replicas instead (allreduce.py; `param_device` unused)."""
+    if reduce not in REDUCES:
+        raise GraphError(f"unknown gradient reduction {reduce!r}; known: {', '.join(REDUCES)}")
+    if reduce == "allreduce":
+        return _allreduce_data_parallel(graph, loss, inputs, variables, optimizer, devices, updates, process,
+                                        bucket_bytes)
     n = len(devices)
     maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "sync_data_parallel",
                                           optimizer)
@@ -345,6 +356,33 @@ def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor],
              if name.startswith(f"replica_{k}/") and _no_ref(graph, name)}
     placement = complete_placement(graph, fixed, param_device or devices[0])
     return TrainStep(graph, mean, train_op, ins, placement, maps)
+
+
+def _allreduce_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
+                             optimizer: Optimizer, devices: Sequence[str], updates: Sequence[Tensor],
+                             process: GradientProcess | None, bucket_bytes: int | None) -> TrainStep:
+    from flowctl.engine import allreduce as ar
+
+    n = len(devices)
+    if n < 1:
+        raise PlacementError("sync_data_parallel needs at least one device")
+    maps, losses, ins, ups = _copies(graph, loss, inputs, updates, n, "replica_{k}")
+    mirrors = ar.mirror_state(graph, maps)
+    with graph.absolute_scope():
+        per = [optimizer.gradients_of(losses[k], [_own(graph, mirrors[k], v) for v in variables],
+                                      name=f"replica_{k}/gradients") for k in range(n)]
+    placement: dict[str, str] = {}
+    grads = ar.ring_allreduce(graph, per, devices, placement, bucket_bytes or ar.BUCKET_BYTES)
+    train_op = ar.replica_updates(graph, optimizer, grads, variables, mirrors, devices, placement, process, ups[0])
+    mean = _mean_loss(graph, losses, "sync_loss")
+    fixed = {name: devices[k] for k in range(n) for name in graph.nodes
+             if name.startswith(f"replica_{k}/") and _no_ref(graph, name)}
+    fixed.update(placement)
+    return TrainStep(graph, mean, train_op, ins, complete_placement(graph, fixed, devices[0]), maps)
+
+
+def _own(graph: Graph, mirrors: Mapping[str, str], v: Tensor) -> Tensor:
+    return Tensor(graph, mirrors.get(v.node, v.node), v.port)
 
 
 def pipeline(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],

@@ -231,6 +231,9 @@ def _check_precision(spec: Spec, root: LocDict, problems: Problems) -> None:
         if spec.parallelism.strategy == "async_data_parallel":
             problems.at(root, ("training", "precision"), "fp16's loss scaling is not built for "
                         "async_data_parallel yet (its replicas' gradients are fed to the update one at a time)")
+        if spec.parallelism.reduce == "allreduce":
+            problems.at(root, ("parallelism", "reduce"), "fp16's loss scaling is built for one update, not one per "
+                        "all-reduce replica yet: use reduce: parameter_device (or auto, which picks it)")
 
 
 def _device_ok(root: LocDict, loc: tuple, dev: str, listed: list[str], problems: Problems) -> bool:

@@ -258,10 +258,20 @@ class ParallelismSpec(Strict):
     devices: list[str] | None = Field(None, description="one device per replica")
     groups: list[LayerGroup] = Field(default_factory=list, description="model_parallel/pipeline stages")
     concurrent_steps: int = Field(1, ge=1, description="pipeline: steps in flight (Figure 9)")
+    reduce: Literal["auto", "allreduce", "parameter_device"] = Field(
+        "auto", description="sync_data_parallel: how the replicas' gradients meet. allreduce: every replica "
+                            "holds the variables and the gradients are ring-all-reduced in buckets; "
+                            "parameter_device: the variables live on the first replica's device, which "
+                            "gathers the gradients (Figure 7); auto: allreduce where every replica can hold "
+                            "the model and its optimizer state, and the precision is not fp16")
+    bucket_mb: float = Field(25.0, gt=0, le=4096, allow_inf_nan=False,
+                             description="allreduce: gradients are reduced in buckets of about this many MiB")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ParallelismSpec":
         s = self.strategy
+        if self.reduce != "auto" and s != "sync_data_parallel":
+            raise ValueError(f"reduce: {self.reduce} is for strategy sync_data_parallel, not {s}")
         if s == "single" and self.replicas != 1:
             raise ValueError(f"strategy single runs 1 replica, but replicas is {self.replicas}")
         if s in ("sync_data_parallel", "async_data_parallel") and self.devices is not None \

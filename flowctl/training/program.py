@@ -105,6 +105,8 @@ class StepConfig:
     precision: str = "fp32"  # fp16: float16 layers on float32 variables, with dynamic loss scaling
     loss_scale: tuple[float, int] = (65536.0, 2000)  # fp16: (initial scale, growth interval)
     allow_tf32: bool = True  # a GPU's float32 products: TF32 tensor cores, else IEEE float32
+    reduce: str = "parameter_device"  # sync_data_parallel: allreduce or parameter_device (resolved from auto)
+    bucket_bytes: int = 25 << 20  # allreduce: the gradient buckets' size
 
     @property
     def device_names(self) -> list[str]:
@@ -144,7 +146,32 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         cluster=ClusterConfig(spec.cluster.type, spec.cluster.address, spec.cluster.max_failures,
                               tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())),
         fuse=tr.fuse, precision=tr.precision, loss_scale=(tr.loss_scale.initial, tr.loss_scale.growth_interval),
-        allow_tf32=tr.allow_tf32)
+        allow_tf32=tr.allow_tf32, reduce=_reduce(loaded, replicas, devices),
+        bucket_bytes=int(par.bucket_mb * (1 << 20)))
+
+
+_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def _reduce(loaded: LoadedSpec, replicas: tuple[str, ...], devices: tuple[DeviceConfig, ...]) -> str:
+    """sync_data_parallel's gradient reduction: the spec's, or for `auto` allreduce unless the
+    precision is fp16 (its loss scaling is built for one update) or a replica's device declares less
+    memory than the model's variables and optimizer slots need (then the parameter device, which
+    holds them once)."""
+    par, tr = loaded.spec.parallelism, loaded.spec.training
+    if par.strategy != "sync_data_parallel":
+        return "parameter_device"
+    if par.reduce != "auto":
+        return par.reduce
+    if tr.precision == "fp16":
+        return "parameter_device"
+    trainable, fixed = loaded.params()
+    width = 8 if loaded.spec.model.dtype == "float64" else 4
+    need = (trainable * (1 + _SLOTS.get(tr.optimizer.type, 2)) + fixed) * width
+    memory = {canonical(d.name): d.memory for d in devices}
+    if any(memory.get(canonical(r)) is not None and need > memory[canonical(r)] for r in replicas):
+        return "parameter_device"
+    return "allreduce"
 
 
 def cluster_for(config: StepConfig, devices: str | None = None) -> Cluster:
@@ -198,6 +225,7 @@ class Step:
     layers: dict[str, str] = field(default_factory=dict)  # node -> layer (backward nodes: their forward's)
     loss_scale: LossScale | None = None  # fp16: the scale and skipped-step Variables and their updates
     guard: str | None = None  # the loss's CheckNumerics that every state write of the step waits for
+    reduce: str = ""  # sync_data_parallel: allreduce or parameter_device
 
     @property
     def graph(self) -> Graph:
@@ -222,7 +250,8 @@ class Step:
         if self.strategy == "single":
             return "single device" if len(short) == 1 else f"single, placed over {', '.join(short)}"
         if self.strategy in DATA_PARALLEL:
-            return f"{self.strategy}, {len(short)} replicas on {', '.join(short)}"
+            how = f" ({self.reduce})" if self.reduce else ""
+            return f"{self.strategy}{how}, {len(short)} replicas on {', '.join(short)}"
         if self.strategy == "pipeline":
             assert self.train is not None
             return f"pipeline, {len(self.train.inputs)} micro-batches over {', '.join(short)}"
@@ -288,7 +317,8 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         elif strategy in DATA_PARALLEL:
             devices = list(config.replica_devices)
             if strategy == "sync_data_parallel":
-                train = st.sync_data_parallel(*args, devices, **kw)
+                train = st.sync_data_parallel(*args, devices, reduce=config.reduce, bucket_bytes=config.bucket_bytes,
+                                              **kw)
             else:
                 astep = st.async_data_parallel(*args, devices, **kw)
         elif strategy in ("model_parallel", "pipeline"):
@@ -314,7 +344,8 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
     apply_constraints(config, g, layers)
     batch = config.per_replica_batch if astep is not None else config.global_batch
     scaling = opt.state if isinstance(opt, LossScaleOptimizer) else None
-    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers, scaling, guard)
+    step = Step(strategy, model, opt, lr, init, devices, batch, train, astep, fixed, layers, scaling, guard,
+                config.reduce if strategy == "sync_data_parallel" else "")
     if config.fuse:
         fuse_step(step)
     return step
@@ -378,8 +409,10 @@ def layer_of(graph: Graph, model: BuiltModel) -> dict[str, str]:
             layer = base.get(follow)
             follow = graph.nodes[follow].follows if follow in graph.nodes else ""
             seen += 1
-        if layer is None and node.colocate_with:
-            layer = base.get(node.colocate_with[0])
+        if layer is None and node.colocate_with:  # a slot, an update: its variable's (made before it)
+            layer = base.get(node.colocate_with[0]) or out.get(node.colocate_with[0])
+        if layer is None and node.attrs.get("mirror_of"):  # an all-reduce replica's copy of a variable
+            layer = base.get(node.attrs["mirror_of"]) or out.get(node.attrs["mirror_of"])
         if layer is not None:
             out[name] = layer
     return out

@@ -28,7 +28,8 @@ register_op("Placeholder", lambda ins, a: [TensorSpec(a["shape"], a["dtype"])], 
             differentiable=False)
 register_op("Variable", lambda ins, a: [TensorSpec(a["shape"], a["dtype"])], num_inputs=0,
             attrs={"dtype": ("dtype", "float32"), "shape": ("shape", REQUIRED),
-                   "container": ("str", ""), "shared_name": ("str", ""), "trainable": ("bool", True)},
+                   "container": ("str", ""), "shared_name": ("str", ""), "trainable": ("bool", True),
+                   "mirror_of": ("str", "")},
             group=STATE, stateful=True, cost=_free, resource="variable")
 
 

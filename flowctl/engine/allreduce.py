@@ -1,0 +1,224 @@
+"""All-reduce data parallelism as a graph transform (issue 33): replicated variables, gradients
+ring-all-reduced in buckets over the graph's own Send/Recv, one identical update per replica.
+
+Beside the whitepaper's parameter device (§7, Figure 7 top: `strategies.sync_data_parallel`), this
+is how data-parallel training on many machines is done today (Horovod, PyTorch DDP, TF's
+MultiWorkerMirroredStrategy):
+
+- **Replicas own their state.** The forward graph is copied under `replica_<k>/` as for the
+  parameter device, but copy k >= 1 reads variables of its own: a *mirror* `replica_<k>/<v>` of
+  every Variable the forward reads, initialised from the primary `<v>` (the primary's initializer
+  first, then a copy: one transfer at initialisation, none per step). Replica 0 keeps the primary
+  names, so a checkpoint holds the primaries only (`checkpoint.capture` drops a Variable whose
+  `mirror_of` attr names another; `checkpoint.apply` fills mirrors from their primary) and moves
+  between strategies unchanged. Each replica applies the update to its own variables with an
+  optimizer of its own (`Optimizer.replica`: slots `replica_<k>/<v>/<Opt>/<slot>`, shared state
+  `replica_<k>/<Opt>/...`, all mirrors too).
+- **Buckets.** Gradients are taken in the order the backward pass makes them (autodiff adds a
+  later layer's gradient first) and grouped into buckets of about `bucket_bytes`; a bucket is
+  flattened into one vector (a lone gradient: a reshape, no copy) so that its all-reduce can start
+  as soon as its last gradient exists, while the backward pass goes on with earlier layers.
+- **The ring.** A bucket of L elements is cut into N chunks. Reduce-scatter: chunk c starts on
+  replica c+1, which sends its piece to c+2, which adds its own and passes the sum on, ..., until
+  replica c adds the last piece: the whole sum of chunk c. All-gather: every replica concatenates
+  the N sums (each replica sends its chunk's sum to every other). Every replica sends and receives
+  2(N-1)/N of the bucket; the adds are ordinary Add nodes on the replica that makes them and every
+  crossing is the partitioner's Send/Recv, so the simulator and `place` see the transfers and
+  their overlap exactly as they run, and the executor overlaps them with whatever is ready.
+- **Identical updates.** Each chunk is summed once, on one replica, in a fixed order, and the
+  result copied to all: every replica applies bitwise the same gradient (the sum times 1/N, as the
+  parameter device's AddN then 1/N), so the replicas stay bitwise identical and a resumed run is
+  exact. For N = 2 the ring's sum is the parameter device's bit for bit (a + b == b + a); for
+  N > 2 it differs in the order of the additions, i.e. in float rounding.
+
+Side updates (batch norm's moving averages) run on replica 0 only, as with the parameter device;
+a replica's mirrors of non-trainable state are never written and never checkpointed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from flowctl.engine.errors import GraphError
+from flowctl.engine.graph import Graph, Tensor, make_ref, parse_ref
+from flowctl.engine.ops.array import concat, reshape, split
+from flowctl.engine.ops.control import group, identity
+from flowctl.engine.ops.elementwise import add
+from flowctl.engine.ops.state import variable
+from flowctl.engine.optimizers import Optimizer
+
+__all__ = ["BUCKET_BYTES", "buckets", "mark_mirrors", "mirror_state", "replica_updates", "ring_allreduce"]
+
+OnDevice = Callable[[Tensor, int], Tensor]  # a node just made, and the replica whose device it goes on
+Process = Callable[[list[Tensor | None]], list[Tensor | None]]  # strategies.GradientProcess
+
+BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
+
+
+def mirror_state(graph: Graph, copies: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """For copy k >= 1 (`copies[k]`: original node -> its copy), a mirror of every Variable the
+    copy reads, made under `replica_<k>/`, and the copy rewired to it. Returns per copy
+    primary -> mirror ({} for copy 0, which reads the primaries)."""
+    read: list[str] = []
+    for c in copies[0].values():
+        node = graph.nodes[c]
+        for r in [*node.inputs, *node.control_inputs]:
+            src = parse_ref(r)[0]
+            if graph.nodes[src].op == "Variable" and src not in read:
+                read.append(src)
+    out: list[dict[str, str]] = [{}]
+    for k in range(1, len(copies)):
+        mirrors = {v: _mirror(graph, v, f"replica_{k}/{v}") for v in read}
+        for c in copies[k].values():
+            node = graph.nodes[c]
+            node.inputs = [_swap(r, mirrors) for r in node.inputs]
+            node.control_inputs = [mirrors.get(n, n) for n in node.control_inputs]
+        out.append(mirrors)
+    return out
+
+
+def _mirror(graph: Graph, primary: str, name: str) -> str:
+    """A Variable `name` like `primary`, initialised with a copy of what the primary's initializer wrote."""
+    if name in graph.nodes:
+        raise GraphError(f"cannot mirror '{primary}' as '{name}': the graph already has a node by that name")
+    node = graph.nodes[primary]
+    init = f"{primary}/init"  # its Assign's output is the value it wrote: read after the write
+    source = Tensor(graph, init if init in graph.nodes else primary, 0)
+    with graph.as_default(), graph.absolute_scope():
+        first = identity(source, name=f"{name}/initial_value")
+    graph.nodes[first.node].follows = primary  # its layer's, for place --explain and the graph page
+    with graph.as_default(), graph.absolute_scope():
+        v = variable(first, name=name, trainable=False)
+    graph.nodes[v.node].attrs["mirror_of"] = primary
+    graph.nodes[v.node].attrs["container"] = node.attrs["container"]
+    return v.node
+
+
+def mark_mirrors(graph: Graph, optimizer: Optimizer, prefix: str) -> None:
+    """A replica optimizer's Variables (slots, shared state) mirror the primary optimizer's: the
+    same name without `prefix`."""
+    for v in optimizer.variables():
+        primary = v.node.removeprefix(prefix)
+        if primary == v.node or primary not in graph.nodes:
+            raise GraphError(f"replica optimizer variable '{v.node}' has no primary '{primary}'")
+        graph.nodes[v.node].attrs["mirror_of"] = primary
+
+
+def _swap(ref: str, m: dict[str, str]) -> str:
+    src, port = parse_ref(ref)
+    return make_ref(m.get(src, src), port)
+
+
+def buckets(graph: Graph, grads: Sequence[Tensor | None], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `grads` (None skipped) grouped into buckets in the order the backward pass makes
+    them (a gradient's node added earlier comes first: autodiff goes from the loss backwards); a
+    bucket closes once it holds `bucket_bytes` or more, or before a gradient of another dtype."""
+    pos = {name: i for i, name in enumerate(graph.nodes)}
+    live = sorted((i for i, g in enumerate(grads) if g is not None), key=lambda i: pos[grads[i].node])  # type: ignore[union-attr]
+    out: list[list[int]] = []
+    size = 0
+    for i in live:
+        g = grads[i]
+        assert g is not None
+        if out and (size >= bucket_bytes or grads[out[-1][0]].dtype != g.dtype):  # type: ignore[union-attr]
+            out.append([])
+            size = 0
+        if not out:
+            out.append([])
+        out[-1].append(i)
+        size += _nbytes(g)
+    return out
+
+
+def _nbytes(t: Tensor) -> int:
+    if any(d is None for d in t.shape):
+        raise GraphError(f"gradient '{t.name}' has unknown dimensions {t.shape}: all-reduce needs static shapes")
+    return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+
+
+def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]], devices: Sequence[str],
+                   placement: dict[str, str], bucket_bytes: int = BUCKET_BYTES,
+                   scope: str = "allreduce") -> list[list[Tensor | None]]:
+    """Per replica, the mean over replicas of each gradient (None kept), every replica's bitwise
+    the same: buckets ring-all-reduced as the module doc says. Every node made is assigned its
+    device in `placement`."""
+    n = len(per_replica)
+    out: list[list[Tensor | None]] = [[None] * len(g) for g in per_replica]
+    made: list[tuple[Tensor, str]] = []
+
+    def on(t: Tensor, k: int) -> Tensor:
+        made.append((t, devices[k]))
+        return t
+
+    with graph.as_default(), graph.absolute_scope(scope):
+        for b, idx in enumerate(buckets(graph, per_replica[0], bucket_bytes)):
+            with graph.name_scope(f"bucket_{b}"):
+                sizes = [int(np.prod(per_replica[0][i].shape)) for i in idx]  # type: ignore[union-attr]
+                total = sum(sizes)
+                flat = []
+                for k in range(n):
+                    with graph.name_scope(f"replica_{k}"):
+                        parts = [on(reshape(per_replica[k][i], (-1,), name="flat"), k) for i in idx]
+                        flat.append(parts[0] if len(parts) == 1 else on(concat(parts, 0, name="bucket"), k))
+                sums = _reduce_scatter(graph, flat, total, on) if n > 1 else [flat[0]]
+                scale = np.asarray(1.0 / n, dtype=np.dtype(flat[0].dtype))
+                for k in range(n):
+                    with graph.name_scope(f"replica_{k}"):
+                        whole = sums[0] if len(sums) == 1 else on(concat(sums, 0, name="gathered"), k)
+                        pieces = [whole] if len(idx) == 1 else \
+                            [on(p, k) for p in split(whole, sizes, 0, name="unbucket")]
+                        for i, p in zip(idx, pieces):
+                            g = per_replica[k][i]
+                            assert g is not None
+                            shaped = on(reshape(p, g.shape, name="grad"), k)
+                            out[k][i] = on(shaped * scale, k) if n > 1 else shaped
+    for t, dev in made:
+        placement[t.node] = dev
+    return out
+
+
+def _reduce_scatter(graph: Graph, flat: Sequence[Tensor], total: int, on: OnDevice) -> list[Tensor]:
+    """The ring's reduce-scatter: chunk c summed from replica c+1 round to replica c; the chunks'
+    sums in order (chunk c's on replica c)."""
+    n = len(flat)
+    m = min(n, total)  # fewer elements than replicas: fewer chunks
+    sizes = [total // m + (1 if c < total % m else 0) for c in range(m)]
+    pieces = []
+    for k in range(n):
+        with graph.name_scope(f"replica_{k}"):
+            pieces.append([on(p, k) for p in split(flat[k], sizes, 0, name="chunks")] if m > 1 else [flat[k]])
+    sums = []
+    for c in range(m):
+        ring = [(c + 1 + j) % n for j in range(n)]  # ends on replica c
+        acc = pieces[ring[0]][c]
+        for r in ring[1:]:
+            acc = on(add(acc, pieces[r][c], name=f"chunk_{c}/sum_on_{r}"), r)
+        sums.append(acc)
+    return sums
+
+
+def replica_updates(graph: Graph, optimizer: Optimizer, grads: Sequence[Sequence[Tensor | None]],
+                    variables: Sequence[Tensor], mirrors: Sequence[dict[str, str]], devices: Sequence[str],
+                    placement: dict[str, str], process: Process | None,
+                    side: Sequence[Tensor]) -> Tensor:
+    """Each replica's update of its own variables with its own optimizer (replica 0: `optimizer`
+    itself, on the primaries), every node it makes on the replica's device; one Group of all of
+    them and `side` (replica 0's side updates)."""
+    applies = []
+    for k, dev in enumerate(devices):
+        before = set(graph.nodes)
+        opt = optimizer if k == 0 else optimizer.replica(f"replica_{k}/")
+        own = [Tensor(graph, mirrors[k].get(v.node, v.node), v.port) for v in variables]
+        with graph.as_default(), graph.absolute_scope(f"replica_{k}"):
+            gs = list(grads[k])
+            if process is not None:
+                gs = list(process(gs))
+        with graph.as_default(), graph.absolute_scope():
+            applies.append(opt.apply_gradients(list(zip(gs, own)), name=f"replica_{k}/apply"))
+        if k:
+            mark_mirrors(graph, opt, f"replica_{k}/")
+        for name in set(graph.nodes) - before:
+            if not graph.nodes[name].opdef.ref_inputs:
+                placement[name] = dev
+    return group(applies + list(side), name="train_step", graph=graph)
