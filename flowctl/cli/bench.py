@@ -264,28 +264,27 @@ def _render_profile(console: Console, name: str, prof: dict[str, Any]) -> None:
 
 
 def _render_scaling(console: Console, r: dict[str, Any]) -> None:
-    """`bench scaling`: one row per (model, device, link, workers), the two schemes side by side."""
-    def table(title: str, rows: list[dict[str, Any]], link_label: dict[str, str]) -> None:
-        by: dict[tuple[str, str, str, int], dict[str, dict[str, Any]]] = {}
+    """`bench scaling`: a table per link, one row per (model, workers), the two schemes side by side."""
+    def table(title: str, rows: list[dict[str, Any]]) -> None:
+        by: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
         for x in rows:
-            by.setdefault((x["model"], x["device"], x["link"], x["workers"]), {})[x["scheme"]] = x
+            by.setdefault((x["model"], x["workers"]), {})[x["scheme"]] = x
         cells, last = [], None
-        for (model, device, link, n), schemes in by.items():
-            group = (model, device, link)
-            cells.append([*(group[:2] if group != last else ("", "")), link_label[link] if group != last else "",
-                          str(n)] + [c for s in ("parameter_device", "allreduce") for c in (
-                              f"{schemes[s]['examples_per_s']:,.0f}", f"{schemes[s]['speedup']:.2f}x",
-                              f"{100 * schemes[s]['efficiency']:.0f}%")])
-            last = group
-        cols = [Col("model"), Col("device"), Col("link"), Col("workers", "right", True)] + [
-            Col(f"{s} {c}", "right", True) for s in ("param device", "all-reduce")
-            for c in ("examples/s", "speed-up", "efficiency")]
+        for (model, n), schemes in by.items():
+            cells.append([model if model != last else "", str(n)] + [c for s in ("parameter_device", "allreduce") for c in (
+                f"{schemes[s]['examples_per_s']:,.0f}", f"{schemes[s]['speedup']:.2f}x",
+                f"{100 * schemes[s]['efficiency']:.0f}%")])
+            last = model
+        cols = [Col("model"), Col("workers", "right", True)] + [
+            Col(f"{s} {c}", "right", True) for s in ("param device", "allreduce")
+            for c in ("examples/s", "speed-up", "eff.")]
         console.print(fit(title, cols, cells, console.width))
 
-    links = {n: f"{n} {x['bandwidth_Bps'] / 1e9:.1f} GB/s" for n, x in r["links"].items()}
-    table(f"simulated data parallel, each worker one {r['device']} at the spec's batch (weak scaling); "
-          f"all-reduce: ring, {r['bucket_mib']:g} MiB buckets overlapping the backward pass; parameter device: "
-          f"one, on worker 0", r["rows"], links)
+    for name, link in r["links"].items():
+        table(f"simulated data parallel over {name} ({link['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+              f"{link['latency_s'] * 1e6:.0f} us), one {r['device']} per worker at the spec's batch (weak "
+              f"scaling); allreduce: ring, {r['bucket_mib']:g} MiB buckets overlapping the backward pass; "
+              f"param device: one, worker 0's; eff.: speed-up / workers", [x for x in r["rows"] if x["link"] == name])
     c = r["calibration"]
     rates = ", ".join(f"{s} {k['bandwidth_Bps'] / 1e9:.2f} GB/s at {k['latency_s'] * 1e3:.1f} ms"
                       for s, k in c["links"].items())
@@ -294,9 +293,9 @@ def _render_scaling(console: Console, r: dict[str, Any]) -> None:
         head = (f"calibrated on {c['file']}: compute x{c['compute_scale']:.2f} the simulator's, per-step overhead "
                 f"{c['overhead_s'] * 1e3:.1f} ms, links {rates} (fitted: {', '.join(c['fitted']) or 'none'})")
     else:
-        head = f"uncalibrated: no measured points at {c['file']}; the simulator's CPU step, the nominal Ray link"
-    table(f"{c['model']} on this machine's CPU worker (1 thread) over Ray, {head}", c["rows"],
-          {"ray": "ray" if calibrated else f"ray {c['links']['allreduce']['bandwidth_Bps'] / 1e9:.2f} GB/s"})
+        head = (f"uncalibrated: no measured points at {c['file']}; the simulator's CPU step, the nominal Ray "
+                f"link ({c['links']['allreduce']['bandwidth_Bps'] / 1e9:.2f} GB/s)")
+    table(f"{c['model']} on this machine's CPU worker (1 thread) over Ray, {head}", c["rows"])
     cells = [[p["scheme"], str(p["workers"]), f"{p['predicted_examples_per_s']:,.1f}",
               "-" if p["measured_examples_per_s"] is None else f"{p['measured_examples_per_s']:,.1f}",
               "-" if p["ratio"] is None else f"{p['ratio']:.2f}"] for p in c["points"]]
