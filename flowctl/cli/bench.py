@@ -14,7 +14,7 @@ from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "launches")
+SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "launches", "scaling")
 
 
 @click.command()
@@ -37,10 +37,14 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "l
                    "else the machine runs).")
 @click.option("--rows", default=None, help="peers: rows to measure, comma-separated (default: "
               "lstm_lm,inception_v3_b8,inception_v3_infer_b8; also inception_v3_b32). placement: models "
-              "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40.")
+              "or MODEL/NxPROFILE rows, e.g. lstm4,nmt/2xk40. scaling: models (lstm_lm,inception_v3).")
 @click.option("--devices", "--device", "devices",
               help="A spec target: measure on these devices instead of the spec's (e.g. cpu:0,cpu:1). "
-                   "peers: the one device both frameworks run on (cpu:0, the default, or gpu:0).")
+                   "peers: the one device both frameworks run on (cpu:0, the default, or gpu:0). "
+                   "scaling: one worker's device profile (default gpu:h100).")
+@click.option("--calibration", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="scaling: this machine's measured 1- and 2-worker points (default "
+                   "benchmarks/results/dataparallel-cpu.json; absent: the table says uncalibrated).")
 @click.option("--profile", is_flag=True, help="peers: also where each framework's step time goes, by op.")
 @click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
@@ -54,15 +58,16 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "l
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, learned_steps: int | None,
           rows: str | None, devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None,
-          precision: str = "fp32", reference_kernels: bool = False) -> None:
+          precision: str = "fp32", reference_kernels: bool = False, calibration: Path | None = None) -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
-    prefetching; `fusion`: training steps with and without element-wise fusion) or a spec file (placements measured on its devices beside the simulator's
+    prefetching; `fusion`: training steps with and without element-wise fusion; `scaling`: data
+    parallel over 1-64 workers, simulated, parameter device vs ring all-reduce) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
     err = consoles.progress(soft_wrap=True)
     if trace_dir is not None and target in SUITES:
         raise FlowctlError(f"--trace traces a spec's placements; '{target}' is a built-in suite")
-    if devices is not None and target in SUITES and target != "peers":
+    if devices is not None and target in SUITES and target not in ("peers", "scaling"):
         raise FlowctlError(f"--devices chooses a spec's devices; '{target}' is a built-in suite")
     if target == "engine":
         from flowctl.bench.engine import run_engine_suite
@@ -102,6 +107,13 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         with err.status("benchmarking") as status:
             results = fusion_benchmark(steps=steps, rounds=rounds, quick=quick, progress=lambda m: status.update(m))
         render = _render_ratios
+    elif target == "scaling":
+        from flowctl.bench.scaling import CALIBRATION, GPU, scaling_suite, select_models
+
+        with err.status("simulating") as status:
+            results = scaling_suite(select_models(rows), device=devices or GPU, calibration=calibration or CALIBRATION,
+                                    progress=lambda m: status.update(m))
+        render = _render_scaling
     elif target == "peers":
         results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
                                  devices or "cpu:0", precision, overrides, reference_kernels)
@@ -248,6 +260,49 @@ def _render_profile(console: Console, name: str, prof: dict[str, Any]) -> None:
     console.print(fit(f"{name}: ms per profiled step by op (flowctl {f['step_ms']:,.0f} ms, "
                       f"PyTorch {p['step_ms']:,.0f} ms under its profiler)",
                       [Col("flowctl op"), Col("ms", "right"), Col("PyTorch op"), Col("ms ", "right")],
+                      cells, console.width))
+
+
+def _render_scaling(console: Console, r: dict[str, Any]) -> None:
+    """`bench scaling`: a table per link, one row per (model, workers), the two schemes side by side."""
+    def table(title: str, rows: list[dict[str, Any]]) -> None:
+        by: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+        for x in rows:
+            by.setdefault((x["model"], x["workers"]), {})[x["scheme"]] = x
+        cells, last = [], None
+        for (model, n), schemes in by.items():
+            cells.append([model if model != last else "", str(n)] + [c for s in ("parameter_device", "allreduce") for c in (
+                f"{schemes[s]['examples_per_s']:,.0f}", f"{schemes[s]['speedup']:.2f}x",
+                f"{100 * schemes[s]['efficiency']:.0f}%")])
+            last = model
+        cols = [Col("model"), Col("workers", "right", True)] + [
+            Col(f"{s} {c}", "right", True) for s in ("param device", "allreduce")
+            for c in ("examples/s", "speed-up", "eff.")]
+        console.print(fit(title, cols, cells, console.width))
+
+    for name, link in r["links"].items():
+        table(f"simulated data parallel over {name} ({link['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+              f"{link['latency_s'] * 1e6:.0f} us), one {r['device']} per worker at the spec's batch (weak "
+              f"scaling); allreduce: ring, {r['bucket_mib']:g} MiB buckets overlapping the backward pass; "
+              f"param device: one, worker 0's; eff.: speed-up / workers", [x for x in r["rows"] if x["link"] == name])
+    c = r["calibration"]
+    rates = ", ".join(f"{s} {k['bandwidth_Bps'] / 1e9:.2f} GB/s at {k['latency_s'] * 1e3:.1f} ms"
+                      for s, k in c["links"].items())
+    calibrated = c["status"] == "calibrated"
+    if calibrated:
+        head = (f"calibrated on {c['file']}: compute x{c['compute_scale']:.2f} the simulator's, per-step overhead "
+                f"{c['overhead_s'] * 1e3:.1f} ms, links {rates} (fitted: {', '.join(c['fitted']) or 'none'})")
+    else:
+        head = (f"uncalibrated: no measured points at {c['file']}; the simulator's CPU step, the nominal Ray "
+                f"link ({c['links']['allreduce']['bandwidth_Bps'] / 1e9:.2f} GB/s)")
+    table(f"{c['model']} on this machine's CPU worker (1 thread) over Ray, {head}", c["rows"])
+    cells = [[p["scheme"], str(p["workers"]), f"{p['predicted_examples_per_s']:,.1f}",
+              "-" if p["measured_examples_per_s"] is None else f"{p['measured_examples_per_s']:,.1f}",
+              "-" if p["ratio"] is None else f"{p['ratio']:.2f}"] for p in c["points"]]
+    console.print(fit(f"{c['model']}, predicted beside measured (examples/s): "
+                      f"{'calibrated' if calibrated else 'uncalibrated'}",
+                      [Col("scheme"), Col("workers", "right", True), Col("predicted", "right", True),
+                       Col("measured", "right", True), Col("predicted / measured", "right", True)],
                       cells, console.width))
 
 

@@ -99,7 +99,10 @@ LINKS: dict[str, Link] = {
     # costs a rendezvous and a wake-up of the other device's thread: measured 33-35 µs per hop on a
     # 50-hop ping-pong between two devices on the 2-core CI machine.
     "local": Link(20e9, 33e-6),
+    # Between machines: typical effective rates per direction of 10 and 100 Gb/s Ethernet (about 88%
+    # of the line rate once framing and TCP are paid: 1.1 of 1.25 GB/s, 11 of 12.5), not measured here.
     "ethernet10g": Link(1.1e9, 50e-6),
+    "ethernet100g": Link(11e9, 20e-6),
     # Between two Ray worker processes of one machine (the distributed engine's cross-task Send/Recv:
     # an actor call carrying the tensor, the object store above 100 KiB): measured by
     # `python -m flowctl.bench.ray` on the 2-core CI machine under load (three runs), 0.91-1.65 ms
