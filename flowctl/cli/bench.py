@@ -14,7 +14,7 @@ from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
 from flowctl.training.rundir import write_atomic
 
-SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "launches", "scaling")
+SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "launches", "scaling", "dataparallel")
 
 
 @click.command()
@@ -46,7 +46,9 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "l
               help="scaling: this machine's measured 1- and 2-worker points (default "
                    "benchmarks/results/dataparallel-cpu.json; absent: the table says uncalibrated).")
 @click.option("--profile", is_flag=True, help="peers: also where each framework's step time goes, by op.")
-@click.option("--threads", type=int, default=None, help="peers: threads for both frameworks (default: all CPUs).")
+@click.option("--threads", type=int, default=None,
+              help="peers: threads for both frameworks (default: all CPUs). dataparallel: the one process's "
+                   "threads (default 1; each Ray worker gets its device's share of the cores).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="peers: flowctl's training.precision, PyTorch's autocast type.")
 @click.option("--reference-kernels", is_flag=True,
@@ -62,7 +64,8 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching; `fusion`: training steps with and without element-wise fusion; `scaling`: data
-    parallel over 1-64 workers, simulated, parameter device vs ring all-reduce) or a spec file (placements measured on its devices beside the simulator's
+    parallel over 1-64 workers, simulated, parameter device vs ring all-reduce; `dataparallel`:
+    lstm_lm over two Ray workers against one process, measured) or a spec file (placements measured on its devices beside the simulator's
     predictions; results also go to runs/bench-<name>.json)."""
     err = consoles.progress(soft_wrap=True)
     if trace_dir is not None and target in SUITES:
@@ -114,6 +117,13 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
             results = scaling_suite(select_models(rows), device=devices or GPU, calibration=calibration or CALIBRATION,
                                     progress=lambda m: status.update(m))
         render = _render_scaling
+    elif target == "dataparallel":
+        from flowctl.bench.dataparallel import dataparallel_benchmark
+
+        with err.status("benchmarking") as status:
+            results = dataparallel_benchmark(steps=1 if quick else steps, rounds=1 if quick else rounds,
+                                             threads=threads or 1, progress=lambda m: status.update(m))
+        render = _render_dataparallel
     elif target == "peers":
         results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
                                  devices or "cpu:0", precision, overrides, reference_kernels)
@@ -304,6 +314,24 @@ def _render_scaling(console: Console, r: dict[str, Any]) -> None:
                       [Col("scheme"), Col("workers", "right", True), Col("predicted", "right", True),
                        Col("measured", "right", True), Col("predicted / measured", "right", True)],
                       cells, console.width))
+
+
+def _render_dataparallel(console: Console, r: dict[str, Any]) -> None:
+    """`bench dataparallel`: examples/s of each row and its ratio to one process at `threads`."""
+    one = r["one_process"]["examples_per_s"]
+    rows = [("1 process", r["one_process"], f"{r['threads']} thread(s)"),
+            ("1 process", r["one_process_all_threads"], f"{r['cores']} threads"),
+            *((f"2 Ray workers, {s}", r["two_workers"][s], f"{r['threads']} thread(s) each")
+              for s in ("allreduce", "parameter_device"))]
+    body = [[name, threads, str(f["batch"]), f"{f['step_s'] * 1e3:,.0f}",
+             f"{f['examples_per_s']:,.1f} [{min(f['rounds_examples_per_s']):,.1f}-"
+             f"{max(f['rounds_examples_per_s']):,.1f}]", f"{f['examples_per_s'] / one:.2f}x"]
+            for name, f, threads in rows]
+    console.print(fit(f"{r['model']}: data parallel on this machine ({r['cores']} cores), median of "
+                      f"{r['rounds']} rounds x {r['steps']} steps [rounds' range]",
+                      [Col("row"), Col("threads"), Col("batch", "right"), Col("step ms", "right"),
+                       Col("examples/s", "right"), Col(f"vs 1 process, {r['threads']} thread(s)", "right")],
+                      body, console.width))
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:

@@ -44,7 +44,8 @@ from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor, make_ref, parse_ref
 from flowctl.engine.ops.array import concat, reshape, split
 from flowctl.engine.ops.control import group, identity
-from flowctl.engine.ops.elementwise import add
+from flowctl.engine.ops.api import constant
+from flowctl.engine.ops.elementwise import add, mul
 from flowctl.engine.ops.state import variable
 from flowctl.engine.optimizers import Optimizer
 
@@ -110,25 +111,60 @@ def _swap(ref: str, m: dict[str, str]) -> str:
     return make_ref(m.get(src, src), port)
 
 
-def buckets(graph: Graph, grads: Sequence[Tensor | None], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `grads` (None skipped) grouped into buckets in the order the backward pass makes
-    them (a gradient's node added earlier comes first: autodiff goes from the loss backwards); a
-    bucket closes once it holds `bucket_bytes` or more, or before a gradient of another dtype."""
-    pos = {name: i for i, name in enumerate(graph.nodes)}
-    live = sorted((i for i, g in enumerate(grads) if g is not None), key=lambda i: pos[grads[i].node])  # type: ignore[union-attr]
+ALONE_BYTES = 1 << 20  # a gradient this big is all-reduced on its own: a bucket's concat would copy it
+
+
+def buckets(graph: Graph, grads: Sequence[Tensor | None], bucket_bytes: int,
+            alone_bytes: int = ALONE_BYTES) -> list[list[int]]:
+    """Indices of `grads` (None skipped) grouped into buckets in the order the backward pass can
+    make them: by depth, the longest chain of nodes from the graph's sources to the gradient (a
+    later layer's gradient is fewer nodes past the loss than an earlier layer's; the node's place
+    in the graph says when autodiff wrote it, not when it can run). Small gradients share a bucket
+    (one transfer instead of many, at the price of a concat) until the next would take it past
+    `bucket_bytes`; a gradient of `alone_bytes` or more is a bucket of its own (a reshape, no copy);
+    a bucket holds one dtype."""
+    live = [i for i, g in enumerate(grads) if g is not None]
+    depth = _depths(graph, [grads[i].node for i in live])  # type: ignore[union-attr]
+    live.sort(key=lambda i: (depth[grads[i].node], i))  # type: ignore[union-attr]
     out: list[list[int]] = []
     size = 0
     for i in live:
         g = grads[i]
         assert g is not None
-        if out and (size >= bucket_bytes or grads[out[-1][0]].dtype != g.dtype):  # type: ignore[union-attr]
+        n = _nbytes(g)
+        first = grads[out[-1][0]] if out else None
+        if first is None or n >= alone_bytes or _nbytes(first) >= alone_bytes or size + n > bucket_bytes \
+                or first.dtype != g.dtype:
             out.append([])
             size = 0
-        if not out:
-            out.append([])
         out[-1].append(i)
-        size += _nbytes(g)
+        size += n
     return out
+
+
+def _depths(graph: Graph, targets: Sequence[str]) -> dict[str, int]:
+    """Each of `targets`' longest path in nodes from a source, over the targets' ancestors."""
+    order = graph.topo_order(_ancestors(graph, targets))
+    depth: dict[str, int] = {}
+    for name in order:
+        node = graph.nodes[name]
+        deps = [parse_ref(r)[0] for r in node.inputs] + list(node.control_inputs)
+        depth[name] = 1 + max((depth.get(d, 0) for d in deps), default=0)
+    return depth
+
+
+def _ancestors(graph: Graph, targets: Sequence[str]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(targets)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = graph.nodes[name]
+        stack.extend(parse_ref(r)[0] for r in node.inputs)
+        stack.extend(node.control_inputs)
+    return seen
 
 
 def _nbytes(t: Tensor) -> int:
@@ -162,7 +198,6 @@ def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]],
                         parts = [on(reshape(per_replica[k][i], (-1,), name="flat"), k) for i in idx]
                         flat.append(parts[0] if len(parts) == 1 else on(concat(parts, 0, name="bucket"), k))
                 sums = _reduce_scatter(graph, flat, total, on) if n > 1 else [flat[0]]
-                scale = np.asarray(1.0 / n, dtype=np.dtype(flat[0].dtype))
                 for k in range(n):
                     with graph.name_scope(f"replica_{k}"):
                         whole = sums[0] if len(sums) == 1 else on(concat(sums, 0, name="gathered"), k)
@@ -171,8 +206,7 @@ def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]],
                         for i, p in zip(idx, pieces):
                             g = per_replica[k][i]
                             assert g is not None
-                            shaped = on(reshape(p, g.shape, name="grad"), k)
-                            out[k][i] = on(shaped * scale, k) if n > 1 else shaped
+                            out[k][i] = on(reshape(p, g.shape, name="grad"), k)
     for t, dev in made:
         placement[t.node] = dev
     return out
@@ -188,13 +222,17 @@ def _reduce_scatter(graph: Graph, flat: Sequence[Tensor], total: int, on: OnDevi
     for k in range(n):
         with graph.name_scope(f"replica_{k}"):
             pieces.append([on(p, k) for p in split(flat[k], sizes, 0, name="chunks")] if m > 1 else [flat[k]])
+    scale = np.asarray(1.0 / n, dtype=np.dtype(flat[0].dtype))
     sums = []
     for c in range(m):
         ring = [(c + 1 + j) % n for j in range(n)]  # ends on replica c
         acc = pieces[ring[0]][c]
         for r in ring[1:]:
             acc = on(add(acc, pieces[r][c], name=f"chunk_{c}/sum_on_{r}"), r)
-        sums.append(acc)
+        # The mean, on the chunk's owner before it is sent round: 1/N of the pass on each replica.
+        with graph.control_dependencies([]):
+            const = on(constant(scale, name=f"chunk_{c}/one_over_n"), c)
+        sums.append(on(mul(acc, const, name=f"chunk_{c}/mean"), c))
     return sums
 
 

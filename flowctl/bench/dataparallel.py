@@ -1,0 +1,117 @@
+"""`flowctl bench dataparallel`: data parallel over two Ray workers against one process (issue 33),
+measured in one sitting on this machine, as the JSON `flowctl bench scaling` calibrates on
+(benchmarks/results/dataparallel-cpu.json, format in `scaling.read_measured`).
+
+Rows, all on specs/lstm_lm.yaml, each process (and each worker) at `threads` intra-op and BLAS
+threads (threadpoolctl; the workers set theirs from their device's share of the cores):
+  one_process: one process at the spec's batch (20), `threads` threads;
+  one_process_all_threads: the same process with every core (the "same cores" comparison);
+  two_workers.allreduce / .parameter_device: `sync_data_parallel` over two Ray workers
+    (`worker0/cpu:0`, `worker1/cpu:0`), each worker at the spec's batch (global batch 40: weak
+    scaling, as data parallel is used to go faster), all-reduce or the parameter device.
+Each row is opened once, then the rows are timed in blocks, in turn, `rounds` times (one untimed
+step, then `steps` timed ones per block); examples/s from the median step, with the rounds' range.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import yaml
+
+from flowctl.spec.loader import load_text
+from flowctl.training.inputs import make_sources
+from flowctl.training.program import open_program
+
+LSTM_LM = Path(__file__).resolve().parents[2] / "specs" / "lstm_lm.yaml"
+
+
+def _spec(text: str, batch: int, **sections: Any) -> Any:
+    d = yaml.safe_load(text)
+    d.setdefault("training", {})["batch_size"] = batch
+    d.update(sections)
+    return load_text(yaml.safe_dump(d, sort_keys=False), filename="<bench dataparallel>")
+
+
+def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, spec: Path | None = None,
+                           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The measured rows (module doc) and their ratios: allreduce over one process at `threads`
+    (the issue's >= 1.8) and over one process with every core (>= 0.9)."""
+    import ray
+    from threadpoolctl import threadpool_limits
+
+    say = progress or (lambda m: None)
+    text = (spec or LSTM_LM).read_text()
+    batch = int(yaml.safe_load(text)["training"]["batch_size"])
+    cores = os.cpu_count() or 1
+    ray_cluster = {"type": "ray", "workers": 2}
+    workers = ["worker0/cpu:0", "worker1/cpu:0"]
+
+    def two(reduce: str) -> Any:
+        return _spec(text, 2 * batch, cluster=ray_cluster, devices=workers,
+                     parallelism={"strategy": "sync_data_parallel", "reduce": reduce})
+
+    rows = {"one_process": (_spec(text, batch), threads),
+            "one_process_all_threads": (_spec(text, batch), cores),
+            "allreduce": (two("allreduce"), None),
+            "parameter_device": (two("parameter_device"), None)}
+    tmp = tempfile.mkdtemp(prefix="fcdp", dir="/tmp")
+    started = not ray.is_initialized()
+    if started:  # both Ray rows stay open: 4 logical CPUs for their 4 one-core workers
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    built: dict[str, Any] = {}
+    times: dict[str, list[list[float]]] = {name: [] for name in rows}
+    try:
+        for name, (loaded, _) in rows.items():
+            say(f"{name}: building")
+            p = open_program(loaded)
+            p.session.run(p.step.init)
+            built[name] = (p, make_sources(loaded, 1, p.step.batch)[0])
+        for r in range(rounds):
+            for name, (p, src) in built.items():
+                train = p.step.train
+                assert train is not None
+                limit = rows[name][1]
+                block = []
+                with threadpool_limits(limits=limit or 1, user_api="blas"):  # Ray rows: the master only
+                    for i in range(steps + 1):
+                        say(f"{name}: round {r + 1}/{rounds}, step {i}/{steps}")
+                        feeds = train.feeds(src.next_batch())
+                        feeds[p.step.lr] = np.asarray(0.01, dtype=p.step.lr.dtype)
+                        t0 = time.perf_counter()
+                        p.session.run([train.loss, train.train_op], feeds)
+                        if i:
+                            block.append(time.perf_counter() - t0)
+                times[name].append(block)
+    finally:
+        for p, _ in built.values():
+            p.close()
+        if started:
+            ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def figure(name: str) -> dict[str, Any]:
+        b = built[name][0].step.batch
+        per_round = [b / statistics.median(ts) for ts in times[name]]
+        return {"examples_per_s": b / statistics.median([t for ts in times[name] for t in ts]),
+                "step_s": statistics.median([t for ts in times[name] for t in ts]), "batch": b,
+                "rounds_examples_per_s": per_round}
+
+    one, all_cores = figure("one_process"), figure("one_process_all_threads")
+    two_rows = {s: figure(s) for s in ("allreduce", "parameter_device")}
+    return {
+        "model": "lstm_lm", "batch": batch, "threads": threads, "cores": cores, "steps": steps, "rounds": rounds,
+        "one_process": one, "one_process_all_threads": all_cores, "two_workers": two_rows,
+        "ratios": {f"{s}_vs_one_process": two_rows[s]["examples_per_s"] / one["examples_per_s"]
+                   for s in two_rows} | {f"{s}_vs_all_threads": two_rows[s]["examples_per_s"] /
+                                         all_cores["examples_per_s"] for s in two_rows},
+    }
+
+
+__all__ = ["dataparallel_benchmark"]
