@@ -1,6 +1,6 @@
 """Measurements of the distributed engine on Ray (issue 15), printed as JSON:
 
-    python -m flowctl.bench.ray [--repeat 7] [--steps 20]
+    python -m flowctl.bench.ray [--repeat 7] [--steps 20] [--links-only]
 
 - Cross-worker Send/Recv: latency (4 B tensor) and bandwidth (4 MiB tensor) between two worker
   processes, beside the in-process rendezvous between two virtual CPU devices. Both are measured
@@ -17,8 +17,9 @@
   measured Ray link.
 
 Starts a local Ray cluster of its own (4 logical CPUs, so the 1- and 2-worker sessions are open
-at once; in a fresh temporary directory) unless this process
-is connected already, and shuts it down afterwards.
+at once; a 600 MiB object store, so a step's four 64 MiB crossings stay in shared memory; in a
+fresh temporary directory) unless this process is connected already, and shuts it down afterwards.
+`--links-only` measures the per-size rates alone.
 """
 from __future__ import annotations
 
