@@ -23,10 +23,11 @@ updates write only into a writeable array they own (executor.whole, kernels.stat
 a kernel that took a read-only input for its output would fail, not change the store. Only a tensor
 that may outlive the step -- a Recv whose value can reach an Assign or a queue (`kept_recvs`) -- is
 copied on arrival, so no Variable or queue pins the store's memory. Measured on the shared 2-core
-machine (`python -m flowctl.bench.ray --links-only`): a 64 MiB crossing took 65 ms when the call
-carried the tensor and the destination copied it (a fresh 64 MiB copy alone is 15 ms), 16-18 ms
-now; what is left is the sender's `ray.put` (2.4-4 ms for 4 MiB, 8-21 ms for 64 MiB in a worker,
-most of it Ray's own calls to its raylet) and ~1.5 ms of actor calls.
+machine (`python -m flowctl.bench.ray --links-only`): a 64 MiB crossing took 32-65 ms when the call
+carried the tensor and the destination copied it (a fresh 64 MiB copy alone is 15 ms), 13-18 ms
+now; what is left is the sender's `ray.put` (1.4-4 ms for 4 MiB, 8-21 ms for 64 MiB in a worker,
+most of it Ray's own calls to its raylet, whatever the size below a few MiB) and ~1.5 ms of actor
+calls, so a 4 MiB tensor moves at 1.2-1.3 GB/s beyond a 4-byte crossing and a 64 MiB one at 5.5-5.9.
 
 Order. Several steps may be in flight (asynchronous training issues Runs from several client
 threads), and each device runs its steps one after another: two workers queuing two steps in opposite
