@@ -179,8 +179,9 @@ def test_strategies_over_two_workers_match_the_same_placement_in_one_process(ray
 
 
 def test_large_tensors_cross_nodes_through_the_object_store(ray_nodes):
-    """Above Ray's 100 KiB inline limit a transfer goes through the object stores of both nodes and
-    arrives as a read-only view: it is copied before kernels and Variables get it."""
+    """Above Ray's 100 KiB inline limit the sender puts a transfer into the object store and the
+    receiver reads it as a read-only view: kernels read it as it is (Add leaves it alone), and the
+    Variable that keeps one gets its own writeable copy."""
     g = fc.Graph(seed=2)
     with g.as_default():
         x = fc.placeholder("float32", (300, 300), name="x")

@@ -1,12 +1,15 @@
 """Measurements of the distributed engine on Ray (issue 15), printed as JSON:
 
-    python -m flowctl.bench.ray [--repeat 7] [--steps 20]
+    python -m flowctl.bench.ray [--repeat 7] [--steps 20] [--links-only]
 
 - Cross-worker Send/Recv: latency (4 B tensor) and bandwidth (4 MiB tensor) between two worker
   processes, beside the in-process rendezvous between two virtual CPU devices. Both are measured
   the way `flowctl bench` measures links: a chain of Identity ops alternating between the two
   devices, timed against the same chain on one device; the difference per crossing is the cost of
   the crossing (Send, rendezvous, Recv and any copy).
+- The cross-worker rate per tensor size (`link_rates`: 4 MiB and 64 MiB float32, GB/s, median of
+  the repeats): a tensor a Variable holds on one worker crosses to the other and back, with no
+  feed or fetch through the master, so only the crossings differ from the chain on one worker.
 - What a step costs beyond its kernels: a Run on one Ray worker (the master's call, the feed and
   the fetch, 4 B and 256 KiB) beside one in this process.
 - Sync data parallel over 2 workers against 1 (examples/s) on a small MLP, beside the same over 1
@@ -14,8 +17,9 @@
   measured Ray link.
 
 Starts a local Ray cluster of its own (4 logical CPUs, so the 1- and 2-worker sessions are open
-at once; in a fresh temporary directory) unless this process
-is connected already, and shuts it down afterwards.
+at once; a 600 MiB object store, so a step's four 64 MiB crossings stay in shared memory; in a
+fresh temporary directory) unless this process is connected already, and shuts it down afterwards.
+`--links-only` measures the per-size rates alone.
 """
 from __future__ import annotations
 
@@ -62,6 +66,54 @@ def run_overhead(open_session: OpenSession, device: str, sizes: Sequence[int] = 
                 s.run(y, {x: value})
                 ts.append(time.perf_counter() - t0)
         out[f"{4 * n}_bytes_s"] = statistics.median(ts)
+    return out
+
+
+def link_rates(open_session: OpenSession, a: str, b: str, sizes: Sequence[int] = (4 << 20, 64 << 20),
+               hops: int = 4, repeat: int = 7) -> dict[str, Any]:
+    """The link a <-> b per tensor size (bytes of float32): a Variable's tensor on `a` passes through
+    `hops` Identity ops that alternate b, a, b, ... (every hop a crossing) and the step's target waits
+    for the last one; the same chain on `a` alone is the baseline, and a 4-byte tensor's chain the
+    fixed cost of a crossing. Nothing moves through the master (no feed, no fetch). The two chains
+    are timed in alternating rounds; per size, the median step of each.
+
+    Per size: `crossing_s` (the median step's extra time per crossing), `GBps` (the bytes over that
+    time less the 4-byte crossing's: the rate the simulator's `Link.bandwidth` means) and
+    `GBps_whole` (the bytes over the whole crossing)."""
+    def chain(n: int) -> tuple[fc.Graph, fc.Tensor, fc.Tensor, dict[str, dict[str, str]]]:
+        g = fc.Graph()
+        with g.as_default():
+            v = fc.variable(fc.zeros((n,)), name="v")
+            h = v
+            for k in range(hops):
+                h = fc.identity(h, name=f"hop{k}")
+            done = fc.group([h])
+            init = fc.global_variables_initializer(g)
+        one = {nm: a for nm in g.nodes}
+        two = {nm: (b if nm.startswith("hop") and int(nm[3:]) % 2 == 0 else a) for nm in g.nodes}
+        return g, done, init, {"one": one, "two": two}
+
+    per_crossing: dict[int, float] = {}
+    for n in (1, *(size // 4 for size in sizes)):
+        g, done, init, placements = chain(n)
+        times: dict[str, list[float]] = {"one": [], "two": []}
+        with open_session(g, placements["one"]) as s1, open_session(g, placements["two"]) as s2:
+            sessions = {"one": s1, "two": s2}
+            for s in sessions.values():
+                s.run(init)
+                s.run(done)  # warm-up: plans, the actors' first calls
+            for _ in range(repeat):
+                for label, s in sessions.items():
+                    t0 = time.perf_counter()
+                    s.run(done)
+                    times[label].append(time.perf_counter() - t0)
+        per_crossing[n] = (statistics.median(times["two"]) - statistics.median(times["one"])) / hops
+    out: dict[str, Any] = {"latency_s": per_crossing[1]}
+    for size in sizes:
+        t = per_crossing[size // 4]
+        extra = t - per_crossing[1]
+        out[f"{size >> 20}_MiB"] = {"crossing_s": t, "GBps": size / extra / 1e9 if extra > 0 else float("inf"),
+                                    "GBps_whole": size / t / 1e9 if t > 0 else float("inf")}
     return out
 
 
@@ -141,6 +193,7 @@ def measure(repeat: int = 7, steps: int = 20) -> dict[str, Any]:
         "in_process": chain_link(lambda g, pl: local(g, pl), c0, c1, repeat=repeat),
         "ray_workers": chain_link(lambda g, pl: on_ray(g, pl), w0, w1, repeat=repeat, together=False),
     }}
+    out["link_rates"] = link_rates(lambda g, pl: on_ray(g, pl), w0, w1, repeat=repeat)
     out["step_overhead"] = {
         "in_process": run_overhead(lambda g, pl: local(g, pl, [c0]), c0),
         "ray_worker": run_overhead(lambda g, pl: on_ray(g, pl, [w0]), w0),
@@ -161,19 +214,29 @@ def measure(repeat: int = 7, steps: int = 20) -> dict[str, Any]:
     return out
 
 
+def links(repeat: int = 7) -> dict[str, Any]:
+    """Only the cross-worker rates per tensor size (`link_rates`)."""
+    from flowctl.engine.distributed import RaySession, worker_cluster
+
+    w0, w1 = canonical("worker0/cpu:0"), canonical("worker1/cpu:0")
+    return {"link_rates": link_rates(lambda g, pl: RaySession(g, worker_cluster([w0, w1]), pl), w0, w1,
+                                     repeat=repeat)}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--links-only", action="store_true", help="only the cross-worker rates per tensor size")
     args = p.parse_args(argv)
     import ray
 
     from flowctl.engine.distributed import connect
 
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    started = connect(None, num_cpus=4, temp_dir=tmp, object_store_memory=200 << 20)
+    started = connect(None, num_cpus=4, temp_dir=tmp, object_store_memory=600 << 20)
     try:
-        result = measure(args.repeat, args.steps)
+        result = links(args.repeat) if args.links_only else measure(args.repeat, args.steps)
         result["ray_version"] = ray.__version__
     finally:
         if started:

@@ -104,10 +104,14 @@ LINKS: dict[str, Link] = {
     "ethernet10g": Link(1.1e9, 50e-6),
     "ethernet100g": Link(11e9, 20e-6),
     # Between two Ray worker processes of one machine (the distributed engine's cross-task Send/Recv:
-    # an actor call carrying the tensor, the object store above 100 KiB): measured by
-    # `python -m flowctl.bench.ray` on the 2-core CI machine under load (three runs), 0.91-1.65 ms
-    # per 4-byte crossing and 0.66-0.84 GB/s for 4 MiB. Across machines the network adds its own.
-    "ray": Link(0.7e9, 1.0e-3),
+    # an actor call carrying the tensor up to 100 KiB; above, the sender's ray.put and the call
+    # carrying its ref, read zero-copy by the receiver): measured by `python -m flowctl.bench.ray` on
+    # the shared 2-core CI machine, 0.91-1.65 ms per 4-byte crossing; beyond that, 1.2-1.3 GB/s for a
+    # 4 MiB tensor (0.8-1.0 under load; the chain's best runs 1.8) and 5.5-5.9 GB/s for 64 MiB. The
+    # 4 MiB rate is the one here: the sender's ray.put costs 1.4-3 ms whatever the size below a few
+    # MiB (Ray's calls to its raylet), which a per-byte rate can only spread over the bytes. Across
+    # machines the network adds its own.
+    "ray": Link(1.2e9, 1.0e-3),
 }
 
 

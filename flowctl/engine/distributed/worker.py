@@ -10,12 +10,24 @@ The rendezvous (§3.3: "Send/Receive node pairs that communicate across worker p
 communication mechanisms"). A step's `WorkerRendezvous` is a `LocalRendezvous` whose Send to a device
 of another task hands the tensor to Ray instead of its own table: a call `deliver(key, value)` on the
 destination worker's actor, made straight from the Send kernel (no master hop, §3.2.2: the master
-issues one Run per worker and the Send/Recv pairs do the rest). Ray inlines a small value in the call
-and moves a large one through its object store; the destination puts what arrives into its own step
-rendezvous, where the Recv is (or will be) waiting. A value read from the object store is a read-only
-view of shared memory: it is copied before any kernel sees it (and so stays out of the store's pinned
-memory once a Variable holds it). Each worker confirms its outgoing transfers at the end of its Run, so
-a failed transfer fails the step.
+issues one Run per worker and the Send/Recv pairs do the rest); the destination puts what arrives
+into its own step rendezvous, where the Recv is (or will be) waiting. Each worker confirms its
+outgoing transfers at the end of its Run, so a failed transfer fails the step.
+
+How a tensor moves. A small one (up to Ray's 100 KiB inline limit) rides in the call. A large one is
+put into the object store once by the sender and the call carries only its ObjectRef (`Stored`); the
+destination reads it zero-copy: a read-only numpy view of the store's shared memory, which stays
+valid (the store keeps the object while a reader maps it) after the sender drops its ref. The view
+goes to the Recv as it is. No kernel writes into it: buffer forwarding, LoopSum and the in-place
+updates write only into a writeable array they own (executor.whole, kernels.state._owns_buffer);
+a kernel that took a read-only input for its output would fail, not change the store. Only a tensor
+that may outlive the step -- a Recv whose value can reach an Assign or a queue (`kept_recvs`) -- is
+copied on arrival, so no Variable or queue pins the store's memory. Measured on the shared 2-core
+machine (`python -m flowctl.bench.ray --links-only`): a 64 MiB crossing took 32-65 ms when the call
+carried the tensor and the destination copied it (a fresh 64 MiB copy alone is 15 ms), 13-18 ms
+now; what is left is the sender's `ray.put` (1.4-4 ms for 4 MiB, 8-21 ms for 64 MiB in a worker,
+most of it Ray's own calls to its raylet, whatever the size below a few MiB) and ~1.5 ms of actor
+calls, so a 4 MiB tensor moves at 1.2-1.3 GB/s beyond a 4-byte crossing and a 64 MiB one at 5.5-5.9.
 
 Order. Several steps may be in flight (asynchronous training issues Runs from several client
 threads), and each device runs its steps one after another: two workers queuing two steps in opposite
@@ -36,7 +48,7 @@ import collections
 import os
 import platform
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -44,7 +56,7 @@ from flowctl.engine.container import ContainerStore, RngState
 from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import ExecutionError, FlowctlError
 from flowctl.engine.executor import RunStats
-from flowctl.engine.graph import GRAPHDEF_VERSION, Graph, Node
+from flowctl.engine.graph import GRAPHDEF_VERSION, Graph, Node, parse_ref
 from flowctl.engine.opdef import get_op
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousKey, StepContext
 from flowctl.engine.runtime import DevicePlan, DeviceThreads, PartitionSpec, compile_partition, root_cause
@@ -55,6 +67,16 @@ from flowctl.version import __version__
 # What the master sends per partition: (device, GraphDef JSON, fetch refs, feed refs, targets).
 PartitionWire = tuple[str, str, list[str], list[str], list[str]]
 _FINISHED_KEPT = 4096  # step ids remembered as finished, so late transfers and aborts are dropped
+# Ray passes an argument up to this size inside the call (its max_direct_call_object_size); above
+# it a tensor goes through the object store, put there by the sender itself.
+INLINE_BYTES = 100 * 1024
+# Ops that keep an input's array past the step: Assign makes it a Variable's, a queue holds it.
+_KEEPS_INPUT = frozenset({"Assign"})
+
+
+class Stored(NamedTuple):
+    """A transfer's tensor in Ray's object store: the call carries the ref, not the bytes."""
+    ref: Any
 
 
 def state_graph(seed: int, nodes: Sequence[Mapping[str, Any]]) -> Graph:
@@ -74,6 +96,32 @@ def writable(value: Any) -> Any:
     if isinstance(value, np.ndarray) and not value.flags.writeable:
         return value.copy()
     return value
+
+
+def kept_recvs(graph: Graph) -> set[tuple[str, str]]:
+    """(receiving device, tensor name) of each Recv in `graph` whose value may outlive the step: it
+    reaches, through any chain of ops (a view or an Identity passes the array on), an Assign or a
+    queue op. Such a value is copied on arrival instead of pinning the object store's memory."""
+    consumers: dict[str, list[Node]] = {}
+    for node in graph.nodes.values():
+        for ref in node.inputs:
+            if not ref.startswith("^"):
+                consumers.setdefault(parse_ref(ref)[0], []).append(node)
+    out = set()
+    for recv in graph.nodes.values():
+        if recv.op != "Recv":
+            continue
+        seen, todo = {recv.name}, [recv.name]
+        while todo:
+            for c in consumers.get(todo.pop(), []):
+                if c.op in _KEEPS_INPUT or c.opdef.resource == "queue":
+                    out.add((recv.attrs["recv_device"], recv.attrs["tensor_name"]))
+                    todo = []
+                    break
+                if c.name not in seen:
+                    seen.add(c.name)
+                    todo.append(c.name)
+    return out
 
 
 class WorkerRendezvous(LocalRendezvous):
@@ -98,11 +146,21 @@ class WorkerRendezvous(LocalRendezvous):
         if isinstance(value, Ready):  # a GPU tensor: wait for the kernel that made it, then copy it out
             value.event.synchronize()
             value = value.array
-        self.outgoing.append((k, peer.deliver.remote(tuple(k), to_host(value))))
+        value = to_host(value)
+        if isinstance(value, np.ndarray) and value.nbytes > INLINE_BYTES:
+            import ray
+
+            # Put once here, so the call is small and the destination reads the store zero-copy.
+            value = Stored(ray.put(value))
+        self.outgoing.append((k, peer.deliver.remote(tuple(k), value)))
 
     def accept(self, key: tuple[Any, ...], value: Any) -> None:
-        """A tensor from another task arrives for a Recv here."""
-        super().send(key, writable(value))
+        """A tensor from another task arrives for a Recv here: as it came (a store's tensor as a
+        read-only view, see the module doc), copied only where the value may outlive the step."""
+        k = RendezvousKey(*key)
+        if (k.dst_device, k.tensor_name) in self.worker.kept:
+            value = writable(value)
+        super().send(k, value)
 
 
 class Worker:
@@ -134,6 +192,7 @@ class Worker:
             self._problem = e
         self.threads = DeviceThreads(self.devices)
         self.signatures: dict[int, list[DevicePlan]] = {}
+        self.kept: set[tuple[str, str]] = set()  # Recvs copied on arrival (kept_recvs), every signature's
         self._lock = threading.Lock()
         self._turn = threading.Condition(self._lock)
         self._next_seq = 0
@@ -162,6 +221,7 @@ class Worker:
         for device, graph_json, fetches, feeds, targets in parts:
             spec = PartitionSpec(device, Graph.from_json(graph_json), fetches, feeds, targets, [], [])
             plans.append(compile_partition(spec, self.sessions[device]._resource))
+            self.kept |= kept_recvs(spec.graph)
         self.signatures[sig] = plans
 
     def ping(self) -> int:
@@ -226,7 +286,11 @@ class Worker:
                                      device=key.src_device) from None
 
     def deliver(self, key: tuple[Any, ...], value: Any) -> bool:
-        """A Send on another worker hands over a tensor for step key[0]."""
+        """A Send on another worker hands over a tensor for step key[0] (a large one as `Stored`)."""
+        if isinstance(value, Stored):
+            import ray
+
+            value = ray.get(value.ref)  # zero-copy: a read-only view of the store's shared memory
         with self._lock:
             if key[0] in self._finished:
                 return False
