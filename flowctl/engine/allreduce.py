@@ -44,7 +44,6 @@ from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor, make_ref, parse_ref
 from flowctl.engine.ops.array import concat, reshape, split
 from flowctl.engine.ops.control import group, identity
-from flowctl.engine.ops.api import constant
 from flowctl.engine.ops.elementwise import add, mul
 from flowctl.engine.ops.state import variable
 from flowctl.engine.optimizers import Optimizer
@@ -197,12 +196,15 @@ def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]],
                     with graph.name_scope(f"replica_{k}"):
                         parts = [on(reshape(per_replica[k][i], (-1,), name="flat"), k) for i in idx]
                         flat.append(parts[0] if len(parts) == 1 else on(concat(parts, 0, name="bucket"), k))
-                sums = _reduce_scatter(graph, flat, total, on) if n > 1 else [flat[0]]
+                if n == 2:  # each replica sums both itself: one crossing each way, no gather
+                    wholes = [_exchange(graph, flat, k, on) for k in range(n)]
+                else:
+                    sums = _reduce_scatter(graph, flat, total, on) if n > 1 else [flat[0]]
+                    wholes = [sums[0] if len(sums) == 1 else _gather(graph, sums, k, on) for k in range(n)]
                 for k in range(n):
                     with graph.name_scope(f"replica_{k}"):
-                        whole = sums[0] if len(sums) == 1 else on(concat(sums, 0, name="gathered"), k)
-                        pieces = [whole] if len(idx) == 1 else \
-                            [on(p, k) for p in split(whole, sizes, 0, name="unbucket")]
+                        pieces = [wholes[k]] if len(idx) == 1 else \
+                            [on(p, k) for p in split(wholes[k], sizes, 0, name="unbucket")]
                         for i, p in zip(idx, pieces):
                             g = per_replica[k][i]
                             assert g is not None
@@ -210,6 +212,31 @@ def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]],
     for t, dev in made:
         placement[t.node] = dev
     return out
+
+
+def _gather(graph: Graph, sums: Sequence[Tensor], k: int, on: OnDevice) -> Tensor:
+    """The ring's all-gather on replica k: the chunks' means, in order, in one vector."""
+    with graph.name_scope(f"replica_{k}"):
+        return on(concat(list(sums), 0, name="gathered"), k)
+
+
+def share(graph: Graph, loss: Tensor, n: int, name: str) -> Tensor:
+    """A replica's loss divided by the replica count: what it differentiates, so that the sum of the
+    replicas' gradients is their mean. For N a power of two every gradient is its unscaled value
+    times 1/N exactly (a product with a power of two rounds as the unscaled one did), so two
+    replicas' sum has the parameter device's bits (its AddN, then 1/N)."""
+    if n == 1:
+        return loss
+    return mul(loss, np.asarray(1.0 / n, dtype=np.dtype(loss.dtype)), name=name)
+
+
+def _exchange(graph: Graph, flat: Sequence[Tensor], k: int, on: OnDevice) -> Tensor:
+    """Two replicas: replica k adds the other's whole bucket to its own, replica 0's first on both
+    (so both hold the same bits). Each replica sends and receives the bucket once, as the ring's
+    2(N-1)/N would, but in one crossing instead of two and with no concat after it: the ring pays
+    off from three replicas."""
+    with graph.name_scope(f"replica_{k}"):
+        return on(add(flat[0], flat[1], name="sum"), k)
 
 
 def _reduce_scatter(graph: Graph, flat: Sequence[Tensor], total: int, on: OnDevice) -> list[Tensor]:
@@ -222,17 +249,13 @@ def _reduce_scatter(graph: Graph, flat: Sequence[Tensor], total: int, on: OnDevi
     for k in range(n):
         with graph.name_scope(f"replica_{k}"):
             pieces.append([on(p, k) for p in split(flat[k], sizes, 0, name="chunks")] if m > 1 else [flat[k]])
-    scale = np.asarray(1.0 / n, dtype=np.dtype(flat[0].dtype))
     sums = []
     for c in range(m):
         ring = [(c + 1 + j) % n for j in range(n)]  # ends on replica c
         acc = pieces[ring[0]][c]
         for r in ring[1:]:
             acc = on(add(acc, pieces[r][c], name=f"chunk_{c}/sum_on_{r}"), r)
-        # The mean, on the chunk's owner before it is sent round: 1/N of the pass on each replica.
-        with graph.control_dependencies([]):
-            const = on(constant(scale, name=f"chunk_{c}/one_over_n"), c)
-        sums.append(on(mul(acc, const, name=f"chunk_{c}/mean"), c))
+        sums.append(acc)
     return sums
 
 

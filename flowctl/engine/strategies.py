@@ -368,8 +368,11 @@ def _allreduce_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Te
         raise PlacementError("sync_data_parallel needs at least one device")
     maps, losses, ins, ups = _copies(graph, loss, inputs, updates, n, "replica_{k}")
     mirrors = ar.mirror_state(graph, maps)
-    with graph.absolute_scope():
-        per = [optimizer.gradients_of(losses[k], [_own(graph, mirrors[k], v) for v in variables],
+    with graph.as_default(), graph.absolute_scope():
+        # Each replica differentiates its loss / N, so the all-reduce is a plain sum: the 1/N rides
+        # on the backward pass's first product instead of costing a pass over every gradient.
+        shares = [ar.share(graph, losses[k], n, f"replica_{k}/loss_share") for k in range(n)]
+        per = [optimizer.gradients_of(shares[k], [_own(graph, mirrors[k], v) for v in variables],
                                       name=f"replica_{k}/gradients") for k in range(n)]
     placement: dict[str, str] = {}
     grads = ar.ring_allreduce(graph, per, devices, placement, bucket_bytes or ar.BUCKET_BYTES)

@@ -48,6 +48,7 @@ import collections
 import os
 import platform
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -130,7 +131,7 @@ class WorkerRendezvous(LocalRendezvous):
     def __init__(self, worker: "Worker") -> None:
         super().__init__()
         self.worker = worker
-        self.outgoing: list[tuple[RendezvousKey, Any]] = []  # (key, ObjectRef of the deliver call)
+        self.outgoing: list[tuple[RendezvousKey, Any]] = []  # (key, the deliver call's ObjectRef, or its Future)
 
     def send(self, key: tuple[Any, ...], value: Any) -> None:
         k = RendezvousKey(*key)
@@ -148,10 +149,13 @@ class WorkerRendezvous(LocalRendezvous):
             value = value.array
         value = to_host(value)
         if isinstance(value, np.ndarray) and value.nbytes > INLINE_BYTES:
-            import ray
-
-            # Put once here, so the call is small and the destination reads the store zero-copy.
-            value = Stored(ray.put(value))
+            # Put once, so the call is small and the destination reads the store zero-copy; on the
+            # worker's sending thread, so this device goes on with its next op meanwhile (a put is
+            # mostly a wait on Ray's raylet). The thread's reference to the array keeps the
+            # executor from forwarding its buffer and an update from writing into it until the put
+            # has copied it (both take a buffer only when nothing else refers to it).
+            self.outgoing.append((k, self.worker.sending.submit(_put_and_deliver, peer, tuple(k), value)))
+            return
         self.outgoing.append((k, peer.deliver.remote(tuple(k), value)))
 
     def accept(self, key: tuple[Any, ...], value: Any) -> None:
@@ -161,6 +165,13 @@ class WorkerRendezvous(LocalRendezvous):
         if (k.dst_device, k.tensor_name) in self.worker.kept:
             value = writable(value)
         super().send(k, value)
+
+
+def _put_and_deliver(peer: Any, key: tuple[Any, ...], value: np.ndarray) -> Any:
+    """A large transfer, on the sending thread: into the object store, then the call (its ref)."""
+    import ray
+
+    return peer.deliver.remote(key, Stored(ray.put(value)))
 
 
 class Worker:
@@ -191,6 +202,8 @@ class Worker:
         except FlowctlError as e:  # reported by hello(): an actor that fails to start hides the reason
             self._problem = e
         self.threads = DeviceThreads(self.devices)
+        # Large outgoing transfers are put into the object store here (WorkerRendezvous.send).
+        self.sending = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flowctl-send")
         self.signatures: dict[int, list[DevicePlan]] = {}
         self.kept: set[tuple[str, str]] = set()  # Recvs copied on arrival (kept_recvs), every signature's
         self._lock = threading.Lock()
@@ -280,6 +293,8 @@ class Worker:
 
         for key, ref in rv.outgoing:
             try:
+                if isinstance(ref, Future):  # a large transfer: its put and call, made on the sending thread
+                    ref = ref.result(timeout=self.transfer_timeout)
                 ray.get(ref, timeout=self.transfer_timeout)
             except Exception as e:  # noqa: BLE001 -- any failure to deliver is the transfer's
                 raise ExecutionError(f"transfer {key} failed: {type(e).__name__}: {str(e).splitlines()[0]}",
