@@ -11,6 +11,8 @@ threads (threadpoolctl; the workers set theirs from their device's share of the 
     scaling, as data parallel is used to go faster), all-reduce or the parameter device.
 Each row is opened once, then the rows are timed in blocks, in turn, `rounds` times (one untimed
 step, then `steps` timed ones per block); examples/s from the median step, with the rounds' range.
+First, in the same sitting, the link between two workers (`bench.ray.links`: 4 MiB and 64 MiB
+crossings), which `bench scaling` takes as each scheme's measured link.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from flowctl.training.inputs import make_sources
 from flowctl.training.program import open_program
 
 LSTM_LM = Path(__file__).resolve().parents[2] / "specs" / "lstm_lm.yaml"
+# Ray's object store for the sitting, kept small as `bench ray` keeps its own, so its pages are reused.
+OBJECT_STORE = 512 << 20
 
 
 def _spec(text: str, batch: int, **sections: Any) -> Any:
@@ -41,8 +45,9 @@ def _spec(text: str, batch: int, **sections: Any) -> Any:
 
 def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, spec: Path | None = None,
                            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The measured rows (module doc) and their ratios: allreduce over one process at `threads`
-    (the issue's >= 1.8) and over one process with every core (>= 0.9)."""
+    """The measured rows (module doc) and their ratios: each scheme over one process at `threads`
+    and over one process with every core. `spec`: another spec than lstm_lm's (its `name` is the
+    result's `model`)."""
     import ray
     from threadpoolctl import threadpool_limits
 
@@ -64,10 +69,17 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
     tmp = tempfile.mkdtemp(prefix="fcdp", dir="/tmp")
     started = not ray.is_initialized()
     if started:  # both Ray rows stay open: 4 logical CPUs for their 4 one-core workers
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
+                 object_store_memory=OBJECT_STORE)
     built: dict[str, Any] = {}
     times: dict[str, list[list[float]]] = {name: [] for name in rows}
     try:
+        # The link first, on a quiet Ray: after the rows it measured 2.1-2.3 GB/s for 64 MiB where
+        # alone it gives 5.8-5.95 (the rows' workers were still going away).
+        say("the link between two workers (4 MiB and 64 MiB crossings)")
+        from flowctl.bench.ray import links
+
+        rates = links(repeat=5)["link_rates"]
         for name, (loaded, _) in rows.items():
             say(f"{name}: building")
             p = open_program(loaded)
@@ -89,6 +101,10 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
                         if i:
                             block.append(time.perf_counter() - t0)
                 times[name].append(block)
+        for p, _ in built.values():
+            p.close()
+        built_batches = {name: p.step.batch for name, (p, _) in built.items()}
+        built.clear()
     finally:
         for p, _ in built.values():
             p.close()
@@ -97,7 +113,7 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
         shutil.rmtree(tmp, ignore_errors=True)
 
     def figure(name: str) -> dict[str, Any]:
-        b = built[name][0].step.batch
+        b = built_batches[name]
         per_round = [b / statistics.median(ts) for ts in times[name]]
         return {"examples_per_s": b / statistics.median([t for ts in times[name] for t in ts]),
                 "step_s": statistics.median([t for ts in times[name] for t in ts]), "batch": b,
@@ -105,9 +121,12 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
 
     one, all_cores = figure("one_process"), figure("one_process_all_threads")
     two_rows = {s: figure(s) for s in ("allreduce", "parameter_device")}
+    # Both schemes move tensors by the same Send/Recv between workers: one measured link for both.
+    link = {"bandwidth_Bps": rates["64_MiB"]["GBps"] * 1e9, "latency_s": rates["latency_s"]}
     return {
-        "model": "lstm_lm", "batch": batch, "threads": threads, "cores": cores, "steps": steps, "rounds": rounds,
+        "model": str(yaml.safe_load(text).get("name", "lstm_lm")), "batch": batch, "threads": threads, "cores": cores, "steps": steps, "rounds": rounds,
         "one_process": one, "one_process_all_threads": all_cores, "two_workers": two_rows,
+        "links": {s: dict(link) for s in two_rows}, "link_rates": rates,
         "ratios": {f"{s}_vs_one_process": two_rows[s]["examples_per_s"] / one["examples_per_s"]
                    for s in two_rows} | {f"{s}_vs_all_threads": two_rows[s]["examples_per_s"] /
                                          all_cores["examples_per_s"] for s in two_rows},

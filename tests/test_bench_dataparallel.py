@@ -1,0 +1,48 @@
+"""`flowctl bench dataparallel` (issue 33): one process against two Ray workers per scheme, in one
+sitting, written in the form `bench scaling` calibrates on. Slow: it starts Ray and four workers."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+SPEC = """\
+version: 1
+name: lstm_lm
+model:
+  layers:
+    - {name: x, type: input, shape: [32]}
+    - {name: h, type: dense, units: 64, activation: relu}
+    - {name: logits, type: dense, units: 4}
+    - {name: y, type: input, shape: [], dtype: int32, classes: 4}
+    - {name: loss, type: softmax_cross_entropy, inputs: [logits, y]}
+data: {source: synthetic, task: learnable, seed: 0}
+training: {optimizer: {type: sgd}, learning_rate: 0.1, batch_size: 16, steps: 10}
+"""
+
+
+@pytest.mark.slow
+def test_dataparallel_measures_each_row_and_bench_scaling_reads_it(tmp_path: Path, monkeypatch):
+    from flowctl.bench.dataparallel import dataparallel_benchmark
+    from flowctl.bench.scaling import read_measured
+
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="dp", dir="/tmp"))
+    spec = tmp_path / "mlp.yaml"
+    spec.write_text(SPEC)
+    r = dataparallel_benchmark(steps=2, rounds=1, spec=spec)
+    assert r["one_process"]["batch"] == 16 and r["two_workers"]["allreduce"]["batch"] == 32  # weak scaling
+    for row in (r["one_process"], r["one_process_all_threads"], *r["two_workers"].values()):
+        assert row["examples_per_s"] > 0 and row["step_s"] > 0
+    assert r["ratios"]["allreduce_vs_one_process"] == pytest.approx(
+        r["two_workers"]["allreduce"]["examples_per_s"] / r["one_process"]["examples_per_s"])
+    assert r["links"]["allreduce"]["bandwidth_Bps"] > 0 and r["link_rates"]["64_MiB"]["GBps"] > 0
+    path = tmp_path / "dataparallel-cpu.json"
+    path.write_text(json.dumps(r))
+    measured = read_measured(path)
+    assert measured is not None and measured.two_workers.keys() == {"allreduce", "parameter_device"}
+    assert os.environ.get("RAY_ADDRESS") is None
