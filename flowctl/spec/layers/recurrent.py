@@ -1,4 +1,4 @@
-"""Recurrent layers: an LSTM over time, and content-based attention for encoder-decoders.
+"""Recurrent layers: an LSTM and a GRU over time, and content-based attention for encoder-decoders.
 
 The LSTM's [(in + units), 4 * units] kernel (Zaremba et al. 2014, TensorFlow's BasicLSTMCell
 layout) is used as its two row blocks, the way fast recurrent libraries cut the work. `unroll:
@@ -8,7 +8,8 @@ gates and the cell update, and autodiff turns the T per-step products' weight gr
 product over all steps. `unroll: dynamic` makes one cell in a while loop over the time axis
 (whitepaper §4.4), so the graph holds a few dozen nodes whatever T is; its per-step outputs are
 pushed onto an accumulator stacked after the loop. Both compute step 0 from the input alone (the
-state is zero there) and agree up to float32 rounding.
+state is zero there) and agree up to float32 rounding. The GRU shares the input projection
+(`projections`) and the loop's shape; its gates are composed ops, not a fused cell.
 """
 from __future__ import annotations
 
@@ -21,6 +22,48 @@ from flowctl.engine.graph import Tensor
 from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.layers.base import Builder, Layer, LayerError, Weight, fmt, known, rank, register
 from flowctl.spec.layers.core import check_lengths, linear, sequence_mask
+
+
+def sequence_output(layer: LSTM | GRU, ins: list[TensorSpec]) -> TensorSpec:
+    """A recurrent layer's output spec: [batch, time, units], or [batch, units] for the last step;
+    a second input, the lengths, needs the loop (`unroll: dynamic`)."""
+    x, kind = ins[0], layer.type
+    rank(x, 3, kind, "[batch, time, features] input")
+    if len(ins) == 2:
+        if layer.unroll != "dynamic":
+            raise LayerError(f"{kind} '{layer.name}': a lengths input needs unroll: dynamic", "inputs")
+        rank(ins[1], 1, kind, "[batch] lengths input")
+        if not ins[1].dtype.startswith(("int", "uint")):
+            raise LayerError(f"{kind} '{layer.name}': lengths must be integers, got {ins[1].dtype}", "inputs")
+    known(x.shape[1], f"{kind} '{layer.name}' time steps (the unroll length)")
+    known(x.shape[2], f"{kind} '{layer.name}' input features")
+    if layer.return_sequences:
+        return TensorSpec((x.shape[0], x.shape[1], layer.units), x.dtype)
+    return TensorSpec((x.shape[0], layer.units), x.dtype)
+
+
+def projections(b: Builder, x: Tensor, w_x: Tensor, bias: Tensor, width: int,
+                projection_steps: int | None) -> list[Tensor]:
+    """x_t W_x + b for every step t, as [batch, width] tensors: one product over the whole
+    sequence, or, where the layer below hands over its steps one by one, one per
+    `projection_steps` of them (so this layer runs step t while the one below runs later ones:
+    Figure 8's model parallelism)."""
+    d, t_len = int(x.shape[2]), int(x.shape[1])
+    steps = b.steps.get(x.name)
+    if steps is None:
+        xw = fc.bias_add(fc.matmul(fc.reshape(x, [-1, d], name="rows"), w_x, name="input_matmul"),
+                         bias, name="input_bias")
+        return fc.unstack(fc.reshape(xw, [-1, t_len, width], name="sequence"), axis=1, name="input_steps")
+    k = projection_steps or t_len
+    out: list[Tensor] = []
+    for c0 in range(0, t_len, k):
+        with b.graph.name_scope(f"in{c0}"):
+            chunk = steps[c0:c0 + k]
+            rows = chunk[0] if len(chunk) == 1 else fc.concat(chunk, axis=0, name="rows")
+            xw = fc.bias_add(fc.matmul(rows, w_x, name="input_matmul"), bias, name="input_bias")
+            out += [xw] if len(chunk) == 1 else fc.split(xw, len(chunk), axis=0, name="input_steps")
+    return out
+
 
 
 @register
@@ -46,47 +89,13 @@ class LSTM(Layer):
     arity: ClassVar[tuple[int, int | None]] = (1, 2)  # the sequence, and optionally its lengths
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
-        x = ins[0]
-        rank(x, 3, "lstm", "[batch, time, features] input")
-        if len(ins) == 2:
-            if self.unroll != "dynamic":
-                raise LayerError(f"lstm '{self.name}': a lengths input needs unroll: dynamic", "inputs")
-            rank(ins[1], 1, "lstm", "[batch] lengths input")
-            if not ins[1].dtype.startswith(("int", "uint")):
-                raise LayerError(f"lstm '{self.name}': lengths must be integers, got {ins[1].dtype}", "inputs")
-        known(x.shape[1], f"lstm '{self.name}' time steps (the unroll length)")
-        known(x.shape[2], f"lstm '{self.name}' input features")
-        if self.return_sequences:
-            return TensorSpec((x.shape[0], x.shape[1], self.units), x.dtype)
-        return TensorSpec((x.shape[0], self.units), x.dtype)
+        return sequence_output(self, ins)
 
     def weights(self, ins: list[TensorSpec]) -> list[Weight]:
         d, u = int(ins[0].shape[2]), self.units
         init = ("uniform", self.init_scale) if self.init_scale else ("glorot_uniform", 0.05)
         return [Weight("kernel", (d + u, 4 * u), init=init[0], scale=init[1]),
                 Weight("bias", (4 * u,), init="zeros")]
-
-    def _projections(self, b: Builder, x: Tensor, w_x: Tensor, bias: Tensor) -> list[Tensor]:
-        """x_t W_x + b for every step t, as [batch, 4 * units] tensors: one product over the whole
-        sequence, or, where the layer below hands over its steps one by one, one per
-        `projection_steps` of them (so this layer runs step t while the one below runs later ones:
-        Figure 8's model parallelism)."""
-        d, t_len = int(x.shape[2]), int(x.shape[1])
-        steps = b.steps.get(x.name)
-        if steps is None:
-            xw = fc.bias_add(fc.matmul(fc.reshape(x, [-1, d], name="rows"), w_x, name="input_matmul"),
-                             bias, name="input_bias")
-            return fc.unstack(fc.reshape(xw, [-1, t_len, 4 * self.units], name="sequence"), axis=1,
-                              name="input_steps")
-        k = self.projection_steps or t_len
-        out: list[Tensor] = []
-        for c0 in range(0, t_len, k):
-            with b.graph.name_scope(f"in{c0}"):
-                chunk = steps[c0:c0 + k]
-                rows = chunk[0] if len(chunk) == 1 else fc.concat(chunk, axis=0, name="rows")
-                xw = fc.bias_add(fc.matmul(rows, w_x, name="input_matmul"), bias, name="input_bias")
-                out += [xw] if len(chunk) == 1 else fc.split(xw, len(chunk), axis=0, name="input_steps")
-        return out
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
         x = ins[0]
@@ -102,7 +111,7 @@ class LSTM(Layer):
         h: Tensor | None = None
         c: Tensor | None = None
         outs: list[Tensor] = []
-        for t, xw in enumerate(self._projections(b, x, w_x, bias)):
+        for t, xw in enumerate(projections(b, x, w_x, bias, 4 * u, self.projection_steps)):
             with b.graph.name_scope(f"t{t}"):
                 # At t = 0 the state is zero: the cell takes x's projection alone, so no zero state
                 # (whose batch size is unknown until run time) is materialised.
@@ -182,6 +191,129 @@ class LSTM(Layer):
         if T == 1:
             return fc.expand_dims(out0, 1, name="batch_major")
         rows = acc_stack(acc, h0, rows=T - 1)
+        outs = fc.concat([fc.expand_dims(out0, 0), rows], axis=0, name="outputs")  # [T, batch, u]
+        return fc.reshape(fc.transpose(outs, [1, 0, 2]), [-1, T, u], name="batch_major")
+
+
+@register
+class GRU(Layer):
+    """A gated recurrent unit (Cho et al. 2014) as torch.nn.GRU and cuDNN compute it, gates in the
+    order r, z, n: r = σ(x W_xr + b_r + h W_hr + c_r), z = σ(x W_xz + b_z + h W_hz + c_z),
+    n = tanh(x W_xn + b_n + r ⊙ (h W_hn + c_n)), h' = (1 − z) ⊙ n + z ⊙ h. `kernel` is
+    [(in + units), 3 * units], its input rows W_x above its recurrent rows W_h (PyTorch's
+    weight_ih_l0 and weight_hh_l0, transposed, stacked); `bias` (b) joins the input projection,
+    `recurrent_bias` (c) the recurrent one, which it must stay apart from because r scales it.
+
+    As the LSTM: the input projection of every step is one product before the recurrence (static
+    or dynamic), only h W_h + c runs per step; `unroll: dynamic` loops over time (§4.4) and may
+    take the lengths as a second input, past which an example's state stops changing and its
+    outputs are zero. The gates are composed from Sigmoid, Tanh, Mul and Add nodes."""
+
+    type: Literal["gru"]
+    units: int = Field(ge=1)
+    return_sequences: bool = True
+    init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
+    unroll: Literal["static", "dynamic"] = Field(
+        "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
+    projection_steps: int | None = Field(
+        7, ge=1, description="static: time steps per input-projection product when the input arrives step by "
+        "step from a recurrent layer below (the layer can start once that many are in; null: all)")
+
+    arity: ClassVar[tuple[int, int | None]] = (1, 2)  # the sequence, and optionally its lengths
+
+    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
+        return sequence_output(self, ins)
+
+    def weights(self, ins: list[TensorSpec]) -> list[Weight]:
+        d, u = int(ins[0].shape[2]), self.units
+        init = ("uniform", self.init_scale) if self.init_scale else ("glorot_uniform", 0.05)
+        return [Weight("kernel", (d + u, 3 * u), init=init[0], scale=init[1]),
+                Weight("bias", (3 * u,), init="zeros"),
+                Weight("recurrent_bias", (3 * u,), init="zeros")]
+
+    def _cell(self, xw: Tensor, h: Tensor | None, w_h: Tensor, c: Tensor) -> Tensor:
+        """h' from x_t W_x + b (`xw`, [batch, 3 * units]) and h_{t-1}; h None is the zero state,
+        where h W_h + c is c alone (no zero state, whose batch size is unknown until run time)."""
+        hw = c if h is None else fc.bias_add(fc.recurrent_matmul(h, w_h, name="matmul"), c, name="bias_add")
+        xr, xz, xn = fc.split(xw, 3, axis=1, name="input_gates")
+        hr, hz, hn = fc.split(hw, 3, axis=len(hw.shape) - 1, name="recurrent_gates")
+        r = fc.sigmoid(xr + hr, name="reset_gate")
+        z = fc.sigmoid(xz + hz, name="update_gate")
+        n = fc.tanh(xn + r * hn, name="candidate")
+        if h is None:
+            return fc.sub(n, z * n, name="h")
+        return fc.add(n, z * (h - n), name="h")  # (1 - z) n + z h
+
+    def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
+        x = ins[0]
+        d, u = int(x.shape[2]), self.units
+        kernel, bias, c = (b.variable(w) for w in self.weights([x.spec]))
+        # Row blocks of the one kernel (views): checkpoints and parameter counts keep its layout.
+        w_x, w_h = fc.split(kernel, [d, u], axis=0, name="kernel_rows")
+        if self.unroll == "dynamic":
+            return self._build_dynamic(x, w_x, w_h, bias, c, ins[1] if len(ins) == 2 else None)
+        h: Tensor | None = None
+        outs: list[Tensor] = []
+        for t, xw in enumerate(projections(b, x, w_x, bias, 3 * u, self.projection_steps)):
+            with b.graph.name_scope(f"t{t}"):
+                h = self._cell(xw, h, w_h, c)
+                outs.append(h)
+        if not self.return_sequences:
+            return fc.identity(outs[-1], name="last")
+        y = fc.stack(outs, axis=1, name="stack")  # runs only if a non-recurrent layer reads it
+        b.steps[y.name] = outs
+        return y
+
+    def _build_dynamic(self, x: Tensor, w_x: Tensor, w_h: Tensor, bias: Tensor, c: Tensor,
+                       lengths: Tensor | None) -> Tensor:
+        """Step 0 from the input alone, steps 1..T-1 (or 1..max(lengths)-1) in a while loop
+        (§4.4), each reading its row of the input projection made before the loop; outputs are
+        pushed onto an accumulator stacked (zero-padded to T-1 rows) after it."""
+        from flowctl.engine.control_flow import while_loop
+        from flowctl.engine.ops.control import acc_push, acc_stack, accumulator
+
+        T, d, u = int(x.shape[1]), int(x.shape[2]), self.units
+        xw = fc.bias_add(fc.matmul(fc.reshape(x, [-1, d], name="rows"), w_x, name="input_matmul"),
+                         bias, name="input_bias")
+        xws = fc.transpose(fc.reshape(xw, [-1, T, 3 * u], name="sequence"), [1, 0, 2],
+                           name="time_major")  # [T, batch, 3 * units]
+        lens = None if lengths is None else fc.cast(lengths, "int32", name="lengths")
+
+        def step_input(t: Tensor) -> Tensor:
+            return fc.reshape(fc.gather(xws, fc.reshape(t, [1]), axis=0), [-1, 3 * u], name="xw_t")
+
+        def alive(t: Tensor) -> Tensor:  # [batch, 1]: 1 while t < the example's length
+            assert lens is not None
+            return fc.expand_dims(fc.cast(fc.less(t, lens), x.dtype), 1, name="alive")
+
+        with x.graph.name_scope("t0"):
+            t0 = fc.constant(0, dtype="int32")
+            h = self._cell(step_input(t0), None, w_h, c)
+            if lens is not None:  # an example of length 0 keeps the zero state
+                h = h * alive(t0)
+        out0 = h
+        if T > 1:
+            def body(t: Tensor, h: Tensor, acc: Tensor) -> tuple[Tensor, ...]:
+                h2 = self._cell(step_input(t), h, w_h, c)
+                out = h2
+                if lens is not None:  # past its length an example keeps its state, outputs zero
+                    m = alive(t)
+                    out = h2 * m
+                    h2 = out + h * (1.0 - m)
+                return t + 1, h2, acc_push(acc, out) if self.return_sequences else acc
+
+            steps = fc.constant(T, dtype="int32")
+            if lens is not None:
+                steps = fc.minimum(fc.reduce_max(lens), steps, name="steps")
+            _, h, acc = while_loop(lambda t, h, a: fc.less(t, steps), body,
+                                   [fc.constant(1, dtype="int32"), h, accumulator(x.graph)],
+                                   shape_invariants=[None, (None, u), None], name="time_loop",
+                                   expected_iterations=T - 1)
+        if not self.return_sequences:
+            return fc.identity(h, name="last")
+        if T == 1:
+            return fc.expand_dims(out0, 1, name="batch_major")
+        rows = acc_stack(acc, out0, rows=T - 1)
         outs = fc.concat([fc.expand_dims(out0, 0), rows], axis=0, name="outputs")  # [T, batch, u]
         return fc.reshape(fc.transpose(outs, [1, 0, 2]), [-1, T, u], name="batch_major")
 
