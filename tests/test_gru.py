@@ -180,3 +180,40 @@ def test_a_gru_language_model_learns_under_flowctl_train(tmp_path: Path, unroll:
     got = losses(tmp_path / "run")
     assert len(got) == 25 and all(np.isfinite(got))
     assert np.mean(got[-5:]) < 0.5 * np.mean(got[:5]), got
+
+
+TWIN = """
+version: 1
+model:
+  layers:
+    - {name: x, type: input, shape: [7, 4]}
+    - {name: rnn, type: gru, units: 6, unroll: UNROLL}
+    - {name: lstm, type: lstm, units: 5, forget_bias: 1.0}
+    - {name: top, type: gru, units: 3, return_sequences: false}
+"""
+
+
+@pytest.mark.parametrize("unroll", ["static", "dynamic"])
+def test_the_pytorch_twin_is_torch_nn_gru_with_the_weights_copied(rng, unroll):
+    torch = pytest.importorskip("torch")
+    from flowctl.bench.torch_twin import Twin
+
+    loaded = load_text(TWIN.replace("UNROLL", unroll), "twin.yaml")
+    model = build_model(loaded, training=False)
+    sess = fc.Session(model.graph, store=fc.ContainerStore())
+    sess.run(model.initializer())
+    # Non-zero biases everywhere, so each lands in its PyTorch slot or the outputs differ.
+    values = {name: [rng.uniform(-0.5, 0.5, v.shape).astype(np.float32) for v in model.variables[name]]
+              for name in ("rnn", "lstm", "top")}
+    sess.load_variables({v.node: a for name in values for v, a in zip(model.variables[name], values[name])})
+    x = rng.standard_normal((3, 7, 4)).astype(np.float32)
+    want = sess.run([model.outputs[n] for n in values], {model.inputs["x"]: x})
+
+    twin = Twin(loaded)
+    assert twin.param_count() == sum(loaded.params())
+    twin.load(values)
+    with torch.no_grad():
+        got = twin({"x": torch.from_numpy(x)})
+    for name, w in zip(values, want):
+        assert got[name].shape == w.shape
+        np.testing.assert_allclose(got[name].numpy(), w, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -6,7 +6,9 @@ model: convolutions without bias and batch norm without a scale where the spec s
 Inception-v3 layout), TensorFlow's SAME padding (asymmetric where it has to be), average pools that
 leave the padding out of the mean. Images run channels-last in memory (NHWC, as flowctl holds them)
 while PyTorch indexes them NCHW. An LSTM layer is one `nn.LSTM`; its second bias vector (PyTorch
-keeps b_ih and b_hh, the spec one bias) is frozen at zero and left out of the count.
+keeps b_ih and b_hh, the spec one bias) is frozen at zero and left out of the count. A GRU layer is
+one `nn.GRU`, whose two bias vectors are the spec's `bias` and `recurrent_bias`. `Twin.load` copies
+a flowctl model's weights into the recurrent layers, so their outputs can be compared.
 
 This module imports torch; only `flowctl.bench.peers` imports it, after checking torch is there.
 """
@@ -111,11 +113,25 @@ class Pool(nn.Module):
         return self.pool(x)
 
 
+def _no_lengths(info: LayerInfo) -> None:
+    if len(info.inputs) > 1:
+        raise TwinError(f"layer '{info.layer.name}': a lengths input has no PyTorch twin here")
+
+
+def _rows(kernel: Any, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A spec's [(in + units), gates * units] kernel as PyTorch's weight_ih and weight_hh
+    ([gates * units, in] and [gates * units, units]: the row blocks, transposed)."""
+    k = torch.as_tensor(kernel)
+    return k[:d].T, k[d:].T
+
+
 class Recurrent(nn.Module):
     def __init__(self, info: LayerInfo, spec_in: Any) -> None:
         super().__init__()
+        _no_lengths(info)
         layer = info.layer
         self.last = not layer.return_sequences
+        self.forget_bias, self.units = layer.forget_bias, layer.units
         self.lstm = nn.LSTM(int(spec_in.shape[2]), layer.units, batch_first=True)
         with torch.no_grad():
             self.lstm.bias_hh_l0.zero_()
@@ -123,8 +139,40 @@ class Recurrent(nn.Module):
                 self.lstm.bias_ih_l0[layer.units:2 * layer.units] += layer.forget_bias
         self.lstm.bias_hh_l0.requires_grad_(False)
 
+    def load(self, kernel: Any, bias: Any) -> None:
+        """The spec layer's weights (gates i, f, g, o in both); the forget bias joins b_ih."""
+        w_ih, w_hh = _rows(kernel, self.lstm.input_size)
+        b = torch.as_tensor(bias).clone()
+        b[self.units:2 * self.units] += self.forget_bias
+        with torch.no_grad():
+            for p, v in ((self.lstm.weight_ih_l0, w_ih), (self.lstm.weight_hh_l0, w_hh), (self.lstm.bias_ih_l0, b)):
+                p.copy_(v)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.lstm(x)
+        return y[:, -1] if self.last else y
+
+
+class GatedRecurrent(nn.Module):
+    """A `gru` layer: nn.GRU computes the spec's equations (gates r, z, n; the recurrent bias
+    inside r's product), so the twin is the module itself with the weights in PyTorch's layout."""
+
+    def __init__(self, info: LayerInfo, spec_in: Any) -> None:
+        super().__init__()
+        _no_lengths(info)
+        self.last = not info.layer.return_sequences
+        self.gru = nn.GRU(int(spec_in.shape[2]), info.layer.units, batch_first=True)
+
+    def load(self, kernel: Any, bias: Any, recurrent_bias: Any) -> None:
+        w_ih, w_hh = _rows(kernel, self.gru.input_size)
+        with torch.no_grad():
+            for p, v in ((self.gru.weight_ih_l0, w_ih), (self.gru.weight_hh_l0, w_hh),
+                         (self.gru.bias_ih_l0, torch.as_tensor(bias)),
+                         (self.gru.bias_hh_l0, torch.as_tensor(recurrent_bias))):
+                p.copy_(v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.gru(x)
         return y[:, -1] if self.last else y
 
 
@@ -170,6 +218,8 @@ def _module(info: LayerInfo, ins: list[Any]) -> nn.Module:
         return nn.Embedding(layer.vocab, layer.dim)
     if t == "lstm":
         return Recurrent(info, ins[0])
+    if t == "gru":
+        return GatedRecurrent(info, ins[0])
     if t == "concat":
         return _concat(layer.axis, len(ins[0].shape))
     if t == "activation":
@@ -202,6 +252,15 @@ class Twin(nn.Module):
             if name == upto:
                 break
         return out
+
+    def load(self, weights: dict[str, list[Any]]) -> None:
+        """Copy a flowctl model's weights (layer name -> its variables' values, in `weights()`
+        order) into the twin's recurrent layers."""
+        for name, values in weights.items():
+            module = self.layers[_key(name)]
+            if not isinstance(module, (Recurrent, GatedRecurrent)):
+                raise TwinError(f"layer '{name}': the twin copies recurrent layers' weights only")
+            module.load(*values)
 
     def param_count(self) -> int:
         """Trainable parameters plus batch norm's moving statistics: how a spec counts."""
