@@ -4,6 +4,7 @@ finite-difference check, lengths stop the state as the LSTM's do, the parameter 
 built graph's, and a small GRU language model learns under `flowctl train`."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -169,18 +170,22 @@ checkpoint: {every_steps: 100, keep: 3}
 """
 
 
-@pytest.mark.parametrize("unroll", ["static", "dynamic"])
-def test_a_gru_language_model_learns_under_flowctl_train(tmp_path: Path, unroll: str):
+def _lm_run(tmp_path: Path, unroll: str, steps: int) -> Path:
     words = "the cat sat on a mat".split()
     (tmp_path / "corpus.txt").write_text(" ".join(words[i % len(words)] for i in range(3000)))
-    path = tmp_path / "gru_lm.yaml"
+    path = tmp_path / f"gru_lm_{unroll}.yaml"
     path.write_text(LM.replace("UNROLL", unroll))
-    r = CliRunner().invoke(cli, ["train", str(path), "--run-dir", str(tmp_path / "run")])
+    run = tmp_path / f"run_{unroll}"
+    r = CliRunner().invoke(cli, ["train", str(path), "--run-dir", str(run), "--steps", str(steps)])
     assert r.exit_code == 0, r.output
-    got = losses(tmp_path / "run")
+    return run
+
+
+@pytest.mark.parametrize("unroll", ["static", "dynamic"])
+def test_a_gru_language_model_learns_under_flowctl_train(tmp_path: Path, unroll: str):
+    got = losses(_lm_run(tmp_path, unroll, 25))
     assert len(got) == 25 and all(np.isfinite(got))
     assert np.mean(got[-5:]) < 0.5 * np.mean(got[:5]), got
-
 
 TWIN = """
 version: 1
@@ -217,3 +222,26 @@ def test_the_pytorch_twin_is_torch_nn_gru_with_the_weights_copied(rng, unroll):
     for name, w in zip(values, want):
         assert got[name].shape == w.shape
         np.testing.assert_allclose(got[name].numpy(), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_a_static_gru_exports_to_onnx_and_computes_the_runs_logits(tmp_path: Path):
+    """The static unroll is MatMul, Add, Split, Sigmoid, Tanh, Mul and Sub nodes, all with ONNX
+    forms; the dynamic one's while loop has none here, and the refusal is one line."""
+    onnx = pytest.importorskip("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    from flowctl.training.inference import open_run
+
+    run = _lm_run(tmp_path, "static", 3)
+    r = CliRunner().invoke(cli, ["export", str(run), "--out", str(tmp_path / "o"), "--format", "onnx", "--json"])
+    assert r.exit_code == 0, r.output
+    model = onnx.load(json.loads(r.stdout)["file"])
+    x = np.random.default_rng(2).integers(0, 12, (3, 8)).astype(np.int32)
+    (got,) = ReferenceEvaluator(model).run(None, {"tokens": x})
+    m = open_run(run)
+    want = m.session.run(m.evaluator.logits, {m.evaluator.model.inputs["tokens"]: x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    run = _lm_run(tmp_path, "dynamic", 1)
+    r = CliRunner().invoke(cli, ["export", str(run), "--out", str(tmp_path / "d"), "--format", "onnx"])
+    assert r.exit_code != 0 and "has no ONNX form" in r.output and "Traceback" not in r.output

@@ -1,8 +1,8 @@
 """`flowctl export --format onnx`: a run's forward graph (inputs to logits) as an ONNX model, for the
 ops ONNX has a form of here: matrix products, bias adds and element-wise arithmetic, the usual
-activations, concat/split/stack/unstack, reshape, slice and gather (dense, embedding and
-unrolled LSTM layers). Anything else is refused naming the node, never exported approximately:
-integer Div truncates in both, and TruncateMod is Mod(fmod=1), but a floor quotient and a float
+activations, concat/split/stack/unstack, reshape, slice and gather (dense, embedding, and
+statically unrolled LSTM and GRU layers). Anything else is refused naming the node, never exported
+approximately: integer Div truncates in both, and TruncateMod is Mod(fmod=1), but a floor quotient and a float
 floor remainder have no exact ONNX form.
 Weights travel as initializers; a dimension the graph leaves open (the batch) is symbolic.
 """
