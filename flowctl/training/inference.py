@@ -214,7 +214,7 @@ def _predict_bpe(m: RunModel, path: Path, top: int) -> dict[str, Any]:
     logits = np.asarray(m.session.run(logits_t, {inputs[name]: np.tile(window, (batch, 1)).astype(inputs[name].dtype)}))
     last = _softmax(logits.reshape(batch, unroll, -1)[0, -1][None, :])[0]
     order = [i for i in np.argsort(-last, kind="stable") if i < len(bpe)][:top]
-    return {"context": bpe.decode(tail), "next": [{"token": int(i), "text": bpe.token(int(i)),
+    return {"context": bpe.decode(tail), "next": [{"word": bpe.token(int(i)), "token": int(i),
                                                    "probability": float(last[i])} for i in order]}
 
 
