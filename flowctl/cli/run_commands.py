@@ -49,8 +49,10 @@ def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, ou
     r = predict_run(run_dir, input_path, checkpoint, top)
     con = consoles.result(as_json)
     if "next" in r:
-        words = ", ".join(f"{w['word']} {w['probability']:.3f}" for w in r["next"])
-        con.print(f"after '{' '.join(r['context'][-8:])}': {words}")
+        words = ", ".join(f"{w['word']!r} {w['probability']:.3f}" if "token" in w else
+                          f"{w['word']} {w['probability']:.3f}" for w in r["next"])
+        context = r["context"][-40:] if isinstance(r["context"], str) else " ".join(r["context"][-8:])  # BPE: text
+        con.print(f"after '{context}': {words}", markup=False, highlight=False)
     elif "translations" in r:
         for t in r["translations"]:
             con.print(f"{t['source']}  ->  {t['translation']}", markup=False, highlight=False)

@@ -12,9 +12,10 @@ import numpy as np
 
 from flowctl.data.arrays import ArraySource
 from flowctl.data.base import DataSource, InputSpec
+from flowctl.data.bpe import ByteBPE, read_text
 from flowctl.data.parallel import ParallelTextSource
 from flowctl.data.synthetic import SyntheticSource
-from flowctl.data.text import SentenceSource, TextSource, Vocabulary, read_words
+from flowctl.data.text import SentenceSource, TextSource, Vocabulary, read_words, unigram_perplexity
 from flowctl.engine.errors import SpecError
 
 
@@ -24,11 +25,13 @@ VALIDATION_STREAM = 1_000_003
 
 
 def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_size: int,
-                base_dir: str | Path = ".", split: str = "train") -> DataSource:
+                base_dir: str | Path = ".", split: str = "train", tokenizer: ByteBPE | None = None) -> DataSource:
     """A source from a `data:` mapping (`source: synthetic | arrays | text`); relative paths are
     taken from `base_dir` (the spec file's directory). `split`: "train", or "validation" for the
     held-out data (`validation:` file, the last `validation_fraction` of the file, or for synthetic
-    data a stream of its own), read in order without shuffling."""
+    data a stream of its own), read in order without shuffling. `tokenizer`: for a text source with
+    `tokenizer: bpe`, the one to encode with (a run's stored one); by default it is learned here
+    from the training corpus (`learn_tokenizer`)."""
     cfg = dict(config)
     kind = cfg.get("source", "synthetic")
     inputs = list(inputs)
@@ -51,6 +54,10 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
             raise SpecError("a text source needs an integer model input of shape [unroll]")
         if cfg.get("lengths"):  # sentences of their own lengths
             return _sentences(cfg, inputs, batch_size, Path(base_dir), ints, name, held)
+        if cfg.get("tokenizer", "words") == "bpe":
+            return TextSource(inputs, batch_size, path, unroll=ints[name].shape[0], input_name=cfg.get("input"),
+                              target_name=cfg.get("target"), part=part,
+                              tokenizer=tokenizer or learn_tokenizer(cfg, base_dir))
         vocab = None
         if held and cfg.get("validation"):  # encoded with the training corpus's words
             vocab = Vocabulary.build(read_words(Path(base_dir) / cfg["path"]), cfg.get("vocab_size"))
@@ -64,6 +71,14 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
                                   vocab_sizes=(cfg.get("vocab_size"), cfg.get("target_vocab_size")), part=part,
                                   bucket=cfg.get("bucket", False), shuffle=not held, seed=cfg.get("seed", 0))
     raise SpecError(f"unknown data source {kind!r}: synthetic, arrays, text or parallel_text")
+
+
+def learn_tokenizer(config: Mapping[str, Any], base_dir: str | Path = ".") -> ByteBPE:
+    """The byte-level BPE of a `tokenizer: bpe` text source, learned on its training corpus (all
+    of `path`, as the word vocabulary is built from all of it) with `vocab_size` tokens."""
+    if not config.get("vocab_size"):
+        raise SpecError("data.tokenizer bpe needs data.vocab_size (the BPE vocabulary, at least 256)")
+    return ByteBPE.train(read_text(Path(base_dir) / config["path"]), int(config["vocab_size"]))
 
 
 def has_validation(config: Mapping[str, Any]) -> bool:
@@ -102,5 +117,5 @@ def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, ba
                           shuffle=not held)
 
 
-__all__ = ["ArraySource", "DataSource", "InputSpec", "ParallelTextSource", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",
-           "Vocabulary", "has_validation", "make_source"]
+__all__ = ["ArraySource", "ByteBPE", "DataSource", "InputSpec", "ParallelTextSource", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",
+           "Vocabulary", "has_validation", "learn_tokenizer", "make_source", "unigram_perplexity"]

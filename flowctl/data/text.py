@@ -5,6 +5,10 @@ frequent words (ties in alphabetical order, so it is the same on every machine),
 `<unk>`. The id stream is cut into `batch` parallel rows; batch i reads columns
 [i*unroll, (i+1)*unroll) as input and the same shifted by one as target, so an LSTM's state can
 carry from one batch to the next along each row.
+
+With a `ByteBPE` tokenizer (flowctl.data.bpe) instead of the word vocabulary, the same stream is
+the corpus's byte-level BPE ids, cut into rows the same way: a decoder-only LM's input and its
+targets shifted by one.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from flowctl.data.base import DataSource, InputSpec
+from flowctl.data.bpe import ByteBPE, read_text
 from flowctl.engine.errors import SpecError
 
 EOS = "<eos>"
@@ -71,10 +76,11 @@ class TextSource(DataSource):
     def __init__(self, inputs: list[InputSpec], batch_size: int, path: str | Path, unroll: int,
                  vocab_size: int | None = None, input_name: str | None = None,
                  target_name: str | None = None, seed: int = 0, part: tuple[float, float] = (0.0, 1.0),
-                 vocab: Vocabulary | None = None) -> None:
+                 vocab: Vocabulary | None = None, tokenizer: ByteBPE | None = None) -> None:
         """`part`: the fraction of the corpus this source reads, (start, stop) in token order.
         `vocab`: the vocabulary to encode with (a validation file uses the training corpus's);
-        by default it is built from the whole of `path`, so both parts of a split share it."""
+        by default it is built from the whole of `path`, so both parts of a split share it.
+        `tokenizer`: encode with this byte-level BPE instead of words (`vocab` is then None)."""
         super().__init__(inputs, batch_size, seed)
         ints = [i.name for i in inputs if i.is_int]
         self.input_name = input_name or (ints[0] if ints else "")
@@ -84,10 +90,24 @@ class TextSource(DataSource):
                             f"{len(ints)}: {', '.join(ints) or 'none'}")
         self.unroll = int(unroll)
         self.path = Path(path)
-        words = read_words(self.path)
-        self.vocab = vocab or Vocabulary.build(words, vocab_size)
-        ids = self.vocab.encode(words)
-        ids = ids[round(part[0] * len(ids)):round(part[1] * len(ids))]
+        self.tokenizer = tokenizer
+        self.vocab: Vocabulary | None = None
+        if tokenizer is not None:
+            ids = tokenizer.encode(read_text(self.path))
+            size = len(tokenizer)
+        else:
+            words = read_words(self.path)
+            self.vocab = vocab or Vocabulary.build(words, vocab_size)
+            ids = self.vocab.encode(words)
+            size = len(self.vocab)
+        classes = {i.name: i.classes for i in inputs}
+        room = min((c for c in (classes.get(self.input_name), classes.get(self.target_name)) if c), default=None)
+        if tokenizer is not None and room is not None and size > room:
+            raise SpecError(f"the tokenizer has {size} tokens but the model's inputs '{self.input_name}' and "
+                            f"'{self.target_name}' take {room} classes: make them at least {size}, or "
+                            f"data.vocab_size at most {room}")
+        self.ids = ids[round(part[0] * len(ids)):round(part[1] * len(ids))]  # the stream this part reads
+        ids = self.ids
         self.batch_len = len(ids) // batch_size
         self.batches_per_epoch = (self.batch_len - 1) // self.unroll
         if self.batches_per_epoch < 1:
@@ -110,6 +130,24 @@ class TextSource(DataSource):
     def epoch_start(self) -> bool:
         """True when the next batch begins an epoch: an LSTM's carried state should be reset."""
         return self.position % self.batches_per_epoch == 0
+
+
+def unigram_cross_entropy(train: np.ndarray, held: np.ndarray, classes: int) -> float:
+    """The cross-entropy (nats per token) on the ids `held` of the unigram model of `train`: each
+    of `classes` ids with its training frequency, add-one smoothed (an id training never saw
+    keeps a finite cost). A language model that beats it has learned more than token counts;
+    exp of it is the unigram perplexity."""
+    counts = np.bincount(np.asarray(train, np.int64), minlength=classes)[:classes].astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(held, np.int64)].mean())
+
+
+def unigram_perplexity(train: TextSource, held: TextSource) -> float:
+    """The unigram perplexity of `held`'s stream (a validation source) under `train`'s counts, over
+    the training source's vocabulary or tokenizer: the figure a trained LM's `val/perplexity` (per
+    token, on the same stream) should fall below."""
+    classes = len(train.tokenizer) if train.tokenizer is not None else len(train.vocab or ())
+    return float(np.exp(unigram_cross_entropy(train.ids, held.ids, classes)))
 
 
 class SentenceSource(DataSource):

@@ -132,13 +132,27 @@ class ArrayData(HeldOut):
 class TextData(HeldOut):
     source: Literal["text"]
     path: str
-    vocab_size: int | None = Field(None, ge=2, description="keep the most frequent words; others become <unk>")
+    tokenizer: Literal["words", "bpe"] = Field(
+        "words", description="words: split on whitespace, <eos> at line ends; bpe: byte-level BPE learned on "
+        "path at the run's first start and kept as RUN/tokenizer.json (needs pip install 'flowctl[text]')")
+    vocab_size: int | None = Field(None, ge=2, description="words: keep the most frequent words, others become "
+                                   "<unk>; bpe: the BPE vocabulary (256 bytes and the merges; required)")
     input: str | None = Field(None, description="model input fed with token ids (default: first int input)")
     target: str | None = Field(None, description="model input fed with next-token ids (default: second int input)")
     lengths: str | None = Field(None, description="model input fed with each line's length: one line per "
                                 "example, padded to the input's length (for lstm unroll: dynamic)")
     bucket: bool = Field(False, description="with lengths: batch lines of similar length together")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _bpe(self) -> "TextData":
+        if self.tokenizer == "bpe":
+            if self.vocab_size is None or self.vocab_size < 256:
+                raise ValueError(f"tokenizer bpe needs vocab_size of at least 256 (the bytes, then the merges), "
+                                 f"not {self.vocab_size}")
+            if self.lengths is not None:
+                raise ValueError("tokenizer bpe feeds a token stream; lengths (one line per example) reads words")
+        return self
 
 
 class ParallelFeeds(Strict):

@@ -27,7 +27,7 @@ from flowctl.engine.executor import needed_nodes
 from flowctl.engine.saved_model import EXPORT_FORMAT, EXPORT_VERSION
 from flowctl.spec.check import LoadedSpec
 from flowctl.training.evaluate import Evaluator
-from flowctl.training.inputs import model_inputs
+from flowctl.training.inputs import TOKENIZER, model_inputs, run_tokenizer
 from flowctl.training.onnx_export import to_onnx, write_onnx
 from flowctl.training.rundir import RunDir, write_atomic
 from flowctl.training.runs import load_run_spec, override_data
@@ -60,7 +60,7 @@ def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = No
     run = RunDir(run_dir)
     loaded, _ = load_run_spec(run)
     split = override_data(loaded, data, held=True) if data else "validation"
-    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0")
+    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0", tokenizer=run_tokenizer(loaded, run))
     found = _checkpoint(run, checkpoint)
     wanted = {n.name for n in evaluator.graph.nodes.values() if n.op == "Variable"}
     missing = sorted(wanted - set(found.tensors))
@@ -163,6 +163,8 @@ def _predict_text(m: RunModel, path: Path, top: int) -> dict[str, Any]:
     reads the last `unroll` words (left-padded with <unk>); trained on sentences with their lengths,
     it reads the text as one sentence (its last `unroll` words) and predicts after its last word."""
     logits_t = _logits_of(m)
+    if m.evaluator.tokenizer is not None:
+        return _predict_bpe(m, path, top)
     vocab = _vocabulary(m.loaded)
     ids = vocab.encode(read_words(path)[:-1])  # the words as written, without the line's end marker
     inputs = m.evaluator.model.inputs
@@ -190,6 +192,30 @@ def _predict_text(m: RunModel, path: Path, top: int) -> dict[str, Any]:
     # Classes past the vocabulary (a corpus with fewer words than the input's classes) are no word.
     order = [i for i in np.argsort(-last, kind="stable") if i < len(vocab.words)][:top]
     return {"context": context, "next": [{"word": vocab.words[i], "probability": float(last[i])} for i in order]}
+
+
+def _predict_bpe(m: RunModel, path: Path, top: int) -> dict[str, Any]:
+    """The next token after the text in `path`, encoded with the run's byte-level BPE; the model
+    reads its last `unroll` tokens, left-padded with token 0 where the text is shorter."""
+    from flowctl.data.bpe import read_text
+
+    bpe = m.evaluator.tokenizer
+    assert bpe is not None
+    logits_t = _logits_of(m)
+    ids = bpe.encode(read_text(path).rstrip("\n"))  # the text as written, without the file's last line end
+    if not len(ids):
+        raise SpecError(f"{path}: no text to continue")
+    (name,) = _forward_inputs(m, logits_t)
+    inputs = m.evaluator.model.inputs
+    unroll, batch = int(inputs[name].shape[1]), m.loaded.global_batch
+    window = np.zeros(unroll, np.int64)
+    tail = ids[-unroll:]
+    window[unroll - len(tail):] = tail
+    logits = np.asarray(m.session.run(logits_t, {inputs[name]: np.tile(window, (batch, 1)).astype(inputs[name].dtype)}))
+    last = _softmax(logits.reshape(batch, unroll, -1)[0, -1][None, :])[0]
+    order = [i for i in np.argsort(-last, kind="stable") if i < len(bpe)][:top]
+    return {"context": bpe.decode(tail), "next": [{"word": bpe.token(int(i)), "token": int(i),
+                                                   "probability": float(last[i])} for i in order]}
 
 
 def _translate(m: RunModel, path: Path) -> dict[str, Any]:
@@ -272,9 +298,12 @@ def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, fmt: str
                                                for name, t in model.inputs.items()},
         "outputs": outputs, "labels": m.evaluator.labels,
     }
-    if m.loaded.spec.data.model_dump().get("source") == "text":
-        signature["vocabulary"] = _vocabulary(m.loaded).words
     out.mkdir(parents=True, exist_ok=True)
+    if m.evaluator.tokenizer is not None:  # the ids mean what the run's own tokenizer says
+        write_atomic(out / TOKENIZER, m.evaluator.tokenizer.to_json())
+        signature["tokenizer"] = TOKENIZER
+    elif m.loaded.spec.data.model_dump().get("source") == "text":
+        signature["vocabulary"] = _vocabulary(m.loaded).words
     weights = {k: np.ascontiguousarray(v) for k, v in m.session.variable_values().items()}
     write_atomic(out / "weights.safetensors", save(weights))  # atomic, and readable as model.json is
     write_atomic(out / "model.json", m.graph.to_json())
@@ -299,10 +328,11 @@ def _export_onnx(m: RunModel, out: Path) -> dict[str, Any]:
 
 def validation_arrays(run_dir: Path, path: Path) -> Path:
     """The run's held-out data written as an .npz of its inputs (what `predict` reads)."""
-    loaded, _ = load_run_spec(RunDir(run_dir))
+    run = RunDir(run_dir)
+    loaded, _ = load_run_spec(run)
     inputs: list[InputSpec] = model_inputs(loaded)
     src = make_source(loaded.spec.data.model_dump(), inputs, loaded.global_batch, base_dir=loaded.base_dir,
-                      split="validation")
+                      split="validation", tokenizer=run_tokenizer(loaded, run))
     n = int(getattr(src, "batches_per_epoch", 0) or loaded.spec.data.model_dump().get("validation_batches", 16))
     batches = [src.next_batch() for _ in range(n)]
     np.savez(path, **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})

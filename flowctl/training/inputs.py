@@ -1,11 +1,16 @@
 """The data a training program reads: one source of the step's batch, or one per replica for
-`async_data_parallel` (§7, Figure 7 bottom: each replica reads its own stream)."""
+`async_data_parallel` (§7, Figure 7 bottom: each replica reads its own stream); and a text
+source's byte-level BPE, learned at a run's first start and kept in the run directory."""
 from __future__ import annotations
 
 import numpy as np
 
-from flowctl.data import DataSource, InputSpec, make_source
+from flowctl.data import ByteBPE, DataSource, InputSpec, learn_tokenizer, make_source
+from flowctl.engine.errors import CheckpointError
 from flowctl.spec.check import LoadedSpec
+from flowctl.training.rundir import RunDir
+
+TOKENIZER = "tokenizer.json"
 
 
 def model_inputs(loaded: LoadedSpec) -> list[InputSpec]:
@@ -13,11 +18,39 @@ def model_inputs(loaded: LoadedSpec) -> list[InputSpec]:
             for i in loaded.inputs()]
 
 
-def make_sources(loaded: LoadedSpec, replicas: int, batch: int) -> list[DataSource]:
+def run_tokenizer(loaded: LoadedSpec, run: RunDir) -> ByteBPE | None:
+    """The byte-level BPE of a run whose spec asks for one (`data.tokenizer: bpe`), else None. A run
+    being started (no run.json yet) learns it from the corpus and writes RUN/tokenizer.json
+    atomically; a started run (resume, evaluate, predict, export) reads that file and never learns
+    again: the ids its checkpoints were trained on keep their meaning even if the corpus changes.
+    A started run without the file (or with a damaged one) is a CheckpointError, not a new tokenizer."""
+    cfg = loaded.spec.data.model_dump()
+    if cfg.get("source") != "text" or cfg.get("tokenizer") != "bpe":
+        return None
+    path = run.path / TOKENIZER
+    if not run.exists():
+        tokenizer = learn_tokenizer(cfg, loaded.base_dir)
+        run.write_text(TOKENIZER, tokenizer.to_json())
+        return tokenizer
+    try:
+        text = run.inside(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the run's byte-level BPE is kept there from its first start, "
+                              f"and learning it again from the corpus could give other ids") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        return ByteBPE.from_json(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: damaged, not a tokenizer ({e})") from None
+
+
+def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None) -> list[DataSource]:
     """One source of `batch` examples per replica (one for the synchronous strategies). Replica
     k > 0 reads its own stream, seeded by its index: synthetic data draws from the generator
     [seed, k] (the learnable task's teacher stays the spec's), shuffled arrays use seed + k, and
-    ordered arrays and text start k/N of the way into the epoch."""
+    ordered arrays and text start k/N of the way into the epoch. `tokenizer`: a bpe text source's
+    (`run_tokenizer`); without it each source learns its own from the corpus."""
     cfg = loaded.spec.data.model_dump()
     inputs = model_inputs(loaded)
     out = []
@@ -26,7 +59,7 @@ def make_sources(loaded: LoadedSpec, replicas: int, batch: int) -> list[DataSour
         kind = c.get("source", "synthetic")
         if k and kind == "arrays" and c.get("shuffle", True):
             c["seed"] = int(c.get("seed", 0)) + k
-        src = make_source(c, inputs, batch, base_dir=loaded.base_dir)
+        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer)
         if k and kind == "synthetic":
             src.rng = np.random.default_rng([int(c.get("seed", 0)), k])
         elif k and hasattr(src, "batches_per_epoch") and not (kind == "arrays" and c.get("shuffle", True)):
@@ -35,4 +68,4 @@ def make_sources(loaded: LoadedSpec, replicas: int, batch: int) -> list[DataSour
     return out
 
 
-__all__ = ["make_sources", "model_inputs"]
+__all__ = ["TOKENIZER", "make_sources", "model_inputs", "run_tokenizer"]

@@ -6,6 +6,7 @@ event files), the graph that was trained, and the checkpoints.
     RUN/spec.resolved.json  the validated spec after defaults and block expansion; its hash
     RUN/graph.json          the GraphDef that was trained
     RUN/devices.json        the devices
+    RUN/tokenizer.json      a text source's byte-level BPE, learned at the first start (inputs.py)
     RUN/metrics.jsonl       one line per step: step, loss, learning rate, examples/s, time
     RUN/metrics.<time>.jsonl  the metrics of a run started over (`resume --restart`), set aside
     RUN/events/             TensorBoard event files
