@@ -36,7 +36,7 @@ from flowctl.engine.executor import needed_nodes
 from flowctl.engine.fusion import fuse
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.mixed_precision import LossScale, LossScaleOptimizer
-from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
+from flowctl.engine.optimizers import DECAY_EXCLUDE, SGD, Adam, AdamW, Momentum, Optimizer, clip_by_global_norm
 from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate, place, rule_matches
 from flowctl.engine.placement.cost import StaticCostModel
 from flowctl.engine.runtime import DistributedSession
@@ -68,6 +68,8 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1e-8
+    weight_decay: float = 0.01  # adamw
+    decay_exclude: tuple[str, ...] = DECAY_EXCLUDE  # adamw: variables the decay leaves alone
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
             replicas = tuple(d.name for d in devices[:par.replicas])
     return StepConfig(
         strategy=par.strategy, devices=devices,
-        optimizer=OptimizerConfig(o.type, o.momentum, o.beta1, o.beta2, o.epsilon),
+        optimizer=OptimizerConfig(o.type, o.momentum, o.beta1, o.beta2, o.epsilon, o.weight_decay,
+                                  tuple(o.decay_exclude)),
         global_batch=loaded.global_batch, per_replica_batch=loaded.per_replica_batch, replica_devices=replicas,
         groups=tuple((tuple(g.layers), canonical(g.device)) for g in par.groups),
         concurrent_steps=par.concurrent_steps, clip_value=tr.clip_value, clip_norm=tr.clip_norm,
@@ -150,7 +153,7 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
         bucket_bytes=int(par.bucket_mb * (1 << 20)))
 
 
-_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2}
+_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
 def _reduce(loaded: LoadedSpec, replicas: tuple[str, ...], devices: tuple[DeviceConfig, ...]) -> str:
@@ -265,6 +268,9 @@ def make_optimizer(config: OptimizerConfig, lr: Tensor) -> Optimizer:
         return Momentum(lr, momentum=config.momentum)
     if config.type == "adam":
         return Adam(lr, beta1=config.beta1, beta2=config.beta2, epsilon=config.epsilon)
+    if config.type == "adamw":
+        return AdamW(lr, beta1=config.beta1, beta2=config.beta2, epsilon=config.epsilon,
+                     weight_decay=config.weight_decay, exclude=config.decay_exclude)
     raise SpecError(f"unknown optimizer {config.type!r}")
 
 
