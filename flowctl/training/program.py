@@ -109,6 +109,7 @@ class StepConfig:
     allow_tf32: bool = True  # a GPU's float32 products: TF32 tensor cores, else IEEE float32
     reduce: str = "parameter_device"  # sync_data_parallel: allreduce or parameter_device (resolved from auto)
     bucket_bytes: int = 25 << 20  # allreduce: the gradient buckets' size
+    accumulate: int = 1  # single: micro-batches of global_batch / accumulate per step, one update
 
     @property
     def device_names(self) -> list[str]:
@@ -150,7 +151,7 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
                               tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())),
         fuse=tr.fuse, precision=tr.precision, loss_scale=(tr.loss_scale.initial, tr.loss_scale.growth_interval),
         allow_tf32=tr.allow_tf32, reduce=_reduce(loaded, replicas, devices),
-        bucket_bytes=int(par.bucket_mb * (1 << 20)))
+        bucket_bytes=int(par.bucket_mb * (1 << 20)), accumulate=tr.accumulate)
 
 
 _SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -237,8 +238,9 @@ class Step:
     @property
     def targets(self) -> list[str]:
         """The nodes one step runs: what the simulator times."""
-        if self.train is not None:
-            return [self.train.train_op.node]
+        if self.train is not None:  # an accumulating step's other run: the same graph but the update
+            extra = [self.train.accumulate_op.node] if self.train.accumulate_op is not None else []
+            return [self.train.train_op.node, *extra]
         assert self.async_step is not None
         a = self.async_step
         side = [u.node for u in a.side_updates if u is not None]
@@ -317,8 +319,10 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}
         train: st.TrainStep | None = None
         astep: st.AsyncStep | None = None
+        if config.accumulate > 1 and strategy != "single":
+            raise SpecError(f"training.accumulate is the single strategy's, not {strategy}'s")
         if strategy == "single":
-            train = st.single_step(*args, **kw)
+            train = st.accumulated_step(*args, config.accumulate, **kw)
             devices = [first]
         elif strategy in DATA_PARALLEL:
             devices = list(config.replica_devices)
@@ -365,7 +369,8 @@ def guard_state(g: Graph, train: st.TrainStep) -> str:
     updates from writing in place, and on a GPU moved every variable to the host each step).
     The writes come after the loss anyway (they need its gradient, or, for the moving statistics,
     nothing that is late): the guard costs one check of a scalar and a token per device."""
-    writers = [n for n in needed_nodes(g, [train.train_op.node], set())
+    runs = [train.train_op.node] + ([train.accumulate_op.node] if train.accumulate_op is not None else [])
+    writers = [n for n in needed_nodes(g, runs, set())
                if g.nodes[n].opdef.resource in ("variable_input", "variable_inputs")]
     with g.as_default(), g.absolute_scope(), g.colocate_with(train.loss):
         guard = fc.check_numerics(train.loss, message="the step's loss", name="loss_guard")
@@ -385,6 +390,8 @@ def step_keep(step: Step) -> set[str]:
     if step.train is not None:
         t = step.train
         refs += [t.loss, t.train_op, *(p for copy in t.inputs for p in copy.values())]
+        if t.accumulate_op is not None:
+            refs.append(t.accumulate_op)
     if step.async_step is not None:
         a = step.async_step
         refs += [*a.losses, *(g for gs in a.grads for g in gs), *(p for copy in a.inputs for p in copy.values()),
