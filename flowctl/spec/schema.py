@@ -310,7 +310,9 @@ class Schedule(Strict):
     decay_steps: int | None = Field(None, ge=1)
     boundaries: list[int] = Field(default_factory=list)
     values: list[float] = Field(default_factory=list)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up: step s < warmup_steps runs at (s+1)/warmup_steps "
+                                                   "of the schedule's rate at s (a ramp from ~0), with every schedule "
+                                                   "kind; the schedule's own steps count from 0, not from the ramp's end")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Schedule":
