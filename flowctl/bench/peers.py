@@ -262,6 +262,8 @@ def _torch_run(torch: Any, loaded: Any, twin: Any, feeds: dict[str, Any], count:
         opt = torch.optim.SGD(params, lr=0.0, momentum=o.momentum)
     elif o.type == "adam":
         opt = torch.optim.Adam(params, lr=0.0, betas=(o.beta1, o.beta2), eps=o.epsilon)
+    elif o.type == "adamw":  # a timing twin: every parameter decays (the exclusions change no cost)
+        opt = torch.optim.AdamW(params, lr=0.0, betas=(o.beta1, o.beta2), eps=o.epsilon, weight_decay=o.weight_decay)
     else:
         raise TwinError(f"optimizer {o.type} has no PyTorch twin here")
     twin.train()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,7 +34,7 @@ from flowctl.engine.ops.training import (
     apply_adam, apply_gradient_descent, apply_momentum, gather_grad_rows, l2_loss, sparse_apply_gradient_descent,
 )
 
-__all__ = ["Optimizer", "SGD", "Momentum", "Adam", "clip_by_global_norm"]
+__all__ = ["Optimizer", "SGD", "Momentum", "Adam", "AdamW", "DECAY_EXCLUDE", "clip_by_global_norm"]
 
 GradsAndVars = list[tuple[Tensor | None, Tensor]]
 
@@ -283,6 +284,62 @@ class Adam(Optimizer):
             return [assign(self._b1p, self._b1p * self.beta1, name="update_beta1_power"),
                     assign(self._b2p, self._b2p * self.beta2, name="update_beta2_power"),
                     assign_add(self._t, np.asarray(1, np.int64), name="update_t")]
+
+
+# Biases and normalisation scales and offsets: the variables decoupled weight decay leaves alone
+# (as GPT-2's and BERT's recipes do; decaying a layer norm's gain pulls it toward zero, not toward
+# a simpler function).
+DECAY_EXCLUDE = ("*/bias", "*/gamma", "*/beta")
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter, ICLR 2019, Algorithm 2, as
+    torch.optim.AdamW): each step first var <- var - lr * weight_decay * var, with lr this step's
+    scheduled rate (not the bias-corrected lr_t), then Adam's step above on the decayed value.
+    Variables whose name matches a glob of `exclude` (by default biases and normalisation scales
+    and offsets, DECAY_EXCLUDE) take Adam's step alone.
+
+    The Adam step is this codebase's, TensorFlow's efficient form: epsilon is added to sqrt(v),
+    where PyTorch adds it to sqrt(v / (1 - beta2^t)); PyTorch's update with
+    eps = epsilon / sqrt(1 - beta2^t) is this one exactly (the two agree as epsilon -> 0), and
+    with weight_decay 0 AdamW is Adam, bit for bit. The decay is ApplyGradientDescent(var, lr*wd,
+    var) and the step the fused ApplyAdam after it: two existing fused updates, so every device
+    with kernels for those (the CPU, a GPU) runs AdamW with no kernel of its own, at one more pass
+    over each decayed parameter."""
+
+    def __init__(self, learning_rate: float | Tensor = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-8, weight_decay: float = 0.01, exclude: Sequence[str] = DECAY_EXCLUDE,
+                 name: str = "AdamW") -> None:
+        super().__init__(learning_rate, beta1, beta2, epsilon, name)
+        if weight_decay < 0:
+            raise GraphError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+        self.weight_decay = float(weight_decay)
+        self.exclude = tuple(exclude)
+        self._decay_rate: dict[str, Tensor] = {}
+
+    def decays(self, var: Tensor) -> bool:
+        """Does `var` take the weight decay? By its own name, or for an all-reduce replica's copy
+        (`replica_1/dense/kernel`) the name of the variable it mirrors."""
+        name = var.graph.nodes[var.node].attrs.get("mirror_of") or var.node
+        return self.weight_decay > 0 and not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+
+    def _prepare(self, graph: Graph, var_list: list[Tensor]) -> None:
+        super()._prepare(graph, var_list)
+        self._decay_rate = {}
+
+    def _apply_dense(self, grad: Tensor, var: Tensor) -> Tensor:
+        if not self.decays(var):
+            return super()._apply_dense(grad, var)
+        dtype = var.dtype
+        if dtype not in self._decay_rate:
+            with var.graph.absolute_scope(), var.graph.name_scope(self.name):
+                self._decay_rate[dtype] = self._lr(dtype) * self.weight_decay
+        with var.graph.control_dependencies([var]):  # as _update_var: after the read the gradients used
+            decayed = apply_gradient_descent(var, self._decay_rate[dtype], var, name="decay")
+        lr_t = self._step_size(dtype)
+        m, v = self._slot(var, "m"), self._slot(var, "v")
+        with var.graph.control_dependencies([decayed]):  # Adam's step on the decayed value
+            return apply_adam(var, m, v, lr_t, grad, self.beta1, self.beta2, self.epsilon, name="update")
 
 
 def clip_by_global_norm(grads: Sequence[Tensor | None], clip_norm: float | Tensor,

@@ -46,13 +46,13 @@ from flowctl.engine.devices import canonical
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.graph import Graph, Tensor, make_ref, parse_ref
 from flowctl.engine.ops.control import group
-from flowctl.engine.ops.elementwise import add_n
-from flowctl.engine.ops.state import assign_add, placeholder, variable
+from flowctl.engine.ops.elementwise import add_n, zeros_like
+from flowctl.engine.ops.state import assign, assign_add, placeholder, variable
 from flowctl.engine.optimizers import Optimizer
 
 __all__ = [
-    "AsyncStep", "GradientProcess", "TrainStep", "assign_layers", "async_data_parallel", "complete_placement",
-    "forward_nodes", "model_parallel", "pipeline", "replicate", "single_step", "split_batch",
+    "AsyncStep", "GradientProcess", "TrainStep", "accumulated_step", "assign_layers", "async_data_parallel", "complete_placement",
+    "forward_nodes", "model_parallel", "pipeline", "replicate", "single_step", "split_batch", "split_rows",
     "sync_data_parallel",
 ]
 
@@ -71,9 +71,22 @@ class TrainStep:
     inputs: list[dict[str, Tensor]]  # per copy (one for single/model_parallel): input name -> placeholder
     placement: dict[str, str] | None  # None: one device, a plain Session
     copies: list[dict[str, str]] = field(default_factory=list)  # per copy: original node -> copy
+    # Gradient accumulation (`accumulated_step`): a step is `micro_batches` runs, each fed one
+    # micro-batch; every run but the last runs `accumulate_op`, the last `train_op`.
+    accumulate_op: Tensor | None = None
+    micro_batches: int = 1
 
     def feeds(self, batch: Mapping[str, np.ndarray]) -> dict[Tensor, np.ndarray]:
         return split_batch(batch, self.inputs)
+
+    def runs(self, batch: Mapping[str, np.ndarray]) -> list[tuple[Tensor, dict[Tensor, np.ndarray]]]:
+        """The session runs of one step on `batch`: (target, feeds), in order. One run, unless the
+        step accumulates: then micro-batch k (rows [k*b, (k+1)*b)) in run k."""
+        if self.accumulate_op is None:
+            return [(self.train_op, self.feeds(batch))]
+        parts = split_rows(batch, self.micro_batches, "micro-batches")
+        feeds = [split_batch(part, self.inputs) for part in parts]
+        return [(self.accumulate_op, f) for f in feeds[:-1]] + [(self.train_op, feeds[-1])]
 
 
 @dataclass
@@ -96,21 +109,30 @@ class AsyncStep:
     copies: list[dict[str, str]] = field(default_factory=list)
 
 
+def split_rows(batch: Mapping[str, np.ndarray], k: int, what: str = "copies") -> list[dict[str, np.ndarray]]:
+    """`batch` cut into k parts: part j holds rows [j*b, (j+1)*b) of every array, b = rows / k."""
+    parts: list[dict[str, np.ndarray]] = [{} for _ in range(k)]
+    for name, arr in batch.items():
+        rows = len(arr)
+        if rows % k:
+            raise ExecutionError(f"a batch of {rows} examples of '{name}' does not split evenly into {k} "
+                                 f"{what} ({rows} / {k} = {rows / k:.2f})")
+        b = rows // k
+        for j, part in enumerate(parts):
+            part[name] = arr[j * b:(j + 1) * b]
+    return parts
+
+
 def split_batch(batch: Mapping[str, np.ndarray], inputs: Sequence[Mapping[str, Tensor]]) -> dict[Tensor, np.ndarray]:
     """Feeds for `len(inputs)` copies: copy k gets rows [k*b, (k+1)*b) of every input, b = batch/copies."""
-    n = len(inputs)
-    out: dict[Tensor, np.ndarray] = {}
-    for name, arr in batch.items():
+    for name in batch:
         if name not in inputs[0]:
             raise ExecutionError(f"the batch holds '{name}', which is not a model input "
                                  f"(inputs: {', '.join(inputs[0])})")
-        rows = len(arr)
-        if rows % n:
-            raise ExecutionError(f"a batch of {rows} examples of '{name}' does not split evenly into {n} "
-                                 f"copies ({rows} / {n} = {rows / n:.2f})")
-        b = rows // n
-        for k, ins in enumerate(inputs):
-            out[ins[name]] = arr[k * b:(k + 1) * b]
+    out: dict[Tensor, np.ndarray] = {}
+    for part, ins in zip(split_rows(batch, len(inputs)), inputs):
+        for name, arr in part.items():
+            out[ins[name]] = arr
     return out
 
 
@@ -301,6 +323,50 @@ def single_step(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variab
     gv = optimizer.compute_gradients(loss, variables)
     train_op = _update(graph, optimizer, [g for g, _ in gv], [v for _, v in gv], process, updates)
     return TrainStep(graph, loss, train_op, [dict(inputs)], None)
+
+
+def accumulated_step(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
+                     optimizer: Optimizer, k: int, *, updates: Sequence[Tensor] = (),
+                     process: GradientProcess | None = None) -> TrainStep:
+    """Gradient accumulation over `k` micro-batches with one forward/backward graph, run k times
+    (not k copies, as `pipeline` makes: the memory is one micro-batch's). Per trainable variable an
+    accumulator Variable `<var>/accumulated` (zeros, colocated with it). Runs 1..k-1 run
+    `accumulate_op`: accumulated += g (and the side updates). Run k runs `train_op`: the update
+    with (accumulated + g) * (1/k) -- processed (clipped) as one gradient -- then accumulated <- 0.
+    For a loss that is a mean over the micro-batch's examples this is one step on the whole batch
+    (the pipeline's rule, w <- update(w, (1/K) sum_k grad L_k(w))), up to float32 rounding. The
+    accumulators are zero between steps, where the trainer checkpoints, so a resume is exact."""
+    if k < 1:
+        raise GraphError(f"accumulate needs k >= 1 micro-batches, got {k}")
+    if k == 1:
+        return single_step(graph, loss, inputs, variables, optimizer, updates=updates, process=process)
+    gv = optimizer.compute_gradients(loss, variables)
+    live = [(g, v) for g, v in gv if g is not None]
+    adds: list[Tensor] = []
+    totals: dict[str, Tensor] = {}
+    with graph.as_default(), graph.absolute_scope():
+        accs: dict[str, Tensor] = {}
+        for g, v in live:
+            with graph.colocate_with(v):
+                accs[v.node] = variable(np.zeros(v.shape, dtype=np.dtype(v.dtype)), name=f"{v.node}/accumulated",
+                                        trainable=False)
+        with graph.name_scope("accumulate"):
+            for g, v in live:
+                with graph.colocate_with(v), graph.name_scope(v.node):
+                    adds.append(assign_add(accs[v.node], g, name="add"))
+                    totals[v.node] = (accs[v.node] + g) * np.asarray(1.0 / k, dtype=np.dtype(v.dtype))
+        accumulate_op = group(adds + list(updates), name="accumulate_step", graph=graph)
+    grads = [totals.get(v.node) if g is not None else None for g, v in gv]
+    apply = _update(graph, optimizer, grads, [v for _, v in gv], process, updates, name="apply_step")
+    with graph.as_default(), graph.absolute_scope(), graph.control_dependencies([apply]):
+        # The accumulators' reads fed the update; emptied after it, ready for the next step.
+        with graph.name_scope("accumulate"):
+            resets = []
+            for _, v in live:
+                with graph.colocate_with(v), graph.name_scope(v.node):
+                    resets.append(assign(accs[v.node], zeros_like(accs[v.node]), name="reset"))
+        train_op = group([apply] + resets, name="train_step", graph=graph)
+    return TrainStep(graph, loss, train_op, [dict(inputs)], None, accumulate_op=accumulate_op, micro_batches=k)
 
 
 def model_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],

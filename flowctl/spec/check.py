@@ -82,7 +82,9 @@ def check(spec: Spec, root: LocDict, expansion: Expansion, problems: Problems, b
     layers = _check_layers(spec, root, expansion, problems)
     loss = _check_loss(spec, root, layers, problems)
     gb, rb = _check_batch(spec, root, problems)
+    rb = _check_accumulate(spec, root, gb, rb, problems)
     _check_precision(spec, root, problems)
+    _check_optimizer(spec, root, layers, problems)
     loaded = LoadedSpec(spec, root, layers, expansion.instances, expansion.aliases, loss, gb, rb, base_dir)
     _check_devices(spec, root, loaded, problems)
     _check_data(spec, root, loaded, problems, base_dir)
@@ -219,6 +221,49 @@ def _check_batch(spec: Spec, root: LocDict, problems: Problems) -> tuple[int, in
         problems.at(root, ("training", "batch_size"),
                     f"batch_size {gb} does not split evenly over {r} replicas ({gb} / {r} = {gb / r:.2f})")
     return gb, max(gb // r, 1)
+
+
+def _check_accumulate(spec: Spec, root: LocDict, gb: int, rb: int, problems: Problems) -> int:
+    """training.accumulate K: the single strategy's step as K micro-batches of gb / K; returns the
+    batch one graph run takes (the micro-batch: what memory and the cost model see)."""
+    k, strategy = spec.training.accumulate, spec.parallelism.strategy
+    if k == 1:
+        return rb
+    loc = ("training", "accumulate")
+    if strategy != "single":
+        why = ("pipeline accumulates over its concurrent_steps micro-batches already" if strategy == "pipeline"
+               else "its replicas split the batch instead" if strategy.endswith("data_parallel")
+               else "its step is one run of every layer group")
+        problems.at(root, loc, f"accumulate is the single strategy's, not {strategy}'s ({why}); "
+                    f"use strategy: single or drop accumulate")
+        return rb
+    if gb % k:
+        problems.at(root, loc, f"a batch of {gb} does not split into accumulate {k} equal micro-batches "
+                    f"({gb} / {k} = {gb / k:.2f})")
+        return rb
+    if spec.training.precision == "fp16":
+        problems.at(root, loc, "accumulate is not built for fp16's loss scaling yet (its finite check and "
+                    "skipped step are one update's): use precision fp32 or bf16")
+    return gb // k
+
+
+def _check_optimizer(spec: Spec, root: LocDict, layers: dict[str, LayerInfo], problems: Problems) -> None:
+    """AdamW's keys on another optimizer say nothing; its decay_exclude globs must each select a
+    trainable variable (a typo would otherwise decay what it meant to spare)."""
+    o = spec.training.optimizer
+    given = [k for k in ("weight_decay", "decay_exclude") if k in o.model_fields_set]
+    if o.type != "adamw":
+        for key in given:
+            problems.at(root, ("training", "optimizer", key), f"{key} is AdamW's (type: adamw), not {o.type}'s")
+        return
+    if "decay_exclude" not in given:
+        return
+    names = [f"{info.name}/{w.name}" for info in layers.values() for w in info.weights if w.trainable]
+    for i, pattern in enumerate(o.decay_exclude):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            problems.at(root, ("training", "optimizer", "decay_exclude", i),
+                        f"decay_exclude '{pattern}' matches no trainable variable" + did_you_mean(pattern, names)
+                        + f" (variables: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
 
 
 def _check_precision(spec: Spec, root: LocDict, problems: Problems) -> None:

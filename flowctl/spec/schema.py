@@ -300,11 +300,21 @@ class ParallelismSpec(Strict):
 
 # ---------------------------------------------------------------------------- training
 class Optimizer(Strict):
-    type: Literal["sgd", "momentum", "adam"] = Field("sgd", description="optimizer; its slots are Variables and so checkpointed")
+    type: Literal["sgd", "momentum", "adam", "adamw"] = Field(
+        "sgd", description="optimizer; its slots are Variables and so checkpointed. adamw: Adam with decoupled "
+                           "weight decay (torch.optim.AdamW): var -= lr * weight_decay * var, then Adam's step")
     momentum: float = Field(0.9, ge=0, lt=1)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
-    epsilon: float = Field(1e-8, gt=0)
+    epsilon: float = Field(1e-8, gt=0, description="adam, adamw: added to sqrt(v) (TensorFlow's form; PyTorch's "
+                                                    "eps is this over sqrt(1 - beta2^t))")
+    weight_decay: float = Field(0.01, ge=0, allow_inf_nan=False,
+                                description="adamw: the decoupled decay's rate, times the learning rate each step")
+    decay_exclude: list[str] = Field(
+        default_factory=lambda: ["*/bias", "*/gamma", "*/beta"],
+        description="adamw: globs over variable names (layer/weight, e.g. hidden/kernel) that take no weight "
+                    "decay; the default excludes biases and normalisation scales and offsets (names ending "
+                    "/bias, /gamma, /beta). Each glob must match a trainable variable")
 
 
 class Schedule(Strict):
@@ -314,7 +324,9 @@ class Schedule(Strict):
     decay_steps: int | None = Field(None, ge=1)
     boundaries: list[int] = Field(default_factory=list)
     values: list[float] = Field(default_factory=list)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up: step s < warmup_steps runs at (s+1)/warmup_steps "
+                                                   "of the schedule's rate at s (a ramp from ~0), with every schedule "
+                                                   "kind; the schedule's own steps count from 0, not from the ramp's end")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Schedule":
@@ -359,6 +371,10 @@ class TrainingSpec(Strict):
     batch_size: int | None = Field(None, ge=1, description="global batch (all replicas together)")
     per_replica_batch_size: int | None = Field(None, ge=1)
     steps: int = Field(100, ge=0, description="training steps to run")
+    accumulate: int = Field(1, ge=1, description="gradient accumulation (strategy single): each step runs K "
+                                                 "micro-batches of batch_size / K examples one after another, "
+                                                 "sums their gradients and applies one update, as one step on "
+                                                 "the whole batch of a mean loss with one micro-batch's memory")
     clip_norm: float | None = Field(None, gt=0, description="clip gradients to this global norm")
     clip_value: float | None = Field(None, gt=0, description="clip each gradient element to ±value")
     seed: int = Field(0, description="graph seed: every random op's stream derives from it and its node name")

@@ -35,7 +35,10 @@ def step_fetches(step: Step) -> list[fc.Tensor]:
 
 def step_feeds(step: Step, loaded: LoadedSpec) -> dict[Any, Any]:
     assert step.train is not None
-    feeds: dict[Any, Any] = step.train.feeds(make_sources(loaded, 1, step.batch)[0].next_batch())
+    # An accumulating step is timed as one micro-batch's run with the update (what the simulator
+    # models, at the cost model's micro-batch): the other K-1 runs are that run less the update.
+    batch = step.batch // step.train.micro_batches
+    feeds: dict[Any, Any] = step.train.feeds(make_sources(loaded, 1, batch)[0].next_batch())
     feeds[step.lr] = np.asarray(0.0, dtype=step.lr.dtype)  # rate 0: the variables stay where they are
     return feeds
 

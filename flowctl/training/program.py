@@ -36,7 +36,7 @@ from flowctl.engine.executor import needed_nodes
 from flowctl.engine.fusion import fuse
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.mixed_precision import LossScale, LossScaleOptimizer
-from flowctl.engine.optimizers import SGD, Adam, Momentum, Optimizer, clip_by_global_norm
+from flowctl.engine.optimizers import DECAY_EXCLUDE, SGD, Adam, AdamW, Momentum, Optimizer, clip_by_global_norm
 from flowctl.engine.placement import ALGORITHMS, CostModel, Placement, evaluate, place, rule_matches
 from flowctl.engine.placement.cost import StaticCostModel
 from flowctl.engine.runtime import DistributedSession
@@ -68,6 +68,8 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1e-8
+    weight_decay: float = 0.01  # adamw
+    decay_exclude: tuple[str, ...] = DECAY_EXCLUDE  # adamw: variables the decay leaves alone
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class StepConfig:
     allow_tf32: bool = True  # a GPU's float32 products: TF32 tensor cores, else IEEE float32
     reduce: str = "parameter_device"  # sync_data_parallel: allreduce or parameter_device (resolved from auto)
     bucket_bytes: int = 25 << 20  # allreduce: the gradient buckets' size
+    accumulate: int = 1  # single: micro-batches of global_batch / accumulate per step, one update
 
     @property
     def device_names(self) -> list[str]:
@@ -136,7 +139,8 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
             replicas = tuple(d.name for d in devices[:par.replicas])
     return StepConfig(
         strategy=par.strategy, devices=devices,
-        optimizer=OptimizerConfig(o.type, o.momentum, o.beta1, o.beta2, o.epsilon),
+        optimizer=OptimizerConfig(o.type, o.momentum, o.beta1, o.beta2, o.epsilon, o.weight_decay,
+                                  tuple(o.decay_exclude)),
         global_batch=loaded.global_batch, per_replica_batch=loaded.per_replica_batch, replica_devices=replicas,
         groups=tuple((tuple(g.layers), canonical(g.device)) for g in par.groups),
         concurrent_steps=par.concurrent_steps, clip_value=tr.clip_value, clip_norm=tr.clip_norm,
@@ -147,10 +151,10 @@ def step_config(loaded: LoadedSpec) -> StepConfig:
                               tuple((task, tuple(res.items())) for task, res in spec.cluster.resources.items())),
         fuse=tr.fuse, precision=tr.precision, loss_scale=(tr.loss_scale.initial, tr.loss_scale.growth_interval),
         allow_tf32=tr.allow_tf32, reduce=_reduce(loaded, replicas, devices),
-        bucket_bytes=int(par.bucket_mb * (1 << 20)))
+        bucket_bytes=int(par.bucket_mb * (1 << 20)), accumulate=tr.accumulate)
 
 
-_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2}
+_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
 def _reduce(loaded: LoadedSpec, replicas: tuple[str, ...], devices: tuple[DeviceConfig, ...]) -> str:
@@ -234,8 +238,9 @@ class Step:
     @property
     def targets(self) -> list[str]:
         """The nodes one step runs: what the simulator times."""
-        if self.train is not None:
-            return [self.train.train_op.node]
+        if self.train is not None:  # an accumulating step's other run: the same graph but the update
+            extra = [self.train.accumulate_op.node] if self.train.accumulate_op is not None else []
+            return [self.train.train_op.node, *extra]
         assert self.async_step is not None
         a = self.async_step
         side = [u.node for u in a.side_updates if u is not None]
@@ -265,6 +270,9 @@ def make_optimizer(config: OptimizerConfig, lr: Tensor) -> Optimizer:
         return Momentum(lr, momentum=config.momentum)
     if config.type == "adam":
         return Adam(lr, beta1=config.beta1, beta2=config.beta2, epsilon=config.epsilon)
+    if config.type == "adamw":
+        return AdamW(lr, beta1=config.beta1, beta2=config.beta2, epsilon=config.epsilon,
+                     weight_decay=config.weight_decay, exclude=config.decay_exclude)
     raise SpecError(f"unknown optimizer {config.type!r}")
 
 
@@ -311,8 +319,10 @@ def build_step(model: BuiltModel, config: StepConfig) -> Step:
         kw: dict[str, Any] = {"updates": list(model.updates), "process": gradient_process(config)}
         train: st.TrainStep | None = None
         astep: st.AsyncStep | None = None
+        if config.accumulate > 1 and strategy != "single":
+            raise SpecError(f"training.accumulate is the single strategy's, not {strategy}'s")
         if strategy == "single":
-            train = st.single_step(*args, **kw)
+            train = st.accumulated_step(*args, config.accumulate, **kw)
             devices = [first]
         elif strategy in DATA_PARALLEL:
             devices = list(config.replica_devices)
@@ -359,7 +369,8 @@ def guard_state(g: Graph, train: st.TrainStep) -> str:
     updates from writing in place, and on a GPU moved every variable to the host each step).
     The writes come after the loss anyway (they need its gradient, or, for the moving statistics,
     nothing that is late): the guard costs one check of a scalar and a token per device."""
-    writers = [n for n in needed_nodes(g, [train.train_op.node], set())
+    runs = [train.train_op.node] + ([train.accumulate_op.node] if train.accumulate_op is not None else [])
+    writers = [n for n in needed_nodes(g, runs, set())
                if g.nodes[n].opdef.resource in ("variable_input", "variable_inputs")]
     with g.as_default(), g.absolute_scope(), g.colocate_with(train.loss):
         guard = fc.check_numerics(train.loss, message="the step's loss", name="loss_guard")
@@ -379,6 +390,8 @@ def step_keep(step: Step) -> set[str]:
     if step.train is not None:
         t = step.train
         refs += [t.loss, t.train_op, *(p for copy in t.inputs for p in copy.values())]
+        if t.accumulate_op is not None:
+            refs.append(t.accumulate_op)
     if step.async_step is not None:
         a = step.async_step
         refs += [*a.losses, *(g for gs in a.grads for g in gs), *(p for copy in a.inputs for p in copy.values()),

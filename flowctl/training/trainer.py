@@ -376,7 +376,7 @@ class Trainer:
     def _loop(self, stop: Stop, metrics: MetricsLog, writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
         assert self.program.step.train is not None
-        step_feeds = self.program.step.train.feeds
+        train = self.program.step.train
         last_save = t0
         last_path: str | None = None
         loss_v = float("nan")
@@ -389,33 +389,44 @@ class Trainer:
         while self.step < self.total_steps:
             if stop.requested:
                 return loss_v, rates, last_path, True
-            feeds: dict[Any, Any] = step_feeds(self.data.next_batch())
+            # One session run, or with training.accumulate K, K runs of one micro-batch each: all
+            # but the last add their gradients up, the last applies the update (strategies.TrainStep.runs).
+            runs = train.runs(self.data.next_batch())
             lr = checked_learning_rate(self.spec.training.learning_rate, self.step)
-            feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
-            # What a replay of this step needs should its loss not be finite: the random states; and
-            # the variables, unless the step's guard (program.guard_state) keeps a non-finite step
-            # from writing any -- holding them would keep every update from writing in place. A
-            # remote run would pull every variable across the network, so it keeps none.
             guard = self.program.step.guard
-            snapshot = None if self.program.remote else (
-                None if guard else self.session.variable_values(), self.session.rng_states())
             stats = RunStats() if self.trace_step == self.step + 1 else None
-            ts = time.perf_counter()
+            losses: list[float] = []
+            scale: list[Any] = []
+            dt = 0.0  # the runs' time, not the snapshots'
             try:
-                loss_arr, _, *scale = self._run_step(fetches, feeds, stats)
+                for i, (target, feeds) in enumerate(runs):
+                    feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
+                    last = i == len(runs) - 1
+                    run_fetches = fetches if last else [self.loss, target]
+                    # What a replay of this run needs should its loss not be finite: the random states;
+                    # and the variables, unless the step's guard (program.guard_state) keeps a
+                    # non-finite step from writing any -- holding them would keep every update from
+                    # writing in place. A remote run would pull every variable across the network, so
+                    # it keeps none.
+                    snapshot = None if self.program.remote else (
+                        None if guard else self.session.variable_values(), self.session.rng_states())
+                    ts = time.perf_counter()
+                    try:
+                        loss_arr, _, *scale = self._run_step(run_fetches, feeds, stats if last else None)
+                        dt += time.perf_counter() - ts
+                    except NonFiniteError as e:
+                        if guard is None or e.node != guard:
+                            raise
+                        self._explain_non_finite(snapshot, run_fetches, feeds)
+                    losses.append(float(loss_arr))
+                    if not math.isfinite(losses[-1]):
+                        self._explain_non_finite(snapshot, run_fetches, feeds)
             except WorkerLostError as e:
                 self._recover(e, metrics)
                 continue
-            except NonFiniteError as e:
-                if guard is None or e.node != guard:
-                    raise
-                self._explain_non_finite(snapshot, fetches, feeds)
-            dt = time.perf_counter() - ts
             if stats is not None:
-                self.write_trace(stats, fetches, feeds)
-            loss_v = float(loss_arr)
-            if not math.isfinite(loss_v):
-                self._explain_non_finite(snapshot, fetches, feeds)
+                self.write_trace(stats, fetches, runs[-1][1])
+            loss_v = losses[0] if len(losses) == 1 else sum(losses) / len(losses)  # the whole batch's mean
             self.step += 1
             eps = self.batch / dt if dt > 0 else float("inf")
             rates.append(eps)

@@ -221,9 +221,17 @@ class SoftmaxCrossEntropy(Layer):
 
     For sequences (logits [batch, T, classes]) a third input, each example's length, masks the
     padding: the loss is the mean over real tokens only (PyTorch's `ignore_index`, TensorFlow NMT's
-    target weights, normalised per token), so a padded position neither counts nor dilutes."""
+    target weights, normalised per token), so a padded position neither counts nor dilutes.
+
+    `label_smoothing` ε (PyTorch's CrossEntropyLoss label_smoothing): each example's loss is
+    (1-ε)·CE(labels) + ε·mean over the C classes of -log p, the cross-entropy with the target
+    (1-ε)·labels + ε/C. It is the training loss only: evaluation (val/loss, val/perplexity) and
+    inference report the plain cross-entropy, the quantity a perplexity is of."""
 
     type: Literal["softmax_cross_entropy"]
+    label_smoothing: float = Field(0.0, ge=0, le=1, allow_inf_nan=False,
+                                   description="ε: train on (1-ε)·CE + ε·mean over classes of -log p (PyTorch's "
+                                               "label_smoothing); evaluation reports the plain cross-entropy")
 
     arity: ClassVar[tuple[int, int | None]] = (2, 3)
 
@@ -260,6 +268,11 @@ class SoftmaxCrossEntropy(Layer):
             per_example = fc.sparse_softmax_cross_entropy(logits, as_index(labels), name="xent")
         else:
             per_example = fc.softmax_cross_entropy(logits, labels, name="xent")
+        eps = self.label_smoothing if b.training else 0.0
+        if eps:
+            # -mean_c log p_c: the cross-entropy against the uniform distribution, weighted ε.
+            uniform = fc.neg(fc.reduce_mean(fc.log_softmax(logits, name="log_p"), axis=-1), name="uniform_xent")
+            per_example = fc.add(per_example * (1.0 - eps), uniform * eps, name="smoothed")
         if len(ins) < 3:
             return fc.reduce_mean(per_example, name="mean")
         assert steps is not None
