@@ -1,6 +1,6 @@
 """`flowctl export --format onnx`: a run's forward graph (inputs to logits) as an ONNX model, for the
 ops ONNX has a form of here: matrix products, bias adds and element-wise arithmetic, the usual
-activations, comparisons, casts and selects, mean and sum reductions, concat/split/stack/unstack,
+activations, comparisons, casts, selects and ranges, mean and sum reductions, concat/split/stack/unstack,
 reshape, transpose, slice, gather and constants (dense, embedding, layer norm, unrolled LSTM and
 Transformer layers). Anything else is refused naming the node, never exported approximately:
 integer Div truncates in both, and TruncateMod is Mod(fmod=1), but a floor quotient and a float
@@ -63,6 +63,9 @@ def _emit(b: _Builder, node: Node) -> None:
         b.add(SAME_NAME[node.op], ins, outs)
     elif node.op == "Const":
         b.add("Constant", [], outs, value=b.onnx.numpy_helper.from_array(np.asarray(a["value"]), outs[0]))
+    elif node.op == "Range":
+        dt = np.dtype(a["dtype"])
+        b.add("Range", [b.const(np.asarray(a[k], dt), node.name) for k in ("start", "limit", "delta")], outs)
     elif node.op == "Square":
         b.add("Mul", [ins[0], ins[0]], outs)
     elif node.op == "Rsqrt":

@@ -58,12 +58,19 @@ def attention_weights(d: int, prefix: str = "") -> list[Weight]:
             Weight(f"{prefix}output_kernel", (d, d)), Weight(f"{prefix}output_bias", (d,), init="zeros")]
 
 
-def rotary_tables(steps: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of tθ, [steps, head_dim], θ repeated over both halves (the rotate-half layout)."""
+def rotary_tables(steps: int, head_dim: int, dtype: str) -> tuple[Tensor, Tensor]:
+    """cos and sin of tθ, [steps, head_dim], θ repeated over both halves (the rotate-half layout).
+    Made from a Range in the graph, not stored (a 1024-step table would be a 256 KiB constant), and
+    computed in float32 at least: float16 angles near 1000 would be off by a quarter turn."""
+    exact = "float64" if dtype == "float64" else "float32"
     inv = ROTARY_BASE ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(steps, dtype=np.float64)[:, None] * inv[None, :]
-    angles = np.concatenate([angles, angles], axis=1)
-    return np.cos(angles), np.sin(angles)
+    t = fc.reshape(fc.range_(steps, dtype=exact, name="rotary_steps"), (steps, 1), name="rotary_column")
+    half = t * fc.constant(inv[None, :].astype(np_dtype(exact)), name="rotary_inv_freq")
+    angles = fc.concat([half, half], axis=1, name="rotary_angles")
+    cos, sin = fc.cos(angles, name="rotary_cos"), fc.sin(angles, name="rotary_sin")
+    if exact != dtype:
+        cos, sin = fc.cast(cos, dtype, name="rotary_cos_cast"), fc.cast(sin, dtype, name="rotary_sin_cast")
+    return cos, sin
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, name: str) -> Tensor:
@@ -87,14 +94,15 @@ def self_attention(b: Builder, x: Tensor, lengths: Tensor | None, w: dict[str, T
     q, k, v = (fc.reshape(t, (-1, heads, T, hd), name=f"{n}") for t, n in
                zip(fc.split(qkv, 3, axis=0, name="qkv_parts"), "qkv"))
     if positions == "rotary":
-        c, s = rotary_tables(T, hd)
-        cos = fc.constant(c.astype(np_dtype(dtype)), name="rotary_cos")
-        sin = fc.constant(s.astype(np_dtype(dtype)), name="rotary_sin")
+        cos, sin = rotary_tables(T, hd, dtype)
         q, k = _rotate(q, cos, sin, "q_rotary"), _rotate(k, cos, sin, "k_rotary")
     scores = fc.batch_matmul(q, k, adj_y=True, name="scores") * (1.0 / float(np.sqrt(hd)))  # [batch, h, T, T]
     lowest = fc.constant(np.asarray(np.finfo(np_dtype(dtype)).min, np_dtype(dtype)), name="masked_score")
     if causal:
-        keep = fc.constant(np.tril(np.ones((T, T), dtype=bool)), name="causal_mask")
+        # key s <= query t, from two Ranges (a stored [T, T] mask would be a megabyte at T = 1024)
+        steps = fc.range_(T, dtype="int32", name="causal_steps")
+        keep = fc.less(fc.reshape(steps, (1, T), name="causal_keys"),
+                       fc.reshape(steps + 1, (T, 1), name="causal_queries"), name="causal_mask")
         scores = fc.select(keep, scores, lowest, name="causal")
     if lengths is not None:
         alive = sequence_mask(lengths, T, "bool", name="key_mask")  # [batch, T]
