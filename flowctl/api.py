@@ -22,9 +22,9 @@ from flowctl.engine.ops.array import *  # noqa: F401,F403
 from flowctl.engine.ops.conv import *  # noqa: F401,F403
 from flowctl.engine.ops.control import check_numerics, group, identity, no_op, stop_gradient
 from flowctl.engine.ops.elementwise import (
-    abs_, add, add_n, cast, ceil, cos, div, equal, erf, exp, floor, floordiv, floormod, gelu, greater, is_inf, is_nan,
-    less, log, maximum, minimum, mod, mul, neg, ones_like, pow_, relu, round_, round_bf16, rsqrt, select, sigmoid, sign,
-    sin, sqrt, square, sub, tanh, truncatemod, zeros_like,
+    abs_, add, add_n, cast, ceil, cos, div, equal, erf, exp, floor, floordiv, floormod, gelu, gelu_tanh, greater,
+    is_inf, is_nan, less, log, maximum, minimum, mod, mul, neg, ones_like, pow_, relu, round_, round_bf16, rsqrt,
+    select, sigmoid, sign, sin, sqrt, square, sub, tanh, truncatemod, zeros_like,
 )
 from flowctl.engine.ops.indexing import *  # noqa: F401,F403
 from flowctl.engine.ops.matrix import *  # noqa: F401,F403

@@ -52,7 +52,7 @@ def test_all_errors_are_listed_at_once():
 
 def test_unknown_key_without_a_close_match_lists_the_allowed_keys():
     msg = _error(HEAD.replace("units: 3}", "units: 3, zzz: 1}"))
-    assert "unknown key 'zzz' (allowed: name, type, inputs, units, activation, use_bias)" in msg
+    assert "unknown key 'zzz' (allowed: name, type, inputs, units, activation, use_bias, tie)" in msg
 
 
 BLOCKS = """version: 1

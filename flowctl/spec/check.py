@@ -130,7 +130,7 @@ def _check_layers(spec: Spec, root: LocDict, expansion: Expansion, problems: Pro
                 problems.at(root, loc + ("inputs", n), f"unknown layer '{ref}'{why}"
                             + ("" if later else did_you_mean(ref, list(out) + list(expansion.aliases))))
                 ok = False
-        if not ok:
+        if not ok or not _resolve_tie(root, loc, layer, out, expansion, failed, problems):
             failed.add(name)
             continue
         try:
@@ -157,6 +157,30 @@ def _check_layers(spec: Spec, root: LocDict, expansion: Expansion, problems: Pro
                     f"{MAX_PARAMETERS:,} (2^31) a model may hold (largest: "
                     + ", ".join(f"{info.name} {sum(w.size for w in info.weights):,}" for info in biggest) + ")")
     return out
+
+
+def _resolve_tie(root: LocDict, loc: tuple, layer: Layer, out: dict[str, LayerInfo], expansion: Expansion,
+                 failed: set[str], problems: Problems) -> bool:
+    """A layer with `tie: <embedding>` reads that earlier embedding's table: check it is one, and
+    hand the layer the table's shape (its own inference needs it). False when it cannot be tied."""
+    tie = getattr(layer, "tie", None)
+    if tie is None:
+        return True
+    ref = expansion.aliases.get(tie, tie)
+    if ref in failed:
+        return False
+    if ref not in out:
+        problems.at(root, loc + ("tie",), f"unknown layer '{tie}' to tie to (an earlier embedding layer)"
+                    + did_you_mean(tie, [n for n, i in out.items() if i.layer.type == "embedding"]))
+        return False
+    target = out[ref].layer
+    if target.type != "embedding":
+        problems.at(root, loc + ("tie",), f"'{tie}' is a {target.type} layer: `tie` takes an embedding layer, "
+                    f"whose table becomes the kernel")
+        return False
+    layer.tie = ref
+    layer._tied = (int(getattr(target, "vocab")), int(getattr(target, "dim")))  # type: ignore[attr-defined]
+    return True
 
 
 def _too_big(layer: Layer, output: TensorSpec, weights: list[Weight]) -> str:

@@ -82,6 +82,15 @@ class _Builder:
         self.updates: list[Tensor] = []
         self.steps: dict[str, list[Tensor]] = {}
         self.masters: dict[str, Tensor] = {}  # the Cast a layer got -> its Variable
+        self.layer = ""  # the layer being built
+        self.given: dict[str, dict[str, Tensor]] = {}  # layer -> weight name -> the tensor it read
+
+    def shared(self, layer: str, weight: str) -> Tensor:
+        return self.given[layer][weight]
+
+    def _give(self, w: Weight, t: Tensor) -> Tensor:
+        self.given.setdefault(self.layer, {})[w.name] = t
+        return t
 
     def variable(self, w: Weight) -> Tensor:
         with self.graph.name_scope(w.name):
@@ -89,10 +98,10 @@ class _Builder:
         v = fc.variable(init, name=w.name, trainable=w.trainable)
         self.made.append(v)
         if self.precision == "fp32" or not w.trainable:
-            return v  # batch norm's moving statistics stay float32 and are read as such
+            return self._give(w, v)  # batch norm's moving statistics stay float32 and are read as such
         c = self.lower(v, w.name)
         self.masters[c.name] = v
-        return c
+        return self._give(w, c)
 
     def lower(self, t: Tensor, name: str) -> Tensor:
         """`t` as the layers compute with it: cast to float16, or rounded to bfloat16."""
@@ -153,6 +162,7 @@ def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None =
         for name, info in loaded.layers.items():
             before = set(g.nodes)
             b.made = []
+            b.layer = name
             where = f"{info.mark} layer {name}" if info.mark else f"layer {name}"
             ins = [model.outputs[r] for r in info.inputs]
             try:

@@ -1,8 +1,9 @@
 """`flowctl export --format onnx`: a run's forward graph (inputs to logits) as an ONNX model, for the
 ops ONNX has a form of here: matrix products, bias adds and element-wise arithmetic, the usual
-activations, concat/split/stack/unstack, reshape, slice and gather (dense, embedding, and
-statically unrolled LSTM and GRU layers). Anything else is refused naming the node, never exported
-approximately: integer Div truncates in both, and TruncateMod is Mod(fmod=1), but a floor quotient and a float
+activations, comparisons, casts, selects and ranges, mean and sum reductions, concat/split/stack/unstack,
+reshape, transpose, slice, gather and constants (dense, embedding, layer norm, unrolled LSTM and GRU,
+and Transformer layers). Anything else is refused naming the node, never exported approximately:
+integer Div truncates in both, and TruncateMod is Mod(fmod=1), but a floor quotient and a float
 floor remainder have no exact ONNX form.
 Weights travel as initializers; a dimension the graph leaves open (the batch) is symbolic.
 """
@@ -22,7 +23,7 @@ OPSET = 17
 SAME_NAME = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "Exp": "Exp", "Log": "Log", "Sqrt": "Sqrt",
              "Neg": "Neg", "Abs": "Abs", "Add": "Add", "Sub": "Sub", "Mul": "Mul", "Div": "Div",
              "Maximum": "Max", "Minimum": "Min", "Identity": "Identity", "Floor": "Floor", "Ceil": "Ceil",
-             "Erf": "Erf", "Sin": "Sin", "Cos": "Cos"}
+             "Erf": "Erf", "Sin": "Sin", "Cos": "Cos", "Less": "Less", "Greater": "Greater", "Equal": "Equal"}
 
 
 def onnx_module() -> Any:
@@ -60,6 +61,31 @@ def _emit(b: _Builder, node: Node) -> None:
     a = node.attrs
     if node.op in SAME_NAME:
         b.add(SAME_NAME[node.op], ins, outs)
+    elif node.op == "Const":
+        b.add("Constant", [], outs, value=b.onnx.numpy_helper.from_array(np.asarray(a["value"]), outs[0]))
+    elif node.op == "Range":
+        dt = np.dtype(a["dtype"])
+        b.add("Range", [b.const(np.asarray(a[k], dt), node.name) for k in ("start", "limit", "delta")], outs)
+    elif node.op == "Square":
+        b.add("Mul", [ins[0], ins[0]], outs)
+    elif node.op == "Rsqrt":
+        b.add("Sqrt", ins, [outs[0] + "/sqrt"])
+        b.add("Reciprocal", [outs[0] + "/sqrt"], outs)
+    elif node.op == "Select":  # Where broadcasts its three operands as Select does
+        b.add("Where", ins, outs)
+    elif node.op == "Cast":
+        b.add("Cast", ins, outs, to=b.onnx.helper.np_dtype_to_tensor_dtype(np.dtype(a["dtype"])))
+    elif node.op == "Transpose":
+        perm = a.get("perm")
+        b.add("Transpose", ins, outs, **({} if perm is None else {"perm": [int(p) for p in perm]}))
+    elif node.op in ("Mean", "Sum"):  # opset 17: ReduceMean's axes an attribute, ReduceSum's an input
+        axes = None if a.get("axis") is None else [int(x) for x in a["axis"]]
+        keep = int(bool(a.get("keepdims")))
+        if node.op == "Mean":
+            b.add("ReduceMean", ins, outs, keepdims=keep, **({} if axes is None else {"axes": axes}))
+        else:
+            extra = [] if axes is None else [b.const(np.asarray(axes, np.int64), node.name)]
+            b.add("ReduceSum", ins + extra, outs, keepdims=keep)
     elif node.op == "BiasAdd":
         b.add("Add", ins, outs)
     elif node.op == "TruncateMod":  # C's fmod and %, as Div's integer quotient truncates too

@@ -343,6 +343,14 @@ def gelu(x: Any, name: str | None = None) -> Tensor:
     return make1("Mul", [make1("Mul", [x, 0.5]), 1.0 + erf(x * 0.7071067811865476)], name=name)
 
 
+def gelu_tanh(x: Any, name: str | None = None) -> Tensor:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh-approximated GELU (GPT-2's, and
+    PyTorch's gelu(approximate="tanh")). A composite of element-wise ops, so its gradient and its
+    ONNX form are theirs."""
+    inner = (x + x * x * x * 0.044715) * 0.7978845608028654
+    return make1("Mul", [make1("Mul", [x, 0.5]), 1.0 + tanh(inner)], name=name)
+
+
 def zeros_like(x: Any, name: str | None = None) -> Tensor: return make1("ZerosLike", [x], name=name)
 def ones_like(x: Any, name: str | None = None) -> Tensor: return make1("OnesLike", [x], name=name)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.shapes import TensorSpec, num_elements
 
-Activation = Literal["none", "relu", "tanh", "sigmoid", "gelu"]
+Activation = Literal["none", "relu", "tanh", "sigmoid", "gelu", "gelu_tanh"]
 
 
 def _numeric(annotation: Any) -> bool:
@@ -79,6 +79,10 @@ class Builder(Protocol):
     steps: dict[str, list[Tensor]]
 
     def variable(self, w: Weight) -> Tensor: ...
+
+    def shared(self, layer: str, weight: str) -> Tensor:
+        """An earlier layer's weight as that layer read it (weight tying)."""
+        ...
 
     def batch_norm(self, x: Tensor, gamma: Tensor | None, beta: Tensor, mean: Tensor, var: Tensor,
                    epsilon: float, momentum: float, activation: str = "none") -> Tensor: ...

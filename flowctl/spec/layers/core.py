@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 import flowctl as fc
 from flowctl.engine.dtypes import is_float
@@ -18,20 +18,22 @@ from flowctl.spec.layers.base import (
 def activate(x: Tensor, activation: str) -> Tensor:
     if activation == "none":
         return x
-    return {"relu": fc.relu, "tanh": fc.tanh, "sigmoid": fc.sigmoid, "gelu": fc.gelu}[activation](x, name=activation)
+    return {"relu": fc.relu, "tanh": fc.tanh, "sigmoid": fc.sigmoid, "gelu": fc.gelu,
+            "gelu_tanh": fc.gelu_tanh}[activation](x, name=activation)
 
 
-def linear(b: Builder, x: Tensor, kernel: Tensor, bias: Tensor | None) -> Tensor:
+def linear(b: Builder, x: Tensor, kernel: Tensor, bias: Tensor | None, transpose: bool = False) -> Tensor:
     """x @ kernel (+ bias) over the last axis of x, whatever its rank: a rank > 2 input is folded
-    to a matrix first so the product is one MatMul, not a batched one."""
+    to a matrix first so the product is one MatMul, not a batched one. `transpose`: x @ kernelᵀ
+    (a tied output layer reads the embedding's [vocab, dim] table as is)."""
     shape = x.shape
     if len(shape) > 2:
         x = fc.reshape(x, (-1, shape[-1]), name="fold")
-    y = fc.matmul(x, kernel, name="matmul")
+    y = fc.matmul(x, kernel, transpose_b=transpose, name="matmul")
     if bias is not None:
         y = fc.bias_add(y, bias, name="bias_add")
     if len(shape) > 2:
-        y = fc.reshape(y, tuple(-1 if d is None else d for d in shape[:-1]) + (kernel.shape[-1],),
+        y = fc.reshape(y, tuple(-1 if d is None else d for d in shape[:-1]) + (kernel.shape[0 if transpose else -1],),
                        name="unfold")
     return y
 
@@ -78,30 +80,45 @@ class Input(Layer):
 
 @register
 class Dense(Layer):
-    """A fully connected layer over the last axis."""
+    """A fully connected layer over the last axis. With `tie: <embedding layer>` its kernel is
+    that embedding's [vocab, dim] table, transposed (Press and Wolf 2017; GPT-2's output head):
+    one variable, read by both layers, whose gradient sums both uses."""
 
     type: Literal["dense"]
     units: int = Field(ge=1)
     activation: Activation = "none"
     use_bias: bool = True
+    tie: str | None = Field(None, description="an earlier embedding layer whose table (transposed) is the kernel; "
+                                              "units must be its vocab and the input features its dim")
+    # (vocab, dim) of the tied embedding, set by the spec check, which resolves `tie`.
+    _tied: tuple[int, int] | None = PrivateAttr(None)
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
         x = ins[0]
         if len(x.shape) < 2:
             raise LayerError(f"dense needs an input of rank >= 2 (batch, features), got shape {fmt(x.shape)}")
-        known(x.shape[-1], f"dense '{self.name}' input features")
+        n = known(x.shape[-1], f"dense '{self.name}' input features")
+        if self.tie is not None:
+            assert self._tied is not None, "the spec check resolves `tie` before inference"
+            vocab, dim = self._tied
+            if (vocab, dim) != (self.units, n):
+                raise LayerError(f"tied to embedding '{self.tie}' [{vocab}, {dim}], so units must be {vocab} "
+                                 f"and the input features {dim}; got units {self.units}, input features {n}", "tie")
         return TensorSpec((*x.shape[:-1], self.units), x.dtype)
 
     def weights(self, ins: list[TensorSpec]) -> list[Weight]:
         n = int(ins[0].shape[-1])
-        ws = [Weight("kernel", (n, self.units))]
+        ws = [] if self.tie is not None else [Weight("kernel", (n, self.units))]
         if self.use_bias:
             ws.append(Weight("bias", (self.units,), init="zeros"))
         return ws
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
-        ws = [b.variable(w) for w in self.weights([ins[0].spec])]
-        y = linear(b, ins[0], ws[0], ws[1] if self.use_bias else None)
+        ws = {w.name: b.variable(w) for w in self.weights([ins[0].spec])}
+        if self.tie is not None:
+            y = linear(b, ins[0], b.shared(self.tie, "table"), ws.get("bias"), transpose=True)
+        else:
+            y = linear(b, ins[0], ws["kernel"], ws.get("bias"))
         return activate(y, self.activation)
 
 

@@ -42,12 +42,16 @@ class LayerNorm(Layer):
 
     def build(self, b: Builder, ins: list[Tensor]) -> Tensor:
         ws = {w.name: b.variable(w) for w in self.weights([ins[0].spec])}
-        x = ins[0]
-        centred = x - fc.reduce_mean(x, axis=-1, keepdims=True, name="mean")
-        var = fc.reduce_mean(fc.square(centred), axis=-1, keepdims=True, name="variance")
-        y = centred * fc.rsqrt(var + self.epsilon, name="inv_std")
-        if "gamma" in ws:
-            y = y * ws["gamma"]
-        if "beta" in ws:
-            y = y + ws["beta"]
-        return y
+        return layer_norm(ins[0], ws.get("gamma"), ws.get("beta"), self.epsilon)
+
+
+def layer_norm(x: Tensor, gamma: Tensor | None, beta: Tensor | None, epsilon: float) -> Tensor:
+    """x normalized over its last axis (biased variance, as PyTorch's), then scaled and shifted."""
+    centred = x - fc.reduce_mean(x, axis=-1, keepdims=True, name="mean")
+    var = fc.reduce_mean(fc.square(centred), axis=-1, keepdims=True, name="variance")
+    y = centred * fc.rsqrt(var + epsilon, name="inv_std")
+    if gamma is not None:
+        y = y * gamma
+    if beta is not None:
+        y = y + beta
+    return y
