@@ -51,6 +51,7 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("inception_v3_b8", "inception_v3.yaml", 8),
     Row("inception_v3_b32", "inception_v3.yaml", 32),
     Row("inception_v3_infer_b8", "inception_v3.yaml", 8, train=False),
+    Row("transformer_small", "transformer_small.yaml", 16),
 )}
 DEFAULT_ROWS = ("lstm_lm", "inception_v3_b8", "inception_v3_infer_b8")
 

@@ -177,7 +177,118 @@ class GatedRecurrent(nn.Module):
 
 
 def _activation(name: str) -> nn.Module:
-    return {"none": nn.Identity(), "relu": nn.ReLU(), "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid()}[name]
+    return {"none": nn.Identity(), "relu": nn.ReLU(), "tanh": nn.Tanh(), "sigmoid": nn.Sigmoid(),
+            "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh")}[name]
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half (GPT-NeoX) layout, base 10000, on [batch, heads, T, head_dim]."""
+    T, hd = x.shape[-2], x.shape[-1]
+    inv = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    half = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat([half, half], dim=1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()
+
+
+class SelfAttention(nn.Module):
+    """`self_attention`'s twin: one fused qkv Linear (columns q, k, v, each heads x head_dim, as the
+    spec's kernel), F.scaled_dot_product_attention, the output Linear."""
+
+    def __init__(self, d: int, heads: int, causal: bool, dropout: float, positions: str) -> None:
+        super().__init__()
+        self.heads, self.causal, self.dropout, self.rotary = heads, causal, dropout, positions == "rotary"
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.rotary:
+            q, k = _rotate(q), _rotate(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, T, d))
+
+
+class Block(nn.Module):
+    """`transformer_block`'s twin: pre-norm attention and MLP residuals (GPT-2's block)."""
+
+    def __init__(self, info: LayerInfo, spec_in: Any) -> None:
+        super().__init__()
+        _no_lengths(info)
+        layer, d = info.layer, int(spec_in.shape[2])
+        self.ln_1, self.ln_2 = nn.LayerNorm(d, eps=layer.epsilon), nn.LayerNorm(d, eps=layer.epsilon)
+        self.attention = SelfAttention(d, layer.heads, layer.causal, layer.dropout, layer.positions)
+        self.mlp = nn.Sequential(nn.Linear(d, layer.mlp_ratio * d), _activation(layer.activation),
+                                 nn.Linear(layer.mlp_ratio * d, d))
+        self.drop = nn.Dropout(layer.dropout)
+
+    def load(self, g1: Any, b1: Any, qkv: Any, qkv_b: Any, out: Any, out_b: Any, g2: Any, b2: Any,
+             hidden: Any, hidden_b: Any, down: Any, down_b: Any) -> None:
+        """The spec layer's weights in `weights()` order (kernels [in, out]: Linear's transposed)."""
+        pairs = ((self.ln_1.weight, g1), (self.ln_1.bias, b1), (self.ln_2.weight, g2), (self.ln_2.bias, b2),
+                 (self.attention.qkv.weight, _t(qkv)), (self.attention.qkv.bias, qkv_b),
+                 (self.attention.out.weight, _t(out)), (self.attention.out.bias, out_b),
+                 (self.mlp[0].weight, _t(hidden)), (self.mlp[0].bias, hidden_b),
+                 (self.mlp[2].weight, _t(down)), (self.mlp[2].bias, down_b))
+        _copy(pairs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attention(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class Positions(nn.Module):
+    """`position_embedding`: a learned [max_length, d] table added to the first T rows."""
+
+    def __init__(self, max_length: int, d: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(max_length, d) * 0.01)
+
+    def load(self, table: Any) -> None:
+        _copy([(self.table, table)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table[: x.shape[1]]
+
+
+class Tied(nn.Module):
+    """A `dense` with `tie:`: the embedding's table as the kernel (one Parameter), its own bias."""
+
+    def __init__(self, embedding: nn.Embedding, bias: bool, activation: str) -> None:
+        super().__init__()
+        self.embedding = [embedding]  # not a submodule: the table is counted once, as the embedding's
+        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings)) if bias else None
+        self.act = _activation(activation)
+
+    def load(self, *bias: Any) -> None:
+        if self.bias is not None:
+            _copy([(self.bias, bias[0])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(F.linear(x, self.embedding[0].weight, self.bias))
+
+
+def _t(kernel: Any) -> torch.Tensor:
+    return torch.as_tensor(kernel).T
+
+
+def _copy(pairs: Any) -> None:
+    with torch.no_grad():
+        for p, v in pairs:
+            p.copy_(torch.as_tensor(v))
+
+
+def _load_plain(module: nn.Module, values: list[Any]) -> None:
+    """An embedding's table, a layer norm's gamma and beta, a dense layer's kernel and bias."""
+    if isinstance(module, nn.Embedding):
+        _copy([(module.weight, values[0])])
+    elif isinstance(module, nn.LayerNorm):
+        _copy(list(zip((module.weight, module.bias), values)))
+    elif isinstance(module, nn.Sequential) and isinstance(module[0], nn.Linear):
+        _copy([(module[0].weight, _t(values[0]))] + ([(module[0].bias, values[1])] if len(values) > 1 else []))
+    else:
+        raise TwinError(f"the twin cannot copy weights into a {type(module).__name__}")
 
 
 class Lambda(nn.Module):
@@ -201,8 +312,21 @@ def _concat(axis: int, rank: int) -> Lambda:
     return Lambda(lambda *xs: torch.cat(xs, dim=dim))
 
 
-def _module(info: LayerInfo, ins: list[Any]) -> nn.Module:
+def _module(info: LayerInfo, ins: list[Any], made: Any = None) -> nn.Module:
     layer, t = info.layer, info.layer.type
+    if t == "dense" and getattr(layer, "tie", None):
+        return Tied(made[_key(layer.tie)], layer.use_bias, layer.activation)
+    if t == "transformer_block":
+        return Block(info, ins[0])
+    if t == "self_attention":
+        _no_lengths(info)
+        return SelfAttention(int(ins[0].shape[2]), layer.heads, layer.causal, layer.dropout, layer.positions)
+    if t == "position_embedding":
+        return Positions(layer.max_length, int(ins[0].shape[2]))
+    if t == "layer_norm":
+        if layer.scale != layer.center:
+            raise TwinError(f"layer '{layer.name}': a layer norm with only one of scale and center has no twin here")
+        return nn.LayerNorm(int(ins[0].shape[-1]), eps=layer.epsilon, elementwise_affine=layer.scale)
     if t == "conv2d":
         return ConvLayer(info, ins[0])
     if t in ("max_pool", "avg_pool"):
@@ -242,7 +366,7 @@ class Twin(nn.Module):
                 self.inputs.append(name)
                 continue
             ins = [loaded.layers[i].output for i in info.inputs]
-            self.layers[_key(name)] = _module(info, ins)
+            self.layers[_key(name)] = _module(info, ins, self.layers)
             self.order.append((name, list(info.inputs)))
 
     def forward(self, feeds: dict[str, torch.Tensor], upto: str | None = None) -> dict[str, torch.Tensor]:
@@ -255,12 +379,14 @@ class Twin(nn.Module):
 
     def load(self, weights: dict[str, list[Any]]) -> None:
         """Copy a flowctl model's weights (layer name -> its variables' values, in `weights()`
-        order) into the twin's recurrent layers."""
+        order) into the twin: recurrent layers, Transformer blocks, positions, embeddings, layer
+        norms, dense layers (a tied one takes its bias only: its kernel is the embedding's)."""
         for name, values in weights.items():
             module = self.layers[_key(name)]
-            if not isinstance(module, (Recurrent, GatedRecurrent)):
-                raise TwinError(f"layer '{name}': the twin copies recurrent layers' weights only")
-            module.load(*values)
+            if isinstance(module, (Recurrent, GatedRecurrent, Block, Positions, Tied)):
+                module.load(*values)
+            else:
+                _load_plain(module, values)
 
     def param_count(self) -> int:
         """Trainable parameters plus batch norm's moving statistics: how a spec counts."""
