@@ -12,7 +12,7 @@ from rich.console import Console
 from flowctl.cli import consoles
 from flowctl.cli.tables import Col, fit
 from flowctl.engine.devices import spec_name
-from flowctl.engine.errors import PlacementError
+from flowctl.engine.errors import FlowctlError, PlacementError
 from flowctl.engine.placement import ALGORITHMS
 
 
@@ -60,8 +60,10 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
     names = device_names(devices) if devices else None
     if names:
         overrides += (f"devices=[{', '.join(names)}]",)
-    loaded = load_spec(spec, overrides)
     what_if = None if names else devices
+    loaded = _on_what_if(spec, overrides, what_if) if what_if else None
+    if loaded is None:
+        loaded = load_spec(spec, overrides)
     alg = algorithm or loaded.spec.placement.algorithm
     try:
         if reward == "measured" and alg != "learned":
@@ -90,6 +92,24 @@ def place(spec: str, algorithm: str | None, devices: str | None, explain: bool, 
             out["held_at_peak"] = chosen.held_at_peak(limit=limit or 1 << 30)
         click.echo(json.dumps(out, default=str))
     _render(consoles.result(as_json), p, explain, by, limit)
+
+
+def _on_what_if(spec: str, overrides: tuple[str, ...], what_if: str) -> Any:
+    """The spec with its devices replaced by the what-if cluster's (gpu:0..gpu:3 for 4xgpu:h100),
+    where its strategy names devices (replicas, layer groups) -- so `--devices 4xgpu:h100 --set
+    parallelism=...` can name the cluster's GPUs; None for `single` (the placer picks among the
+    cluster's devices; the spec's own stay, for its placement rules) or when the spec does not
+    load that way (then it loads as written, and its own error is the one shown)."""
+    from flowctl.engine.cluster import Cluster
+    from flowctl.engine.devices import spec_name
+    from flowctl.spec.loader import load_spec
+
+    try:
+        listed = [spec_name(n) for n in Cluster.from_spec(what_if).names]
+        loaded = load_spec(spec, overrides + (f"devices=[{', '.join(listed)}]",))
+    except FlowctlError:
+        return None
+    return loaded if loaded.spec.parallelism.strategy != "single" else None
 
 
 def parse_duration(text: str) -> float:
