@@ -43,6 +43,10 @@ EXPERT_STAGES = {
                  ["target_in", "decoder/embedding", "decoder/lstm_1"],
                  ["decoder/lstm_2", "attention", "projection", "target_out", "loss"]],
     "lstm4": [["tokens", "embedding", "lstm_1"], ["lstm_2"], ["lstm_3"], ["lstm_4", "softmax", "targets", "loss"]],
+    # GPT-2 small: three blocks per stage, the embeddings with the first, the head with the last
+    "transformer_lm": [["tokens", "wte", "wpe", "h_1/block", "h_2/block", "h_3/block"],
+                       ["h_4/block", "h_5/block", "h_6/block"], ["h_7/block", "h_8/block", "h_9/block"],
+                       ["h_10/block", "h_11/block", "h_12/block", "ln_f", "logits", "targets", "loss"]],
 }
 
 # (row name, spec file, batch, variant)
@@ -52,6 +56,7 @@ MODELS = [
     ("nmt", "nmt.yaml", 64, "own"),
     ("nmt_free", "nmt.yaml", 64, "nmt_free"),
     ("lstm4", "lstm4.yaml", 20, "lstm4"),
+    ("transformer_lm", "transformer_lm.yaml", 8, "transformer_lm"),
 ]
 DEFAULT_ROWS = [("inception_v3", 4, "k40"), ("nmt", 4, "k40"), ("nmt_free", 4, "k40"), ("lstm4", 4, "k40")]
 
