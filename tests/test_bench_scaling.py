@@ -239,7 +239,15 @@ def test_a_bad_calibration_file_is_one_clear_error(tmp_path, text, message):
 
 
 def test_unknown_models_and_multi_device_workers_are_one_clear_error():
-    r = CliRunner().invoke(cli, ["bench", "scaling", "--rows", "transformer_lm"])
-    assert r.exit_code != 0 and "no scaling model transformer_lm" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(cli, ["bench", "scaling", "--rows", "transformer_xl"])
+    assert r.exit_code != 0 and "no scaling model transformer_xl" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["bench", "scaling", "--devices", "2xgpu:h100"])
     assert r.exit_code != 0 and "one device" in r.output and "Traceback" not in r.output
+
+
+def test_gpt2_small_is_a_row_of_the_table():
+    r = CliRunner().invoke(cli, ["bench", "scaling", "--rows", "transformer_lm", "--json"])
+    assert r.exit_code == 0, r.output
+    result, _ = json.JSONDecoder().raw_decode(r.output[r.output.index("{"):])  # the table follows, on stderr
+    rows = [x for x in result["rows"] if x["model"] == "transformer_lm"]
+    assert {x["workers"] for x in rows} >= {1, 2, 64}
