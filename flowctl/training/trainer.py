@@ -160,6 +160,7 @@ class Trainer:
             self.evaluator = Evaluator(self.loaded, self.session.store, device, tokenizer=self.tokenizer)
             self.eval_source = self.evaluator.source(self.batch)
             self.eval_start = self.eval_source.state()
+        self.baselines = self._baselines()
         # What judging evaluations carries from step to step, checkpointed so a resumed run
         # stops early, and keeps the best, exactly as an uninterrupted one would.
         self.tracking: dict[str, Any] = {"best": None, "best_step": None, "best_stop": None, "stale": 0,
@@ -287,10 +288,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """The held-out data, forward only, from the same batches every time."""
+        """The held-out data, forward only, from the same batches every time; beside a language
+        model's perplexity, the unigram model's on the same stream (`_baselines`)."""
         assert self.evaluator is not None
         self.eval_source.restore(self.eval_start)
-        return self.evaluator.run(self.eval_source).values
+        return {**self.evaluator.run(self.eval_source).values, **self.baselines}
+
+    def _baselines(self) -> dict[str, float]:
+        """`val/unigram_perplexity` where a text corpus is evaluated by perplexity: the unigram
+        model of the training stream (token counts, add-one smoothed) on the validation stream,
+        the figure a language model's `val/perplexity` must beat to have learned anything beyond
+        token frequencies. Computed once; the same number at every evaluation."""
+        if self.evaluator is None or "perplexity" not in self.evaluator.metrics:
+            return {}
+        from flowctl.data.text import TextSource, unigram_perplexity
+
+        train = getattr(self.data, "source", self.data)  # under a Prefetcher
+        if not isinstance(train, TextSource) or not isinstance(self.eval_source, TextSource):
+            return {}
+        return {"val/unigram_perplexity": unigram_perplexity(train, self.eval_source)}
 
     def _judge(self, values: dict[str, float]) -> None:
         """After an evaluation: keep the best checkpoint (checkpoint.keep_best) and count
