@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import yaml
 
+from flowctl.bench.strategies import _measure
 from flowctl.spec.loader import load_text
-from flowctl.training.inputs import make_sources
-from flowctl.training.program import open_program
 
 LSTM_LM = Path(__file__).resolve().parents[2] / "specs" / "lstm_lm.yaml"
 # Ray's object store for the sitting, kept small as `bench ray` keeps its own, so its pages are reused.
@@ -49,7 +45,6 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
     and over one process with every core. `spec`: another spec than lstm_lm's (its `name` is the
     result's `model`)."""
     import ray
-    from threadpoolctl import threadpool_limits
 
     say = progress or (lambda m: None)
     text = (spec or LSTM_LM).read_text()
@@ -71,8 +66,6 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
     if started:  # both Ray rows stay open: 4 logical CPUs for their 4 one-core workers
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
                  object_store_memory=OBJECT_STORE)
-    built: dict[str, Any] = {}
-    times: dict[str, list[list[float]]] = {name: [] for name in rows}
     try:
         # The link first, on a quiet Ray: after the rows it measured 2.1-2.3 GB/s for 64 MiB where
         # alone it gives 5.8-5.95 (the rows' workers were still going away).
@@ -80,51 +73,21 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
         from flowctl.bench.ray import links
 
         rates = links(repeat=5)["link_rates"]
-        for name, (loaded, _) in rows.items():
-            say(f"{name}: building")
-            p = open_program(loaded)
-            p.session.run(p.step.init)
-            built[name] = (p, make_sources(loaded, 1, p.step.batch)[0])
-        for r in range(rounds):
-            for name, (p, src) in built.items():
-                train = p.step.train
-                assert train is not None
-                limit = rows[name][1]
-                block = []
-                with threadpool_limits(limits=limit or 1, user_api="blas"):  # Ray rows: the master only
-                    for i in range(steps + 1):
-                        say(f"{name}: round {r + 1}/{rounds}, step {i}/{steps}")
-                        feeds = train.feeds(src.next_batch())
-                        feeds[p.step.lr] = np.asarray(0.01, dtype=p.step.lr.dtype)
-                        t0 = time.perf_counter()
-                        p.session.run([train.loss, train.train_op], feeds)
-                        if i:
-                            block.append(time.perf_counter() - t0)
-                times[name].append(block)
-        for p, _ in built.values():
-            p.close()
-        built_batches = {name: p.step.batch for name, (p, _) in built.items()}
-        built.clear()
+        # Ray rows: the limit is the master's only (each worker sets its own from its device).
+        measured = _measure({name: loaded for name, (loaded, _) in rows.items()}, steps, say, rounds,
+                            limits={name: limit or 1 for name, (_, limit) in rows.items()})
     finally:
-        for p, _ in built.values():
-            p.close()
         if started:
             ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def figure(name: str) -> dict[str, Any]:
-        b = built_batches[name]
-        per_round = [b / statistics.median(ts) for ts in times[name]]
-        return {"examples_per_s": b / statistics.median([t for ts in times[name] for t in ts]),
-                "step_s": statistics.median([t for ts in times[name] for t in ts]), "batch": b,
-                "rounds_examples_per_s": per_round}
-
-    one, all_cores = figure("one_process"), figure("one_process_all_threads")
-    two_rows = {s: figure(s) for s in ("allreduce", "parameter_device")}
+    one, all_cores = measured["one_process"], measured["one_process_all_threads"]
+    two_rows = {s: measured[s] for s in ("allreduce", "parameter_device")}
     # Both schemes move tensors by the same Send/Recv between workers: one measured link for both.
     link = {"bandwidth_Bps": rates["64_MiB"]["GBps"] * 1e9, "latency_s": rates["latency_s"]}
     return {
-        "model": str(yaml.safe_load(text).get("name", "lstm_lm")), "batch": batch, "threads": threads, "cores": cores, "steps": steps, "rounds": rounds,
+        "model": str(yaml.safe_load(text).get("name", "lstm_lm")), "batch": batch, "threads": threads,
+        "cores": cores, "steps": steps, "rounds": rounds,
         "one_process": one, "one_process_all_threads": all_cores, "two_workers": two_rows,
         "links": {s: dict(link) for s in two_rows}, "link_rates": rates,
         "ratios": {f"{s}_vs_one_process": two_rows[s]["examples_per_s"] / one["examples_per_s"]

@@ -31,28 +31,31 @@ def _with(text: str, **sections: Any) -> LoadedSpec:
 
 
 def _measure(programs: dict[str, LoadedSpec], steps: int, progress: Callable[[str], None],
-             rounds: int = 2) -> dict[str, Any]:
+             rounds: int = 2, limits: dict[str, int | None] | None = None) -> dict[str, Any]:
     """Build each program, then time them in blocks, A B A B (`rounds` blocks each): one untimed
     step, then `steps` timed ones. Blocks rather than alternating single steps because a program
     that ran BLAS on all cores leaves OpenBLAS worker threads spinning for a while, which would slow
     whichever program runs right after it; blocks repeated in turn still share the machine's
-    drift. examples/s from the median step time."""
+    drift. examples/s from the median step time, and each round's. `limits`: a program's BLAS
+    threads in this process (default: its devices' share of the cores, or all of them)."""
     from threadpoolctl import threadpool_limits
 
     built = {}
-    for name, loaded in programs.items():
-        p = open_program(loaded)
-        p.session.run(p.step.init)
-        built[name] = (p, make_sources(loaded, 1, p.step.batch)[0])
-    times: dict[str, list[float]] = {name: [] for name in built}
+    times: dict[str, list[list[float]]] = {name: [] for name in programs}
     try:
+        for name, loaded in programs.items():
+            progress(f"{name}: building")
+            p = open_program(loaded)
+            built[name] = (p, make_sources(loaded, 1, p.step.batch)[0])
+            p.session.run(p.step.init)
         for r in range(rounds):
             for name, (p, src) in built.items():
                 train = p.step.train
                 assert train is not None
                 # Distributed: each device thread's BLAS gets its share of the cores (runtime.blas_limits).
                 limit = max(d.threads for d in p.cluster.devices) if p.cluster is not None else None
-                with threadpool_limits(limits=limit, user_api="blas"):
+                block = []
+                with threadpool_limits(limits=(limits or {}).get(name, limit), user_api="blas"):
                     for i in range(steps + 1):
                         progress(f"{name}: round {r + 1}/{rounds}, step {i}/{steps}")
                         feeds = train.feeds(src.next_batch())
@@ -60,12 +63,18 @@ def _measure(programs: dict[str, LoadedSpec], steps: int, progress: Callable[[st
                         t0 = time.perf_counter()
                         p.session.run([train.loss, train.train_op], feeds)
                         if i:
-                            times[name].append(time.perf_counter() - t0)
+                            block.append(time.perf_counter() - t0)
+                times[name].append(block)
     finally:
         for p, _ in built.values():
             p.close()
-    return {name: {"examples_per_s": built[name][0].step.batch / statistics.median(ts),
-                   "step_s": statistics.median(ts), "batch": built[name][0].step.batch} for name, ts in times.items()}
+
+    def figure(name: str) -> dict[str, Any]:
+        b, every = built[name][0].step.batch, [t for ts in times[name] for t in ts]
+        return {"examples_per_s": b / statistics.median(every), "step_s": statistics.median(every), "batch": b,
+                "rounds_examples_per_s": [b / statistics.median(ts) for ts in times[name]]}
+
+    return {name: figure(name) for name in times}
 
 
 def strategy_benchmarks(steps: int = 5, lstm_lm: str | Path | None = None,

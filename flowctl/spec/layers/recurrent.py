@@ -66,19 +66,11 @@ def projections(b: Builder, x: Tensor, w_x: Tensor, bias: Tensor, width: int,
 
 
 
-@register
-class LSTM(Layer):
-    """A [batch, time, features] sequence -> [batch, time, units] (or [batch, units] for the last
-    step when `return_sequences` is false). Gates in the order i, f, g, o.
+class Recurrent(Layer):
+    """What the recurrent layers (lstm, gru) share: their keys and their output's shape."""
 
-    With `unroll: dynamic` a second input may give each example's length ([batch] int32, from the
-    data): the loop then runs max(lengths) steps, an example's state stops changing after its
-    length and its outputs there are zero (the last state is the state at its length)."""
-
-    type: Literal["lstm"]
     units: int = Field(ge=1)
     return_sequences: bool = True
-    forget_bias: float = Field(0.0, description="added to the forget gate (BasicLSTMCell's forget_bias)")
     init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
     unroll: Literal["static", "dynamic"] = Field(
         "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
@@ -90,6 +82,19 @@ class LSTM(Layer):
 
     def infer(self, ins: list[TensorSpec]) -> TensorSpec:
         return sequence_output(self, ins)
+
+
+@register
+class LSTM(Recurrent):
+    """A [batch, time, features] sequence -> [batch, time, units] (or [batch, units] for the last
+    step when `return_sequences` is false). Gates in the order i, f, g, o.
+
+    With `unroll: dynamic` a second input may give each example's length ([batch] int32, from the
+    data): the loop then runs max(lengths) steps, an example's state stops changing after its
+    length and its outputs there are zero (the last state is the state at its length)."""
+
+    type: Literal["lstm"]
+    forget_bias: float = Field(0.0, description="added to the forget gate (BasicLSTMCell's forget_bias)")
 
     def weights(self, ins: list[TensorSpec]) -> list[Weight]:
         d, u = int(ins[0].shape[2]), self.units
@@ -196,7 +201,7 @@ class LSTM(Layer):
 
 
 @register
-class GRU(Layer):
+class GRU(Recurrent):
     """A gated recurrent unit (Cho et al. 2014) as torch.nn.GRU and cuDNN compute it, gates in the
     order r, z, n: r = σ(x W_xr + b_r + h W_hr + c_r), z = σ(x W_xz + b_z + h W_hz + c_z),
     n = tanh(x W_xn + b_n + r ⊙ (h W_hn + c_n)), h' = (1 − z) ⊙ n + z ⊙ h. `kernel` is
@@ -210,19 +215,6 @@ class GRU(Layer):
     outputs are zero. The gates are composed from Sigmoid, Tanh, Mul and Add nodes."""
 
     type: Literal["gru"]
-    units: int = Field(ge=1)
-    return_sequences: bool = True
-    init_scale: float | None = Field(None, gt=0, description="uniform ±init_scale; default Glorot")
-    unroll: Literal["static", "dynamic"] = Field(
-        "static", description="static: one cell per time step; dynamic: one cell in a while loop over time")
-    projection_steps: int | None = Field(
-        7, ge=1, description="static: time steps per input-projection product when the input arrives step by "
-        "step from a recurrent layer below (the layer can start once that many are in; null: all)")
-
-    arity: ClassVar[tuple[int, int | None]] = (1, 2)  # the sequence, and optionally its lengths
-
-    def infer(self, ins: list[TensorSpec]) -> TensorSpec:
-        return sequence_output(self, ins)
 
     def weights(self, ins: list[TensorSpec]) -> list[Weight]:
         d, u = int(ins[0].shape[2]), self.units
