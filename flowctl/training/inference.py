@@ -27,7 +27,7 @@ from flowctl.engine.executor import needed_nodes
 from flowctl.engine.saved_model import EXPORT_FORMAT, EXPORT_VERSION
 from flowctl.spec.check import LoadedSpec
 from flowctl.training.evaluate import Evaluator
-from flowctl.training.inputs import TOKENIZER, model_inputs, run_tokenizer
+from flowctl.training.inputs import TOKENIZER, model_inputs, run_table, run_tokenizer
 from flowctl.training.onnx_export import to_onnx, write_onnx
 from flowctl.training.rundir import RunDir, write_atomic
 from flowctl.training.runs import load_run_spec, override_data
@@ -60,7 +60,8 @@ def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = No
     run = RunDir(run_dir)
     loaded, _ = load_run_spec(run)
     split = override_data(loaded, data, held=True) if data else "validation"
-    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0", tokenizer=run_tokenizer(loaded, run))
+    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0", tokenizer=run_tokenizer(loaded, run),
+                          table=run_table(loaded, run))
     found = _checkpoint(run, checkpoint)
     wanted = {n.name for n in evaluator.graph.nodes.values() if n.op == "Variable"}
     missing = sorted(wanted - set(found.tensors))
@@ -332,7 +333,7 @@ def validation_arrays(run_dir: Path, path: Path) -> Path:
     loaded, _ = load_run_spec(run)
     inputs: list[InputSpec] = model_inputs(loaded)
     src = make_source(loaded.spec.data.model_dump(), inputs, loaded.global_batch, base_dir=loaded.base_dir,
-                      split="validation", tokenizer=run_tokenizer(loaded, run))
+                      split="validation", tokenizer=run_tokenizer(loaded, run), table=run_table(loaded, run))
     n = int(getattr(src, "batches_per_epoch", 0) or loaded.spec.data.model_dump().get("validation_batches", 16))
     batches = [src.next_batch() for _ in range(n)]
     np.savez(path, **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
