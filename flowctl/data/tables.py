@@ -158,12 +158,21 @@ class TableEncoding:
                first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(features float32 [rows, width], label ids int64 [rows]). `first_row`: the row number
         of the first of these rows in the file, for messages."""
-        n = len(columns[self.label])
+        y = self.labels_of(columns, where, first_row)
+        return self.features_of(columns, where, first_row), y
+
+    def labels_of(self, columns: Mapping[str, np.ndarray], where: str | Path = "the table",
+                  first_row: int = 0) -> np.ndarray:
         y, bad = _ids(self.classes, columns[self.label])
         if bad is not None:
             raise SpecError(f"{where}: row {first_row + bad + 1}: label '{self.label}' is "
                             f"{columns[self.label][bad].item()!r}, a class the training split does not have "
                             f"(its classes: {_shown(self.classes)})")
+        return y.astype(np.int64)
+
+    def features_of(self, columns: Mapping[str, np.ndarray], where: str | Path = "the table",
+                    first_row: int = 0) -> np.ndarray:
+        n = len(columns[self.features[0]])
         parts = []
         for c in self.features:
             if c in self.categories:
@@ -180,8 +189,7 @@ class TableEncoding:
                     raise SpecError(f"{where}: column '{c}' holds text ({v[0]!r}, ...), the training split numbers")
                 mean, std = self.stats[c]
                 parts.append(((v.astype(np.float64) - mean) / std).astype(np.float32)[:, None])
-        x = np.concatenate(parts, axis=1) if parts else np.zeros((n, 0), np.float32)
-        return x, y.astype(np.int64)
+        return np.concatenate(parts, axis=1) if parts else np.zeros((n, 0), np.float32)
 
     def problem(self, inputs: Sequence[InputSpec]) -> str | None:
         """Why the model's inputs cannot take this encoding's examples, or None."""
