@@ -16,7 +16,7 @@ CHECKPOINT = click.option("--checkpoint", help="A checkpoint step, or 'best' (de
 
 @click.command()
 @click.argument("run_dir", type=RUN_DIR)
-@click.option("--data", help="Evaluate on all of this file (arrays or a text corpus) instead of the run's "
+@click.option("--data", help="Evaluate on all of this file (arrays, a table like the run's, or a text corpus) instead of the run's "
                              "held-out data.")
 @CHECKPOINT
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON on stdout.")
@@ -41,8 +41,9 @@ def evaluate(run_dir: Path, data: str | None, checkpoint: str | None, as_json: b
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON on stdout.")
 def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, out: Path | None,
             as_json: bool) -> None:
-    """Run RUN_DIR's model on INPUT: an .npz of the model's inputs (top classes per example, and the
-    accuracy when the labels are there too), or a text file: for a language model the likely next
+    """Run RUN_DIR's model on INPUT: an .npz of the model's inputs or, for a run on a table, a
+    CSV/Parquet file with its columns (top classes per example, and the accuracy when the labels
+    are there too), or a text file: for a language model the likely next
     words, for a model trained on sentence pairs each line's translation (greedy)."""
     from flowctl.training.inference import predict_run
 
@@ -58,7 +59,7 @@ def predict(run_dir: Path, input_path: str, checkpoint: str | None, top: int, ou
             con.print(f"{t['source']}  ->  {t['translation']}", markup=False, highlight=False)
     else:
         acc = f"; accuracy {r['accuracy']:.4f}" if "accuracy" in r else ""
-        con.print(f"{r['examples']:,} examples predicted{acc}; first: classes {r['classes'][0]}")
+        con.print(f"{r['examples']:,} examples predicted{acc}; first: classes {r.get('names', r['classes'])[0]}")
     if out is not None:
         write_atomic(out, json.dumps(r) + "\n")
     if as_json:

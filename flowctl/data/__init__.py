@@ -1,5 +1,5 @@
-"""Datasets and input pipelines: synthetic (the default), arrays from .npy/.npz files, and a text
-corpus batched for language models. Each source has a resumable cursor (`state()`/`restore()`).
+"""Datasets and input pipelines: synthetic (the default), arrays from .npy/.npz files, a table
+(CSV or Parquet: `tables.py`), and a text corpus batched for language models. Each source has a resumable cursor (`state()`/`restore()`).
 
 `make_source` takes the spec's `data:` section as a plain mapping, so this package needs nothing
 from the spec package (ARCHITECTURE: data imports numpy and the engine only)."""
@@ -15,6 +15,7 @@ from flowctl.data.base import DataSource, InputSpec
 from flowctl.data.bpe import ByteBPE, read_text
 from flowctl.data.parallel import ParallelTextSource
 from flowctl.data.synthetic import SyntheticSource
+from flowctl.data.tables import TableEncoding, TableSource, learn_table
 from flowctl.data.text import SentenceSource, TextSource, Vocabulary, read_words, unigram_perplexity
 from flowctl.engine.errors import SpecError
 
@@ -25,13 +26,15 @@ VALIDATION_STREAM = 1_000_003
 
 
 def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_size: int,
-                base_dir: str | Path = ".", split: str = "train", tokenizer: ByteBPE | None = None) -> DataSource:
-    """A source from a `data:` mapping (`source: synthetic | arrays | text`); relative paths are
+                base_dir: str | Path = ".", split: str = "train", tokenizer: ByteBPE | None = None,
+                table: TableEncoding | None = None) -> DataSource:
+    """A source from a `data:` mapping (`source: synthetic | arrays | table | text | parallel_text`); relative paths are
     taken from `base_dir` (the spec file's directory). `split`: "train", or "validation" for the
     held-out data (`validation:` file, the last `validation_fraction` of the file, or for synthetic
     data a stream of its own), read in order without shuffling. `tokenizer`: for a text source with
     `tokenizer: bpe`, the one to encode with (a run's stored one); by default it is learned here
-    from the training corpus (`learn_tokenizer`)."""
+    from the training corpus (`learn_tokenizer`). `table`: likewise a table source's encoding (a
+    run's stored one; by default learned here from the training split, `learn_table`)."""
     cfg = dict(config)
     kind = cfg.get("source", "synthetic")
     inputs = list(inputs)
@@ -47,6 +50,10 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
     if kind == "arrays":
         return ArraySource(inputs, batch_size, path, features=cfg.get("features"),
                            shuffle=cfg.get("shuffle", True) and not held, seed=cfg.get("seed", 0), part=part)
+    if kind == "table":
+        return TableSource(inputs, batch_size, path, table or learn_table(cfg, base_dir),
+                           fmt=cfg.get("format"), shuffle=cfg.get("shuffle", True) and not held,
+                           seed=cfg.get("seed", 0), part=part)
     if kind == "text":
         ints = {i.name: i for i in inputs if i.is_int}
         name = cfg.get("input") or next(iter(ints), None)
@@ -70,7 +77,7 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
                                   vocab_paths=(base / cfg["path"], base / cfg["target_path"]),
                                   vocab_sizes=(cfg.get("vocab_size"), cfg.get("target_vocab_size")), part=part,
                                   bucket=cfg.get("bucket", False), shuffle=not held, seed=cfg.get("seed", 0))
-    raise SpecError(f"unknown data source {kind!r}: synthetic, arrays, text or parallel_text")
+    raise SpecError(f"unknown data source {kind!r}: synthetic, arrays, table, text or parallel_text")
 
 
 def learn_tokenizer(config: Mapping[str, Any], base_dir: str | Path = ".") -> ByteBPE:
@@ -117,5 +124,6 @@ def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, ba
                           shuffle=not held)
 
 
-__all__ = ["ArraySource", "ByteBPE", "DataSource", "InputSpec", "ParallelTextSource", "SPLITS", "SentenceSource", "SyntheticSource", "TextSource",
-           "Vocabulary", "has_validation", "learn_tokenizer", "make_source", "unigram_perplexity"]
+__all__ = ["ArraySource", "ByteBPE", "DataSource", "InputSpec", "ParallelTextSource", "SPLITS", "SentenceSource", "SyntheticSource", "TableEncoding",
+           "TableSource", "TextSource",
+           "Vocabulary", "has_validation", "learn_table", "learn_tokenizer", "make_source", "unigram_perplexity"]

@@ -55,6 +55,11 @@ def _load(path: Path, inputs: list[InputSpec], features: dict[str, str]) -> dict
         raise cannot_read(path, e) from None
 
 
+def rows_of(total: int, part: tuple[float, float]) -> tuple[int, int]:
+    """The examples [lo, hi) of `total` that a (start, stop) fraction covers."""
+    return round(part[0] * total), round(part[1] * total)
+
+
 class ArraySource(DataSource):
     kind = "arrays"
 
@@ -66,15 +71,8 @@ class ArraySource(DataSource):
         super().__init__(inputs, batch_size, seed)
         self.path = Path(path)
         self.shuffle = shuffle
-        self.arrays = _load(self.path, inputs, features or {})
-        sizes = {name: len(a) for name, a in self.arrays.items()}
-        if len(set(sizes.values())) != 1:
-            raise SpecError(f"{self.path}: arrays differ in length: "
-                            + ", ".join(f"{k} {v}" for k, v in sizes.items()))
-        total = next(iter(sizes.values()))
-        lo, hi = round(part[0] * total), round(part[1] * total)
-        self.arrays = {k: a[lo:hi] for k, a in self.arrays.items()}
-        self.n = hi - lo
+        self.arrays = self._read(inputs, features or {}, part)
+        self.n = len(next(iter(self.arrays.values())))
         for spec in inputs:
             a = self.arrays[spec.name]
             if tuple(a.shape[1:]) != tuple(spec.shape):
@@ -88,6 +86,16 @@ class ArraySource(DataSource):
         self.batches_per_epoch = self.n // batch_size
         self._order_epoch = -1
         self._order = np.arange(self.n)
+
+    def _read(self, inputs: list[InputSpec], features: dict[str, str], part: tuple[float, float]) -> dict[str, np.ndarray]:
+        """{model input: its examples} for the `part` of the file this source reads."""
+        arrays = _load(self.path, inputs, features)
+        sizes = {name: len(a) for name, a in arrays.items()}
+        if len(set(sizes.values())) != 1:
+            raise SpecError(f"{self.path}: arrays differ in length: "
+                            + ", ".join(f"{k} {v}" for k, v in sizes.items()))
+        lo, hi = rows_of(next(iter(sizes.values())), part)
+        return {k: a[lo:hi] for k, a in arrays.items()}
 
     def order(self, epoch: int) -> np.ndarray:
         """The example order of an epoch, a function of (seed, epoch) only, so a restored cursor

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from flowctl.data.tables import pyarrow_module, table_columns
 from flowctl.engine.devices import device_matches, parse_constraint
-from flowctl.engine.errors import PlacementError, did_you_mean
+from flowctl.engine.errors import PlacementError, SpecError, did_you_mean
 from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.blocks import Expansion, Instance
 from flowctl.spec.layers import Layer, LayerError, Weight, count
 from flowctl.spec.layers.base import elements, fmt
-from flowctl.spec.schema import ArrayData, ParallelTextData, Spec, TextData
+from flowctl.spec.schema import ArrayData, ParallelTextData, Spec, TableData, TextData
 from flowctl.spec.source import LocDict, Mark, Problems, locate
 
 DEFAULT_BATCH = 32
@@ -374,7 +375,7 @@ def _check_devices(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Prob
 def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problems, base_dir: Path) -> None:
     data = spec.data
     inputs = {i.name: i for i in loaded.inputs()}
-    files = (ArrayData, TextData, ParallelTextData)
+    files = (ArrayData, TableData, TextData, ParallelTextData)
     if isinstance(data, files):
         for key in ("path", "validation", "target_path", "validation_target"):
             name = getattr(data, key, None)
@@ -413,6 +414,8 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
             if key not in inputs:
                 problems.at(root, ("data", "features", key), f"'{key}' is not a model input"
                             + did_you_mean(key, inputs) + f" (inputs: {', '.join(inputs)})", key=True)
+    if isinstance(data, TableData):
+        _check_table(data, root, inputs, problems, base_dir)
     if isinstance(data, ParallelTextData):
         for key, name in data.feeds.model_dump().items():
             per_example = () if key.endswith("lengths") else None
@@ -446,3 +449,48 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
             if data.vocab_size and classes and data.vocab_size > classes:
                 problems.at(root, ("data", "vocab_size"), f"vocab_size {data.vocab_size} exceeds input "
                             f"'{name}' classes {classes}")
+
+
+def _check_table(data: TableData, root: LocDict, inputs: dict[str, LayerInfo], problems: Problems,
+                 base_dir: Path) -> None:
+    """Each named column in each file (its header or schema only: the data is read when the run
+    starts), and the model's two inputs. The float input's width is checked here when every
+    feature is numeric; one-hot blocks are as wide as the training split's vocabularies, known
+    when the run learns them (`flowctl.training.inputs.run_table`)."""
+    named = [(("data", "features", i), c) for i, c in enumerate(data.features)] + [(("data", "label"), data.label)]
+    named += [(("data", "categorical", i), c) for i, c in enumerate(data.categorical)]
+    pyarrow_module()  # without it, the one message naming the extra
+    for key in ("path", "validation"):
+        name = getattr(data, key)
+        if not name or not (base_dir / name).exists():
+            continue
+        try:
+            columns = table_columns(base_dir / name, data.format)
+        except SpecError as e:
+            problems.at(root, ("data", key), str(e))
+            continue
+        for loc, c in named:
+            if c not in columns:
+                problems.at(root, loc, f"no column '{c}' in {base_dir / name}" + did_you_mean(c, columns)
+                            + f" (columns: {', '.join(columns)})")
+    for i, c in enumerate(data.categorical):
+        if c not in data.features:
+            problems.at(root, ("data", "categorical", i), f"categorical column '{c}' is not one of data.features "
+                        f"({', '.join(data.features)}): a categorical column is a feature, one-hot")
+    seen: set[str] = set()
+    for i, c in enumerate(data.features):
+        if c in seen or c == data.label:
+            problems.at(root, ("data", "features", i), f"column '{c}' is "
+                        + ("listed twice" if c in seen else "the label: a model may not read its answer"))
+        seen.add(c)
+    floats = [i for i in inputs.values() if not i.output.dtype.startswith(("int", "uint"))]
+    ints = [i for i in inputs.values() if i.output.dtype.startswith(("int", "uint"))]
+    if len(floats) != 1 or len(floats[0].output.shape) != 2 or len(ints) != 1 or ints[0].output.shape[1:] != ():
+        problems.at(root, ("data",), "a table source feeds two model inputs, a float input of shape [features] "
+                    "and an integer label input of shape []; the model has "
+                    + ", ".join(f"{i.name} {list(i.output.shape[1:])} {i.output.dtype}" for i in inputs.values()))
+        return
+    width = floats[0].output.shape[1]
+    if not data.categorical and width != len(data.features):
+        problems.at(root, ("data", "features"), f"{len(data.features)} feature columns feed input "
+                    f"'{floats[0].name}' of shape [{width}]: make it [{len(data.features)}]")

@@ -129,6 +129,23 @@ class ArrayData(HeldOut):
     seed: int = 0
 
 
+class TableData(HeldOut):
+    """A CSV or Parquet table (needs pip install 'flowctl[tables]'): one example per row. What the
+    encoding learns (label classes, categorical vocabularies, numeric means and stds) comes from
+    the training split and is kept as RUN/table.json."""
+
+    source: Literal["table"]
+    path: str = Field(description=".csv or .parquet file (or say which with format)")
+    format: Literal["csv", "parquet"] | None = Field(None, description="the table's format (default: from the suffix)")
+    features: list[str] = Field(min_length=1, description="columns feeding the model's float input, in order; "
+                                "numeric ones standardised, categorical ones one-hot")
+    label: str = Field(description="column feeding the model's integer input: its sorted values are classes 0, 1, ...")
+    categorical: list[str] = Field(default_factory=list, description="feature columns whose values are categories: "
+                                   "each a one-hot block as wide as its training split's distinct values")
+    shuffle: bool = True
+    seed: int = 0
+
+
 class TextData(HeldOut):
     source: Literal["text"]
     path: str
@@ -185,7 +202,7 @@ class ParallelTextData(HeldOut):
         return self
 
 
-DataSpec = Annotated[Union[SyntheticData, ArrayData, TextData, ParallelTextData], Field(discriminator="source")]
+DataSpec = Annotated[Union[SyntheticData, ArrayData, TableData, TextData, ParallelTextData], Field(discriminator="source")]
 
 
 # ---------------------------------------------------------------------------- devices

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 import flowctl as fc
-from flowctl.data import ByteBPE, DataSource, make_source
+from flowctl.data import ByteBPE, DataSource, TableEncoding, make_source
 from flowctl.engine.container import ContainerStore
 from flowctl.engine.errors import SpecError
 from flowctl.spec.check import LoadedSpec
@@ -39,13 +39,16 @@ class Scores:
 
 class Evaluator:
     def __init__(self, loaded: LoadedSpec, store: ContainerStore, device: str,
-                 metrics: Sequence[str] | None = None, tokenizer: ByteBPE | None = None) -> None:
-        """`tokenizer`: the run's byte-level BPE, for a text source that asks for one."""
+                 metrics: Sequence[str] | None = None, tokenizer: ByteBPE | None = None,
+                 table: TableEncoding | None = None) -> None:
+        """`tokenizer`: the run's byte-level BPE, for a text source that asks for one; `table`: the
+        run's table encoding, for a table source."""
         if loaded.loss is None:
             raise SpecError("the spec names no loss layer (model.loss), so there is nothing to evaluate")
         self.loaded = loaded
         self.metrics = list(metrics or loaded.spec.training.metrics)
         self.tokenizer = tokenizer
+        self.table = table
         self.model: BuiltModel = build_model(loaded, training=False)
         assert self.model.loss is not None
         loss_layer = loaded.layers[loaded.loss]
@@ -68,7 +71,7 @@ class Evaluator:
         """The held-out data of the spec (or of `config`, a `data:` mapping) in batches of `batch`."""
         cfg = config if config is not None else self.loaded.spec.data.model_dump()
         return make_source(cfg, model_inputs(self.loaded), batch, base_dir=self.loaded.base_dir, split=split,
-                           tokenizer=self.tokenizer)
+                           tokenizer=self.tokenizer, table=self.table)
 
     def run(self, source: DataSource, batches: int | None = None) -> Scores:
         """Evaluate `batches` batches of `source` (default: one pass over a file's held-out part, or

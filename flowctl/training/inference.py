@@ -20,6 +20,7 @@ import numpy as np
 import flowctl as fc
 from flowctl.data import InputSpec, make_source
 from flowctl.data.arrays import READ_ERRORS, cannot_read
+from flowctl.data.tables import FORMATS, read_table, table_columns
 from flowctl.data.text import UNK, Vocabulary, read_words
 from flowctl.engine import checkpoint as ckpt
 from flowctl.engine.errors import CheckpointError, SpecError
@@ -27,7 +28,7 @@ from flowctl.engine.executor import needed_nodes
 from flowctl.engine.saved_model import EXPORT_FORMAT, EXPORT_VERSION
 from flowctl.spec.check import LoadedSpec
 from flowctl.training.evaluate import Evaluator
-from flowctl.training.inputs import TOKENIZER, model_inputs, run_tokenizer
+from flowctl.training.inputs import TOKENIZER, model_inputs, run_table, run_tokenizer
 from flowctl.training.onnx_export import to_onnx, write_onnx
 from flowctl.training.rundir import RunDir, write_atomic
 from flowctl.training.runs import load_run_spec, override_data
@@ -60,7 +61,8 @@ def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = No
     run = RunDir(run_dir)
     loaded, _ = load_run_spec(run)
     split = override_data(loaded, data, held=True) if data else "validation"
-    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0", tokenizer=run_tokenizer(loaded, run))
+    evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0", tokenizer=run_tokenizer(loaded, run),
+                          table=run_table(loaded, run))
     found = _checkpoint(run, checkpoint)
     wanted = {n.name for n in evaluator.graph.nodes.values() if n.op == "Variable"}
     missing = sorted(wanted - set(found.tensors))
@@ -106,14 +108,17 @@ def evaluate_run(run_dir: Path, data: str | None = None, checkpoint: str | None 
 # ---------------------------------------------------------------------------- predict
 def predict_run(run_dir: Path, input_path: str, checkpoint: str | None = None, top: int = 5) -> dict[str, Any]:
     """The model on new inputs: an .npz of the model's inputs (the top classes of each example;
-    with the labels there too, the accuracy), or a text file for a language model (the most likely
-    next words after its last tokens)."""
+    with the labels there too, the accuracy), a table with a table run's columns (likewise, with the
+    class names), or a text file for a language model (the most likely next words after its last
+    tokens)."""
     m = open_run(run_dir, checkpoint)
     path = Path(input_path)
     if not path.exists():
         raise SpecError(f"{input_path}: no such input file")
     if path.suffix == ".npz":
         return {"checkpoint": str(m.checkpoint.path), **_predict_arrays(m, path, top)}
+    if m.evaluator.table is not None:
+        return {"checkpoint": str(m.checkpoint.path), **_predict_table(m, path, top)}
     if m.loaded.spec.data.model_dump().get("source") == "parallel_text":
         return {"checkpoint": str(m.checkpoint.path), **_translate(m, path)}
     return {"checkpoint": str(m.checkpoint.path), **_predict_text(m, path, top)}
@@ -138,15 +143,43 @@ def _predict_arrays(m: RunModel, path: Path, top: int) -> dict[str, Any]:
     if absent:
         raise SpecError(f"{path}: no array for input '{absent[0]}' (arrays: {', '.join(arrays)})")
     dtypes = {i.name: i.dtype for i in model_inputs(m.loaded)}
-    feeds = {m.evaluator.model.inputs[k]: arrays[k].astype(dtypes[k], copy=False) for k in needed}
+    truth = arrays[labels].reshape(-1) if labels is not None and labels in arrays else None
+    return _classify(m, {k: arrays[k].astype(dtypes[k], copy=False) for k in needed}, top, truth)
+
+
+def _predict_table(m: RunModel, path: Path, top: int) -> dict[str, Any]:
+    """The top classes of each row of a table (CSV or Parquet) with the run's columns, encoded as
+    the run learned (RUN/table.json); with the label column there too, the accuracy."""
+    table = m.evaluator.table
+    assert table is not None
+    fmt = m.loaded.spec.data.model_dump().get("format")
+    if Path(path).suffix.lower() not in FORMATS and not fmt:
+        raise SpecError(f"{path}: a table run predicts on a .csv or .parquet file with its columns, or on .npz arrays")
+    names = table_columns(path, fmt)
+    absent = [c for c in table.features if c not in names]
+    if absent:
+        raise SpecError(f"{path}: no column '{absent[0]}' (the run reads {', '.join(table.features)}; "
+                        f"the file has {', '.join(names)})")
+    has_label = table.label in names
+    columns = read_table(path, [*table.features] + ([table.label] if has_label else []), fmt)
+    (name,) = _forward_inputs(m, _logits_of(m))
+    out = _classify(m, {name: table.features_of(columns, path)}, top,
+                    table.labels_of(columns, path) if has_label else None)
+    out["names"] = [[table.classes[i].item() for i in row] for row in out["classes"]]
+    return out
+
+
+def _classify(m: RunModel, arrays: dict[str, np.ndarray], top: int, truth: np.ndarray | None) -> dict[str, Any]:
+    """The `top` classes of each example, by probability; with `truth`, accuracy and top-k."""
+    logits_t = _logits_of(m)
+    feeds = {m.evaluator.model.inputs[k]: v for k, v in arrays.items()}
     logits = np.asarray(m.session.run(logits_t, feeds))
     probs = _softmax(logits.reshape(-1, logits.shape[-1]))
     k = min(top, probs.shape[1])
     order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
     out: dict[str, Any] = {"examples": int(logits.shape[0]), "classes": order.tolist(),
                            "probabilities": np.take_along_axis(probs, order, axis=1).tolist()}
-    if labels is not None and labels in arrays:
-        truth = arrays[labels].reshape(-1)
+    if truth is not None:
         out["accuracy"] = float((order[:, 0] == truth).mean())
         out[f"top{k}"] = float((order == truth[:, None]).any(axis=1).mean())
     return out
@@ -332,7 +365,7 @@ def validation_arrays(run_dir: Path, path: Path) -> Path:
     loaded, _ = load_run_spec(run)
     inputs: list[InputSpec] = model_inputs(loaded)
     src = make_source(loaded.spec.data.model_dump(), inputs, loaded.global_batch, base_dir=loaded.base_dir,
-                      split="validation", tokenizer=run_tokenizer(loaded, run))
+                      split="validation", tokenizer=run_tokenizer(loaded, run), table=run_table(loaded, run))
     n = int(getattr(src, "batches_per_epoch", 0) or loaded.spec.data.model_dump().get("validation_batches", 16))
     batches = [src.next_batch() for _ in range(n)]
     np.savez(path, **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})

@@ -1,16 +1,18 @@
 """The data a training program reads: one source of the step's batch, or one per replica for
-`async_data_parallel` (§7, Figure 7 bottom: each replica reads its own stream); and a text
-source's byte-level BPE, learned at a run's first start and kept in the run directory."""
+`async_data_parallel` (§7, Figure 7 bottom: each replica reads its own stream); and what a run
+learns from its data at its first start and keeps in the run directory: a text source's byte-level
+BPE, a table's encoding (classes, vocabularies, means and stds)."""
 from __future__ import annotations
 
 import numpy as np
 
-from flowctl.data import ByteBPE, DataSource, InputSpec, learn_tokenizer, make_source
-from flowctl.engine.errors import CheckpointError
+from flowctl.data import ByteBPE, DataSource, InputSpec, TableEncoding, learn_table, learn_tokenizer, make_source
+from flowctl.engine.errors import CheckpointError, SpecError
 from flowctl.spec.check import LoadedSpec
 from flowctl.training.rundir import RunDir
 
 TOKENIZER = "tokenizer.json"
+TABLE = "table.json"
 
 
 def model_inputs(loaded: LoadedSpec) -> list[InputSpec]:
@@ -45,27 +47,66 @@ def run_tokenizer(loaded: LoadedSpec, run: RunDir) -> ByteBPE | None:
         raise CheckpointError(f"{path}: damaged, not a tokenizer ({e})") from None
 
 
-def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None) -> list[DataSource]:
+def run_table(loaded: LoadedSpec, run: RunDir) -> TableEncoding | None:
+    """The encoding of a run whose spec reads a table, else None: as `run_tokenizer`, learned from
+    the training split at the first start and written to RUN/table.json, read (never learned again)
+    by resume, evaluate and predict, so a file changed since cannot change what a feature means.
+    A width the model's input cannot take is a located spec error at data.features."""
+    cfg = loaded.spec.data.model_dump()
+    if cfg.get("source") != "table":
+        return None
+    path = run.path / TABLE
+    if not run.exists():
+        table = learn_table(cfg, loaded.base_dir)
+        _check_fits(loaded, table)
+        run.write_text(TABLE, table.to_json())
+        return table
+    try:
+        text = run.inside(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the run's table encoding is kept there from its first start, "
+                              f"and learning it again from the file could give other features") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        table = TableEncoding.from_json(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: damaged, not a table encoding ({e})") from None
+    _check_fits(loaded, table)
+    return table
+
+
+def _check_fits(loaded: LoadedSpec, table: TableEncoding) -> None:
+    problem = table.problem(model_inputs(loaded))
+    if problem:
+        where = loaded.where(("data", "features"))
+        raise SpecError(f"{where + ': ' if where else ''}data.features: {problem}")
+
+
+def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None,
+                 table: TableEncoding | None = None) -> list[DataSource]:
     """One source of `batch` examples per replica (one for the synchronous strategies). Replica
     k > 0 reads its own stream, seeded by its index: synthetic data draws from the generator
     [seed, k] (the learnable task's teacher stays the spec's), shuffled arrays use seed + k, and
     ordered arrays and text start k/N of the way into the epoch. `tokenizer`: a bpe text source's
-    (`run_tokenizer`); without it each source learns its own from the corpus."""
+    (`run_tokenizer`); without it each source learns its own from the corpus. `table`: a table
+    source's encoding (`run_table`), likewise."""
     cfg = loaded.spec.data.model_dump()
     inputs = model_inputs(loaded)
     out = []
     for k in range(replicas):
         c = dict(cfg)
         kind = c.get("source", "synthetic")
-        if k and kind == "arrays" and c.get("shuffle", True):
+        shuffled = kind in ("arrays", "table") and c.get("shuffle", True)
+        if k and shuffled:
             c["seed"] = int(c.get("seed", 0)) + k
-        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer)
+        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer, table=table)
         if k and kind == "synthetic":
             src.rng = np.random.default_rng([int(c.get("seed", 0)), k])
-        elif k and hasattr(src, "batches_per_epoch") and not (kind == "arrays" and c.get("shuffle", True)):
+        elif k and hasattr(src, "batches_per_epoch") and not shuffled:
             src.position = k * int(src.batches_per_epoch) // replicas  # type: ignore[attr-defined]
         out.append(src)
     return out
 
 
-__all__ = ["TOKENIZER", "make_sources", "model_inputs", "run_tokenizer"]
+__all__ = ["TABLE", "TOKENIZER", "make_sources", "model_inputs", "run_table", "run_tokenizer"]

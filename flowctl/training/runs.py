@@ -14,7 +14,7 @@ from flowctl.engine.errors import CheckpointError, FlowctlError, SpecError
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.loader import load_spec, load_text
 from flowctl.spec.overrides import device_names
-from flowctl.spec.schema import ArrayData, ParallelTextData, TextData
+from flowctl.spec.schema import ArrayData, ParallelTextData, TableData, TextData
 from flowctl.training.rundir import RunDir, RunLock, resolved, spec_changes, spec_hash
 from flowctl.training.trainer import Trainer
 
@@ -44,8 +44,9 @@ def load_training_spec(spec: str | None, data: str | None = None,
 
 
 def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
-    """Point the spec's `data:` at a file: arrays (.npy/.npz) or a text corpus, whose vocabulary
-    is the first integer input's class count. Returns the split that reads the file.
+    """Point the spec's `data:` at a file: arrays (.npy/.npz), a table like the spec's (the same
+    columns; held, encoded as the run learned them), or a text corpus, whose vocabulary is the
+    first integer input's class count. Returns the split that reads the file.
 
     `held`: the file is data to evaluate or predict on. A model trained on a text corpus then keeps
     reading it the same way (sentences with lengths, its named inputs) and keeps its training corpus
@@ -59,6 +60,13 @@ def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
                         f"as data.validation and data.validation_target (--set) instead")
     if p.suffix in (".npy", ".npz"):
         loaded.spec.data = ArrayData.model_validate({"source": "arrays", "path": str(p)})
+        return "train"
+    if isinstance(current, TableData):  # the same columns, encoded as the run learned them
+        keep = current.model_dump(exclude={"validation", "validation_fraction"})
+        if held:
+            loaded.spec.data = TableData.model_validate({**keep, "validation": str(p)})
+            return "validation"
+        loaded.spec.data = TableData.model_validate({**keep, "path": str(p)})
         return "train"
     if isinstance(current, TextData):  # the same reading, another file
         keep = current.model_dump(exclude={"validation", "validation_fraction"})

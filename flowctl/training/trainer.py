@@ -43,7 +43,7 @@ from flowctl.spec.model import BuiltModel
 from flowctl.training.evaluate import Evaluator, improved
 from flowctl.training.events import EventWriter, graph_def
 from flowctl.training.faults import Stop, check_finite, checked_learning_rate
-from flowctl.training.inputs import make_sources, run_tokenizer
+from flowctl.training.inputs import make_sources, run_table, run_tokenizer
 from flowctl.training.program import Program, open_program
 from flowctl.training.rundir import MetricsLog, RunDir, RunLock, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
@@ -140,7 +140,8 @@ class Trainer:
             self.loss = step.train.loss
             self.train_op = step.train.train_op
         self.tokenizer = run_tokenizer(self.loaded, self.run)
-        self.sources = make_sources(self.loaded, step.replicas, step.batch, self.tokenizer)
+        self.table = run_table(self.loaded, self.run)
+        self.sources = make_sources(self.loaded, step.replicas, step.batch, self.tokenizer, self.table)
         if self.prefetch:
             self.sources = [Prefetcher(src, depth=self.prefetch) for src in self.sources]
         self.data = self.sources[0]
@@ -157,7 +158,8 @@ class Trainer:
         self.evaluator: Evaluator | None = None
         if self.eval_every:
             device = self.session.device if self.program.cluster is None else self.program.cluster.names[0]
-            self.evaluator = Evaluator(self.loaded, self.session.store, device, tokenizer=self.tokenizer)
+            self.evaluator = Evaluator(self.loaded, self.session.store, device, tokenizer=self.tokenizer,
+                                       table=self.table)
             self.eval_source = self.evaluator.source(self.batch)
             self.eval_start = self.eval_source.state()
         self.baselines = self._baselines()
