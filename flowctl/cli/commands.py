@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from flowctl.cli import bench, demo, graph_page, place, run_commands, spec_commands, train
+from flowctl.cli import bench, demo, graph_page, place, run_commands, runs, spec_commands, train
 from flowctl.engine.errors import FlowctlError
 from flowctl.version import __version__
 
@@ -48,5 +48,5 @@ def cli() -> None:
 
 
 for command in (bench.bench, demo.demo, train.train, train.resume, place.place, graph_page.graph,
-                *spec_commands.COMMANDS, *run_commands.COMMANDS):
+                *spec_commands.COMMANDS, *run_commands.COMMANDS, *runs.COMMANDS):
     cli.add_command(command)

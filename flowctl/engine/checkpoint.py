@@ -461,16 +461,27 @@ class CheckpointDir:
         kept = [p for p in committed if (_step_of(p) or 0) <= step]
         doomed += newer + (self._beyond_keep(kept, step) if self.keep is not None else [])
         for p in doomed:
-            try:
-                if p.name.startswith(TMP_PREFIX):
-                    shutil.rmtree(p)
-                    continue
-                gone = self.directory / f"{TMP_PREFIX}pruned-{p.name}-{uuid.uuid4().hex[:8]}"
-                os.rename(p, gone)  # atomic: a checkpoint is either whole or gone
-                self._reach("mid_prune")
-                shutil.rmtree(gone)
-            except OSError as e:
-                self._warn(f"could not remove old checkpoint {p}: {e.strerror or e}")
+            self._remove(p)
+
+    def _remove(self, p: Path) -> None:
+        try:
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p)
+                return
+            gone = self.directory / f"{TMP_PREFIX}pruned-{p.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(p, gone)  # atomic: a checkpoint is either whole or gone
+            self._reach("mid_prune")
+            shutil.rmtree(gone)
+        except OSError as e:
+            self._warn(f"could not remove old checkpoint {p}: {e.strerror or e}")
+
+    def retain(self, steps: builtins.set[int]) -> builtins.list[Path]:
+        """Delete every checkpoint whose step is not in `steps` (a ranking decides what stays, not
+        recency: checkpoints/best/ under checkpoint.keep_best.count); returns what went."""
+        gone = [p for p in self._all_dirs() if _step_of(p) not in steps]
+        for p in gone:
+            self._remove(p)
+        return gone
 
     def _beyond_keep(self, kept: builtins.list[Path], step: int) -> builtins.list[Path]:
         """What `keep` lets go, newest first counting only checkpoints that verify: a damaged one

@@ -427,14 +427,16 @@ class TrainingSpec(Strict):
 class KeepBest(Strict):
     metric: str = Field("val/loss", description="an evaluated metric")
     mode: Literal["min", "max"] = "min"
+    count: int = Field(1, ge=1, description="the K best evaluations' checkpoints kept, ranked "
+                                            "(checkpoints/best/ranking.json); a tie keeps the earlier")
 
 
 class CheckpointSpec(Strict):
     every_steps: int | None = Field(None, ge=1)
     every_seconds: float | None = Field(None, gt=0)
     keep: int = Field(3, ge=1, description="checkpoints kept; older ones are deleted")
-    keep_best: KeepBest | None = Field(None, description="also keep the checkpoint with the best evaluated "
-                                                         "metric, apart from the rolling ones")
+    keep_best: KeepBest | None = Field(None, description="also keep the checkpoints with the best evaluated "
+                                                         "metric (count of them), apart from the rolling ones")
 
 
 _RAY_ADDRESS = re.compile(r"^(auto|ray://[\w.-]+:\d+|[\w.-]+:\d+)$")

@@ -127,4 +127,16 @@ def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0
     return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
-__all__ = ["Evaluator", "Scores", "improved"]
+def ranked(ranking: Sequence[Sequence[float]], value: float, step: int, mode: str,
+           count: int) -> list[list[float]]:
+    """`ranking` ([value, step] pairs, best first) with this evaluation placed, at most `count`
+    long: after every entry as good or better (a tie keeps the earlier), never a NaN."""
+    out = [[float(v), int(s)] for v, s in ranking]
+    if math.isnan(value):
+        return out[:count]
+    at = sum(1 for v, _ in out if (v <= value if mode == "min" else v >= value))
+    out.insert(at, [float(value), int(step)])
+    return out[:count]
+
+
+__all__ = ["Evaluator", "Scores", "improved", "ranked"]

@@ -11,6 +11,7 @@ without the spec, and its outputs are the run's bit for bit on the same device.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from flowctl.training.inputs import TOKENIZER, model_inputs, run_table, run_toke
 from flowctl.training.onnx_export import to_onnx, write_onnx
 from flowctl.training.rundir import RunDir, write_atomic
 from flowctl.training.runs import load_run_spec, override_data
-from flowctl.training.trainer import BEST
+from flowctl.training.trainer import BEST, RANKING
 
 
 
@@ -73,13 +74,27 @@ def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = No
     return RunModel(loaded, evaluator, found, split)
 
 
+def _ranked_steps(path: Path) -> list[int]:
+    """The steps checkpoints/best/ranking.json lists, best first; none when it is missing or damaged."""
+    try:
+        ranking = json.loads(path.read_text())["ranking"]
+        return [int(r["step"]) for r in ranking]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def _checkpoint(run: RunDir, which: str | None) -> ckpt.Checkpoint:
     if which == BEST:
         best = ckpt.CheckpointDir(run.checkpoints / BEST)
         if not best.list():
             raise CheckpointError(f"{run.path}: no best checkpoint (the spec sets no checkpoint.keep_best, or "
                                   f"no evaluation has run yet)")
-        return best.restore_latest(allow_spec_change=True)
+        for step in _ranked_steps(best.directory / RANKING):
+            try:
+                return best.restore(step, allow_spec_change=True)
+            except CheckpointError as e:  # damaged or gone: the next in the ranking
+                warnings.warn(f"skipping best checkpoint {step}: {e}", ckpt.CheckpointWarning, stacklevel=2)
+        return best.restore_latest(allow_spec_change=True)  # a run from before ranking.json: its one best
     store = ckpt.CheckpointDir(run.checkpoints)
     if which is None:
         return store.restore_latest(allow_spec_change=True)

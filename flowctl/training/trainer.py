@@ -40,7 +40,7 @@ from flowctl.engine.executor import RunStats
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel
-from flowctl.training.evaluate import Evaluator, improved
+from flowctl.training.evaluate import Evaluator, improved, ranked
 from flowctl.training.events import EventWriter, graph_def
 from flowctl.training.faults import Stop, check_finite, checked_learning_rate
 from flowctl.training.inputs import make_sources, run_table, run_tokenizer
@@ -49,10 +49,11 @@ from flowctl.training.rundir import MetricsLog, RunDir, RunLock, resolved, spec_
 from flowctl.training.schedule import learning_rate
 from flowctl.training.trace import step_trace, write_trace
 
-__all__ = ["BEST", "EXIT_INTERRUPTED", "StepEvent", "Summary", "Trainer"]
+__all__ = ["BEST", "EXIT_INTERRUPTED", "RANKING", "StepEvent", "Summary", "Trainer"]
 
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGTERM: 143): a checkpoint was written, `flowctl resume` continues
-BEST = "best"  # RUN/checkpoints/best/: the checkpoint with the best evaluation (checkpoint.keep_best)
+BEST = "best"  # RUN/checkpoints/best/: the checkpoints of the best evaluations (checkpoint.keep_best)
+RANKING = "ranking.json"  # RUN/checkpoints/best/ranking.json: those checkpoints, best first
 
 
 @dataclass
@@ -150,7 +151,8 @@ class Trainer:
         self.ckpt_every_seconds = ck.every_seconds if ck else None
         self.checkpoints = ckpt.CheckpointDir(self.run.checkpoints, keep=ck.keep if ck else 3,
                                               spec_hash=self.hash, on_warning=self.on_warning)
-        self.best_checkpoints = ckpt.CheckpointDir(self.run.checkpoints / BEST, keep=1, spec_hash=self.hash,
+        # The ranking (tracking["ranking"]), not recency, says which of these stay: `_keep_ranked`.
+        self.best_checkpoints = ckpt.CheckpointDir(self.run.checkpoints / BEST, keep=None, spec_hash=self.hash,
                                                    on_warning=self.on_warning)
         self.step = 0
         t = self.spec.training
@@ -165,8 +167,9 @@ class Trainer:
         self.baselines = self._baselines()
         # What judging evaluations carries from step to step, checkpointed so a resumed run
         # stops early, and keeps the best, exactly as an uninterrupted one would.
-        self.tracking: dict[str, Any] = {"best": None, "best_step": None, "best_stop": None, "stale": 0,
-                                         "last": None}
+        # "ranking": checkpoint.keep_best's [value, step] pairs, best first ("best", "best_step": the first).
+        self.tracking: dict[str, Any] = {"best": None, "best_step": None, "ranking": [], "best_stop": None,
+                                         "stale": 0, "last": None}
         self.early_stopped = False
 
     def close(self) -> None:
@@ -235,6 +238,7 @@ class Trainer:
             for w in c.warnings:
                 self.on_warning(w)
             origin = str(c.path)
+            self._keep_ranked()  # best checkpoints a crashed run saved after this one are not in its ranking
         self.run.truncate_metrics(self.step)
         self.run.update_info(status="running", step=self.step, **self._products())
         return origin
@@ -245,8 +249,9 @@ class Trainer:
         latest = self.run.checkpoints / ckpt.LATEST
         if latest.exists():
             return f"{latest} names one"
-        status = self.run.info_or_empty().get("status")
-        if status in ("finished", "interrupted", "early_stopped"):  # each ends with a save
+        info = self.run.info_or_empty()
+        status = info.get("status")
+        if status in ("finished", "interrupted", "early_stopped") and info.get("saved", True):  # each ends with a save
             return f"run.json says it {status.replace('_', ' ')} (saving a checkpoint)"
         every = self.ckpt_every_steps
         if every and logged > every:
@@ -273,6 +278,9 @@ class Trainer:
         tracking = c.state.get("tracking")
         if isinstance(tracking, dict):
             self.tracking.update(tracking)
+            if not self.tracking.get("ranking") and self.tracking.get("best_step") is not None:
+                # a checkpoint from before keep_best.count: its one best is the ranking
+                self.tracking["ranking"] = [[self.tracking["best"], self.tracking["best_step"]]]
 
     def _restore_step(self) -> int:
         self.restore()
@@ -316,13 +324,19 @@ class Trainer:
         tr = self.tracking
         tr["last"], tr["last_step"] = values, self.step
         keep = self.spec.checkpoint.keep_best if self.spec.checkpoint else None
-        if keep is not None and improved(values[keep.metric], tr["best"], keep.mode):
-            tr["best"], tr["best_step"] = values[keep.metric], self.step
+        ranking = ranked(tr["ranking"], values[keep.metric], self.step, keep.mode, keep.count) if keep else []
+        if keep is not None and any(s == self.step for _, s in ranking):
+            tr["ranking"] = ranking
+            tr["best"], tr["best_step"] = ranking[0]
             tensors, state = ckpt.capture(self.session, self.optimizer)
-            state.update(step=self.step, data=self.data.state(), strategy=self.strategy, tracking=dict(tr),
+            state.update(step=self.step, data=self.data.state(), strategy=self.strategy,
+                         tracking={**tr, "ranking": [list(r) for r in ranking]},
                          lr=learning_rate(self.spec.training.learning_rate, self.step),
                          best={"metric": keep.metric, "value": values[keep.metric]})
+            # The new one first, then the ranking file, then the one it pushed out: a crash in
+            # between leaves one checkpoint too many, never one too few.
             self.best_checkpoints.save(self.step, tensors, state)
+            self._keep_ranked()
         stop = self.spec.training.early_stopping
         if stop is not None:
             if improved(values[stop.metric], tr["best_stop"], stop.mode, stop.min_delta):
@@ -334,6 +348,26 @@ class Trainer:
                 self.on_warning(f"early stopping at step {self.step}: {stop.metric} has not improved on "
                                 f"{tr['best_stop']:.6g} for {tr['stale']} evaluations")
 
+    def _ranking(self) -> list[dict[str, Any]]:
+        return [{"rank": i + 1, "step": int(s), "value": v, "checkpoint": str(self.best_checkpoints.path_for(int(s)))}
+                for i, (v, s) in enumerate(self.tracking["ranking"])]
+
+    def _keep_ranked(self) -> None:
+        """checkpoints/best/ as the ranking says: its checkpoints and no other, and ranking.json
+        listing them best first (what `--checkpoint best` loads is its first)."""
+        keep = self.spec.checkpoint.keep_best if self.spec.checkpoint else None
+        if keep is None:
+            return
+        tr = self.tracking
+        tr["ranking"] = [list(r) for r in tr["ranking"][:keep.count]]  # a resume may lower the count
+        if tr["ranking"]:
+            tr["best"], tr["best_step"] = tr["ranking"][0]
+        if not self.best_checkpoints.directory.is_dir():
+            return
+        self.best_checkpoints.retain({int(s) for _, s in tr["ranking"]})
+        self.run.write_json(f"checkpoints/{BEST}/{RANKING}", {"metric": keep.metric, "mode": keep.mode,
+                                                              "count": keep.count, "ranking": self._ranking()})
+
     def _due(self, now: float, last_save: float) -> bool:
         return bool((self.ckpt_every_steps and self.step % self.ckpt_every_steps == 0) or
                     (self.ckpt_every_seconds and now - last_save >= self.ckpt_every_seconds))
@@ -344,6 +378,11 @@ class Trainer:
         model_parallel, pipeline); async_data_parallel runs one client thread per replica."""
         first = self.step
         t0 = time.perf_counter()
+        # What `flowctl runs` reads: the steps planned, and the wall time (earlier processes' seconds
+        # plus this one's since `started`); the end writes status, seconds, and a signal or an error.
+        info = {k: v for k, v in self.run.info_or_empty().items() if k not in ("error", "signal", "saved", "ended")}
+        before = float(info["seconds"]) if isinstance(info.get("seconds"), (int, float)) else 0.0
+        self.run.write_info({**info, "status": "running", "started": time.time(), "planned_steps": self.total_steps})
         writer = EventWriter(self.run.inside(self.run.events), purge_step=first + 1,
                              histograms_every=self.histograms_every)
         if first == 0:  # a resumed run's graph is in its first event file, which TensorBoard reads too
@@ -362,23 +401,40 @@ class Trainer:
                 metrics.flush()
                 if self.step > first or interrupted or last_path is None:
                     last_path = self.save()
-        except BaseException:
+        except BaseException as e:
             writer.close(failing=True)  # the first error is the one to report
+            self._record_end(e, before + time.perf_counter() - t0)
             raise
         writer.close()
         status = "interrupted" if interrupted else ("early_stopped" if self.early_stopped else "finished")
         capture = self._capture_report()
-        self.run.update_info(status=status, step=self.step, **({"capture": capture} if capture else {}))
         elapsed = time.perf_counter() - t0
+        self.run.update_info(status=status, step=self.step, seconds=before + elapsed, ended=time.time(),
+                             **({"signal": stop.name} if interrupted else {}),
+                             **({"capture": capture} if capture else {}))
         tr = self.tracking
         best = None
         if tr["best_step"] is not None and self.spec.checkpoint and self.spec.checkpoint.keep_best:
             best = {"metric": self.spec.checkpoint.keep_best.metric, "value": tr["best"], "step": tr["best_step"],
-                    "checkpoint": str(self.best_checkpoints.path_for(tr["best_step"]))}
+                    "checkpoint": str(self.best_checkpoints.path_for(tr["best_step"])), "ranking": self._ranking()}
         return Summary(str(self.run.path), first, self.step, self.step - first, loss_v,
                        float(np.mean(rates)) if rates else 0.0, elapsed, last_path, interrupted, staleness=stale,
                        evaluation=tr["last"], evaluation_step=tr.get("last_step"), best=best, early_stopped=self.early_stopped,
                        exit_code=stop.exit_code if interrupted else 0, capture=capture)
+
+    def _record_end(self, error: BaseException, seconds: float) -> None:
+        """run.json says how the run ended: `failed` with the error, or `interrupted` (a second
+        Ctrl-C, which stops at once). Best effort: the error on its way out is the one to report."""
+        if isinstance(error, Exception):
+            end: dict[str, Any] = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
+        else:
+            # stopped at once: no checkpoint was written on the way out (`_lost_checkpoint`)
+            end = {"status": "interrupted", "saved": False,
+                   "signal": "SIGINT" if isinstance(error, KeyboardInterrupt) else type(error).__name__}
+        try:
+            self.run.update_info(**end, step=self.step, seconds=seconds, ended=time.time())
+        except Exception:  # noqa: BLE001 -- a full disk must not hide the error that ended the run
+            pass
 
     def _capture_report(self) -> dict[str, Any] | None:
         report = getattr(self.session, "capture_report", None)
