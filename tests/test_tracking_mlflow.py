@@ -224,3 +224,21 @@ def test_params_fit_mlflows_limits() -> None:
     assert params["a.g_h"] == "true"  # ':' is refused by MLflow on Windows
     long = flat_params({"k" * 300: 1, "k" * 299: 2})
     assert len(long) == 2 and all(len(k) <= 250 for k in long)
+
+
+def test_async_data_parallel_updates_are_logged_per_step(mlflow: Any, store: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas write their lines from their own threads: every update reaches MLflow once."""
+    monkeypatch.chdir(tmp_path)
+    text = write_spec(tmp_path, f"{{tracking_uri: '{store}', experiment: async}}").read_text()
+    spec = tmp_path / "async.yaml"
+    spec.write_text(text + "devices: [cpu:0, cpu:1]\nparallelism: {strategy: async_data_parallel}\n")
+    train(spec, tmp_path / "run")
+    client, run = mlflow_run_of(mlflow, tmp_path / "run")
+    logged = metrics_by_step(tmp_path / "run")
+    assert set(logged) == {"loss", "lr", "examples_per_s", "staleness", "replica"}
+    for key in ("loss", "lr", "staleness"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == list(range(1, 11))
+        assert {m.step: m.value for m in history} == logged[key]
+    assert client.get_metric_history(run.info.run_id, "replica") == []  # a label, not a metric

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -102,6 +103,7 @@ class MLflowRun:
         self.every = 10
         self._pending: list[Any] = []  # mlflow Metric entities not yet sent
         self._lines = 0
+        self._lock = threading.Lock()  # async_data_parallel's replicas write lines from their own threads
 
     # ------------------------------------------------------------------ the MLflow run
     def open(self, run: RunDir, every: int) -> None:
@@ -172,9 +174,11 @@ class MLflowRun:
         except ValueError:  # the file's own readers say so: a tracker adds nothing
             return
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "event" not in rec:
-            self._record(rec)
-            self._lines += 1
-            if self._lines >= self.every:
+            with self._lock:
+                self._record(rec)
+                self._lines += 1
+                due = self._lines >= self.every
+            if due:
                 self.flush()
 
     def _record(self, rec: dict[str, Any]) -> None:
@@ -187,11 +191,11 @@ class MLflowRun:
                 self._pending.append(Metric(_key(k), float(v), ms, int(rec["step"])))
 
     def flush(self) -> None:
-        self._lines = 0
-        if self.client is None or not self._pending:
-            self._pending.clear()
+        with self._lock:
+            self._lines = 0
+            pending, self._pending = self._pending, []
+        if self.client is None or not pending:
             return
-        pending, self._pending = self._pending, []
         try:
             self.client.log_batch(self.run_id, metrics=pending)
         except Exception as e:  # noqa: BLE001
