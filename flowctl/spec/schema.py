@@ -479,6 +479,28 @@ class ClusterSpec(Strict):
         return self
 
 
+# ---------------------------------------------------------------------------- tracking
+class MLflowTracking(Strict):
+    """Log the run to MLflow (flowctl.training.tracking; needs pip install 'flowctl[mlflow]')."""
+
+    tracking_uri: str | None = Field(None, min_length=1, description="an MLflow tracking URI (sqlite:///PATH.db, "
+                                     "http://HOST:5000, ...); default: MLflow's own (MLFLOW_TRACKING_URI, else "
+                                     "MLflow 3's sqlite:///mlflow.db in the current directory, its artifacts in "
+                                     "./mlruns)")
+    experiment: str | None = Field(None, min_length=1, max_length=500,
+                                   description="the MLflow experiment (default: the spec's name)")
+    run_name: str | None = Field(None, min_length=1, description="the MLflow run's name (default: the run "
+                                                                 "directory's name)")
+
+
+class TrackingSpec(Strict):
+    """Where else a run is recorded, beside its run directory. Never part of the spec's hash: it
+    changes nothing a run computes, so adding it to a run, or changing it, is no spec change."""
+
+    mlflow: MLflowTracking | None = Field(None, description="params, metrics per step and the final "
+                                                            "checkpoint to an MLflow run ({} for the defaults)")
+
+
 # ---------------------------------------------------------------------------- the whole spec
 class Spec(Strict):
     version: Literal[1] = Field(description="spec format version; this flowctl reads 1")
@@ -492,6 +514,7 @@ class Spec(Strict):
     training: TrainingSpec = Field(default_factory=lambda: TrainingSpec.model_validate({}))
     checkpoint: CheckpointSpec | None = None
     cluster: ClusterSpec = Field(default_factory=lambda: ClusterSpec.model_validate({}))
+    tracking: TrackingSpec | None = Field(None, description="experiment tracking (MLflow)")
 
     @field_validator("devices", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Protocol
 
 from flowctl.engine.checkpoint import free_space, why_write_failed
 from flowctl.engine.devices import parse_device
@@ -38,8 +38,9 @@ from flowctl.engine.errors import CheckpointError, FlowctlError
 Warn = Callable[[str], None]
 
 # Keys that say how long or how often, or how the same values are computed (fusion is bitwise the
-# unfused step on the CPU), not what is computed: changing them is not a spec change.
-SCHEDULING_KEYS = ("training.steps", "training.log_every_steps", "training.fuse", "checkpoint")
+# unfused step on the CPU), or where else the run is recorded (tracking), not what is computed:
+# changing them is not a spec change.
+SCHEDULING_KEYS = ("training.steps", "training.log_every_steps", "training.fuse", "checkpoint", "tracking")
 
 
 def _umask() -> int:
@@ -184,12 +185,23 @@ def metrics_record(line: bytes) -> dict[str, Any]:
     return rec
 
 
+class Mirror(Protocol):
+    """Something that sees every metrics line as it is written, and each flush (an experiment
+    tracker: flowctl.training.tracking). It never raises: the file is the run's record."""
+
+    def line(self, text: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class MetricsLog:
     """metrics.jsonl open for appending: never through a symlink (O_NOFOLLOW), and a failed write
-    or flush is `write_failed`. Used as the trainer's file: `write(line)`, `flush()`."""
+    or flush is `write_failed`. Used as the trainer's file: `write(line)`, `flush()`; `mirror`
+    sees each line once it is in the file, and each flush."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mirror: Mirror | None = None) -> None:
         self.path = path
+        self.mirror = mirror
         self._file: IO[str] = self._open()
 
     def _open(self) -> IO[str]:
@@ -208,12 +220,16 @@ class MetricsLog:
             self._file.write(line)
         except OSError as e:
             raise write_failed(self.path, e) from None
+        if self.mirror is not None:
+            self.mirror.line(line)
 
     def flush(self) -> None:
         try:
             self._file.flush()
         except OSError as e:
             raise write_failed(self.path, e) from None
+        if self.mirror is not None:
+            self.mirror.flush()
 
     def reopen(self) -> None:
         """Open the file again, after a restore rewrote it (a remote run's recovery)."""
@@ -315,8 +331,8 @@ class RunDir:
             raise write_failed(path, e) from None
 
     # ------------------------------------------------------------------ metrics
-    def open_metrics(self) -> MetricsLog:
-        return MetricsLog(self.metrics)
+    def open_metrics(self, mirror: Mirror | None = None) -> MetricsLog:
+        return MetricsLog(self.metrics, mirror)
 
     def _metric_lines(self) -> list[tuple[bytes, dict[str, Any]]]:
         """The lines of metrics.jsonl that parse, each with its record; one warning for the rest."""

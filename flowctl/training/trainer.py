@@ -48,6 +48,7 @@ from flowctl.training.program import Program, open_program
 from flowctl.training.rundir import MetricsLog, RunDir, RunLock, resolved, spec_hash
 from flowctl.training.schedule import learning_rate
 from flowctl.training.trace import step_trace, write_trace
+from flowctl.training.tracking import MLflowRun, flat_params, mlflow_run
 
 __all__ = ["BEST", "EXIT_INTERRUPTED", "RANKING", "StepEvent", "Summary", "Trainer"]
 
@@ -120,6 +121,10 @@ class Trainer:
         self.resolved = resolved(spec)
         self.hash = spec_hash(self.resolved)
         self.lock: RunLock | None = None  # the run directory's writer lock, when a command holds it
+        # tracking.mlflow: a missing mlflow package is an error now, before the run starts.
+        tracking = spec.tracking.mlflow if spec.tracking else None
+        self.mlflow: MLflowRun | None = mlflow_run(tracking, spec.name or spec.model.name,
+                                                   flat_params(self.resolved) if tracking else {}, self.on_warning)
         self._build()
 
     # ------------------------------------------------------------------ graph and session
@@ -391,8 +396,10 @@ class Trainer:
         cluster = self.program.cluster
         # N device threads each calling BLAS: give each its share of the cores (runtime.blas_limits).
         limits = blas_limits(cluster) if cluster is not None else contextlib.nullcontext()
+        if self.mlflow is not None:
+            self.mlflow.open(self.run, self.spec.training.log_every_steps)
         try:
-            with Stop() as stop, self.run.open_metrics() as metrics, limits:
+            with Stop() as stop, self.run.open_metrics(self.mlflow) as metrics, limits:
                 if self.program.step.async_step is not None:
                     loss_v, rates, last_path, interrupted, stale = self._loop_async(stop, metrics, writer, t0)
                 else:
@@ -404,9 +411,13 @@ class Trainer:
         except BaseException as e:
             writer.close(failing=True)  # the first error is the one to report
             self._record_end(e, before + time.perf_counter() - t0)
+            if self.mlflow is not None:
+                self.mlflow.close("FAILED" if isinstance(e, Exception) else "KILLED", None)
             raise
         writer.close()
         status = "interrupted" if interrupted else ("early_stopped" if self.early_stopped else "finished")
+        if self.mlflow is not None:
+            self.mlflow.close("KILLED" if interrupted else "FINISHED", last_path)
         capture = self._capture_report()
         elapsed = time.perf_counter() - t0
         self.run.update_info(status=status, step=self.step, seconds=before + elapsed, ended=time.time(),
