@@ -3,6 +3,8 @@
 source's byte-level BPE, learned at a run's first start and kept in the run directory."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from flowctl.data import ByteBPE, DataSource, InputSpec, learn_tokenizer, make_source
@@ -45,24 +47,26 @@ def run_tokenizer(loaded: LoadedSpec, run: RunDir) -> ByteBPE | None:
         raise CheckpointError(f"{path}: damaged, not a tokenizer ({e})") from None
 
 
-def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None) -> list[DataSource]:
+def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None,
+                 on_warning: Callable[[str], None] | None = None) -> list[DataSource]:
     """One source of `batch` examples per replica (one for the synchronous strategies). Replica
     k > 0 reads its own stream, seeded by its index: synthetic data draws from the generator
-    [seed, k] (the learnable task's teacher stays the spec's), shuffled arrays use seed + k, and
+    [seed, k] (the learnable task's teacher stays the spec's), shuffled arrays and images use seed + k, and
     ordered arrays and text start k/N of the way into the epoch. `tokenizer`: a bpe text source's
-    (`run_tokenizer`); without it each source learns its own from the corpus."""
+    (`run_tokenizer`); without it each source learns its own from the corpus. `on_warning`: where
+    an images source reports a file it leaves out (default: Python's warnings)."""
     cfg = loaded.spec.data.model_dump()
     inputs = model_inputs(loaded)
     out = []
     for k in range(replicas):
         c = dict(cfg)
         kind = c.get("source", "synthetic")
-        if k and kind == "arrays" and c.get("shuffle", True):
+        if k and kind in ("arrays", "images") and c.get("shuffle", True):
             c["seed"] = int(c.get("seed", 0)) + k
-        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer)
+        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer, on_warning=on_warning)
         if k and kind == "synthetic":
             src.rng = np.random.default_rng([int(c.get("seed", 0)), k])
-        elif k and hasattr(src, "batches_per_epoch") and not (kind == "arrays" and c.get("shuffle", True)):
+        elif k and hasattr(src, "batches_per_epoch") and not (kind in ("arrays", "images") and c.get("shuffle", True)):
             src.position = k * int(src.batches_per_epoch) // replicas  # type: ignore[attr-defined]
         out.append(src)
     return out
