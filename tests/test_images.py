@@ -266,3 +266,15 @@ def test_inception_v3_trains_from_a_folder_of_jpegs(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     losses = [x["loss"] for x in records(tmp_path / "run") if "loss" in x]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+def test_bench_reports_images_per_second_beside_the_models_examples_per_second(spec_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["bench", str(spec_file), "--quick", "--algorithms", "single", "--json",
+                                 "--out", "bench.json"])
+    assert r.exit_code == 0, r.output
+    inp = json.loads((tmp_path / "bench.json").read_text())["input"]
+    assert inp["size"] == [16, 16] and inp["workers"] == 2 and inp["files"] == 18
+    assert inp["images_per_s"] > 0 and inp["model_examples_per_s"] > 0
+    assert inp["limits"] == ("input" if inp["images_per_s"] < inp["model_examples_per_s"] else "model")
+    assert "images/s decoded and augmented at 16x16" in r.output
