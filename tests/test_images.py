@@ -278,3 +278,14 @@ def test_bench_reports_images_per_second_beside_the_models_examples_per_second(s
     assert inp["images_per_s"] > 0 and inp["model_examples_per_s"] > 0
     assert inp["limits"] == ("input" if inp["images_per_s"] < inp["model_examples_per_s"] else "model")
     assert "images/s decoded and augmented at 16x16" in r.output
+
+
+def test_data_points_train_and_evaluate_at_a_folder(spec_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    other = make_folder(tmp_path / "other", "png")
+    r = CliRunner().invoke(cli, ["train", str(spec_file), "--run-dir", "run", "--steps", "2", "--data", str(other)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["evaluate", "run", "--data", str(other), "--json"])
+    assert r.exit_code == 0, r.output
+    scores = json.loads(r.stdout)
+    assert math.isfinite(scores["val/loss"]) and 0 <= scores["val/accuracy"] <= 1, scores
