@@ -37,6 +37,7 @@ from flowctl.training.trace import step_trace, write_trace
 
 
 BENCH_SAMPLES = 32  # jittered simulations behind each prediction (seconds, beside minutes of measuring)
+INPUT_IMAGES = 512  # images an images source decodes for its images/s (a few seconds on 2 cores)
 
 
 def _measure(session: fc.Session, step: Step, feeds: dict[Any, Any], steps: int) -> tuple[float, fc.RunStats]:
@@ -189,7 +190,8 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     results = bench.report(results, placements, times, peaks, rounds, steps)
     if loaded.spec.data.source == "images":
         say("images: decoding and augmenting batches")
-        results["input"] = input_throughput(loaded, step.batch, max(3, steps), best_examples_per_s(results))
+        batches = max(steps, math.ceil(INPUT_IMAGES / step.batch))
+        results["input"] = input_throughput(loaded, step.batch, batches, best_examples_per_s(results))
     if trace is not None:
         results["traces"] = bench.write_traces(trace, placements)
     return results

@@ -1,5 +1,6 @@
 """Datasets and input pipelines: synthetic (the default), arrays from .npy/.npz files, a text
-corpus batched for language models, and a folder of images (one sub-folder per class). Each source has a resumable cursor (`state()`/`restore()`).
+corpus batched for language models, and a folder of images (one sub-folder per class). Each
+source has a resumable cursor (`state()`/`restore()`).
 
 `make_source` takes the spec's `data:` section as a plain mapping, so this package needs nothing
 from the spec package (ARCHITECTURE: data imports numpy and the engine only)."""
@@ -28,8 +29,8 @@ VALIDATION_STREAM = 1_000_003
 def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_size: int,
                 base_dir: str | Path = ".", split: str = "train", tokenizer: ByteBPE | None = None,
                 on_warning: Callable[[str], None] | None = None) -> DataSource:
-    """A source from a `data:` mapping (`source: synthetic | arrays | text | parallel_text | images`); relative paths are
-    taken from `base_dir` (the spec file's directory). `split`: "train", or "validation" for the
+    """A source from a `data:` mapping (`source: synthetic | arrays | text | parallel_text |
+    images`); relative paths are taken from `base_dir` (the spec file's directory). `split`: "train", or "validation" for the
     held-out data (`validation:` file, the last `validation_fraction` of the file, or for synthetic
     data a stream of its own), read in order without shuffling. `tokenizer`: for a text source with
     `tokenizer: bpe`, the one to encode with (a run's stored one); by default it is learned here
