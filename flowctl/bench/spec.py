@@ -28,6 +28,7 @@ from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.kernels.registry import gpu_count
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import build_model
+from flowctl.training.inputs import make_sources
 from flowctl.training.measure import step_feeds as _feeds
 from flowctl.training.measure import step_fetches as _fetches
 from flowctl.training.measure import timed_block as _timed_block
@@ -36,6 +37,7 @@ from flowctl.training.trace import step_trace, write_trace
 
 
 BENCH_SAMPLES = 32  # jittered simulations behind each prediction (seconds, beside minutes of measuring)
+INPUT_IMAGES = 512  # images an images source decodes for its images/s (a few seconds on 2 cores)
 
 
 def _measure(session: fc.Session, step: Step, feeds: dict[Any, Any], steps: int) -> tuple[float, fc.RunStats]:
@@ -168,7 +170,9 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     baseline in `rounds` rounds of `steps` timed steps each, taking turns (the order rotates each
     round), so that drift in the machine's speed falls on all of them alike. With `trace`, one
     more step of each placement is traced into that directory (trace-<placer>.json, beside the
-    simulator's prediction of it with the final calibration)."""
+    simulator's prediction of it with the final calibration). For an images source, the images/s
+    its workers decode and augment at the model's input size beside the model's own examples/s
+    (`input_throughput`)."""
     say = progress or (lambda _m: None)
     config = step_config(loaded)
     cluster = cluster_for(config, devices)
@@ -184,9 +188,46 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     placements, results = _place_all(step, config, cluster, cost, algorithms, say)
     times, peaks = bench.measure(placements, rounds, steps, traced=trace is not None)
     results = bench.report(results, placements, times, peaks, rounds, steps)
+    if loaded.spec.data.source == "images":
+        say("images: decoding and augmenting batches")
+        batches = max(steps, math.ceil(INPUT_IMAGES / step.batch))
+        results["input"] = input_throughput(loaded, step.batch, batches, best_examples_per_s(results))
     if trace is not None:
         results["traces"] = bench.write_traces(trace, placements)
     return results
+
+
+def best_examples_per_s(results: dict[str, Any]) -> float | None:
+    """The model's own speed: the fastest measured run's examples/s (any placement, or the whole
+    step on one device), fed the same batch every step."""
+    runs = [p for p in results["placements"].values() if p.get("error") is None]
+    runs += [results[_Bench.BASE]] if _Bench.BASE in results else []
+    return max((p["examples_per_s"] for p in runs), default=None)
+
+
+def input_throughput(loaded: LoadedSpec, batch: int, batches: int, model_examples_per_s: float | None) -> dict[str, Any]:
+    """Images/s an images source delivers at the model's input size (decode, resize, crop, flip,
+    normalise, on its worker processes), timed over `batches` batches after one that starts the
+    workers, beside the model's examples/s: the smaller limits training. Measured alone: in
+    training the decoders and the model share the machine's cores."""
+    src = make_sources(loaded, 1, batch)[0]
+    try:
+        src.next_batch()  # the worker processes start
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            src.next_batch()
+        seconds = time.perf_counter() - t0
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None:
+            close()
+    aug = getattr(src, "aug", None)
+    rate = batches * batch / seconds
+    return {"source": "images", "images_per_s": rate, "batch": batch, "batches": batches, "seconds": seconds,
+            "workers": getattr(src, "workers", None), "files": getattr(src, "n", None),
+            "size": [aug.height, aug.width] if aug is not None else None,
+            "model_examples_per_s": model_examples_per_s,
+            "limits": None if model_examples_per_s is None else "input" if rate < model_examples_per_s else "model"}
 
 
 def one_device_reference(times: dict[str, list[list[float]]], placements: dict[str, Placement],
@@ -399,4 +440,4 @@ class _Bench:
         return results
 
 
-__all__ = ["BENCH_SAMPLES", "bench_spec", "measure_concurrency", "measure_links", "one_device_reference"]
+__all__ = ["BENCH_SAMPLES", "bench_spec", "input_throughput", "measure_concurrency", "measure_links", "one_device_reference"]

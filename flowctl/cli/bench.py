@@ -394,6 +394,14 @@ def _render_spec(console: Console, r: dict[str, Any]) -> None:
         console.print(f"  {line}")
     for alg, path in r.get("traces", {}).items():
         console.print(f"  trace of one {alg} step: {path}")
+    inp = r.get("input")
+    if inp:
+        h, w = inp["size"]
+        model = inp["model_examples_per_s"]
+        versus = "" if model is None else (f"; the model {model:,.1f} examples/s: the "
+                                           f"{'input' if inp['limits'] == 'input' else 'model'} limits")
+        console.print(f"  input: {inp['images_per_s']:,.1f} images/s decoded and augmented at {h}x{w} "
+                      f"({inp['workers']} worker process(es), {inp['files']} files, measured alone){versus}")
     if "jitter" in r:
         exact = ", ".join(f"{alg} {p['predicted_exact_s'] * 1e3:,.1f}" for alg, p in r["placements"].items()
                           if p.get("error") is None)

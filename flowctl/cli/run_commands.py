@@ -16,7 +16,7 @@ CHECKPOINT = click.option("--checkpoint", help="A checkpoint step, or 'best' (de
 
 @click.command()
 @click.argument("run_dir", type=RUN_DIR)
-@click.option("--data", help="Evaluate on all of this file (arrays, a table like the run's, or a text corpus) instead of the run's "
+@click.option("--data", help="Evaluate on all of this file (arrays, a table like the run's, a text corpus, or a folder of images) instead of the run's "
                              "held-out data.")
 @CHECKPOINT
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON on stdout.")

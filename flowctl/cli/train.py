@@ -110,7 +110,8 @@ class RunDir(click.Path):
 @click.option("--steps", type=click.IntRange(min=1), help="Train this many steps in all (default: training.steps).")
 @click.option("--run-dir", type=RunDir(file_okay=False, path_type=Path),
               help="Where the run lives (default: runs/<spec name>, or runs/<spec name>-N if taken).")
-@click.option("--data", "data", help="Train on this file: a text corpus, .npy/.npz arrays, or a table like the spec's.")
+@click.option("--data", "data", help="Train on this file: a text corpus, .npy/.npz arrays, or a table like the spec's; "
+                                        "or a folder of images, one sub-folder per class.")
 @click.option("--histograms", type=int, default=0, help="Write weight histograms every N steps.")
 @click.option("--prefetch", type=int, default=2, show_default=True,
               help="Batches read ahead on a background thread while the model computes (0: none).")

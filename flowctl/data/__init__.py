@@ -1,18 +1,20 @@
 """Datasets and input pipelines: synthetic (the default), arrays from .npy/.npz files, a table
-(CSV or Parquet: `tables.py`), and a text corpus batched for language models. Each source has a resumable cursor (`state()`/`restore()`).
+(CSV or Parquet: `tables.py`), a text corpus batched for language models, and a folder of images
+(one sub-folder per class: `images.py`). Each source has a resumable cursor (`state()`/`restore()`).
 
 `make_source` takes the spec's `data:` section as a plain mapping, so this package needs nothing
 from the spec package (ARCHITECTURE: data imports numpy and the engine only)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from flowctl.data.arrays import ArraySource
 from flowctl.data.base import DataSource, InputSpec
 from flowctl.data.bpe import ByteBPE, read_text
+from flowctl.data.images import ImageSource
 from flowctl.data.parallel import ParallelTextSource
 from flowctl.data.synthetic import SyntheticSource
 from flowctl.data.tables import TableEncoding, TableSource, learn_table
@@ -27,14 +29,16 @@ VALIDATION_STREAM = 1_000_003
 
 def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_size: int,
                 base_dir: str | Path = ".", split: str = "train", tokenizer: ByteBPE | None = None,
-                table: TableEncoding | None = None) -> DataSource:
-    """A source from a `data:` mapping (`source: synthetic | arrays | table | text | parallel_text`); relative paths are
-    taken from `base_dir` (the spec file's directory). `split`: "train", or "validation" for the
-    held-out data (`validation:` file, the last `validation_fraction` of the file, or for synthetic
-    data a stream of its own), read in order without shuffling. `tokenizer`: for a text source with
-    `tokenizer: bpe`, the one to encode with (a run's stored one); by default it is learned here
-    from the training corpus (`learn_tokenizer`). `table`: likewise a table source's encoding (a
-    run's stored one; by default learned here from the training split, `learn_table`)."""
+                table: TableEncoding | None = None, on_warning: Callable[[str], None] | None = None) -> DataSource:
+    """A source from a `data:` mapping (`source: synthetic | arrays | table | text | parallel_text |
+    images`); relative paths are taken from `base_dir` (the spec file's directory). `split`: "train",
+    or "validation" for the held-out data (`validation:` file, the last `validation_fraction` of the
+    file, or for synthetic data a stream of its own), read in order without shuffling. `tokenizer`:
+    for a text source with `tokenizer: bpe`, the one to encode with (a run's stored one); by default
+    it is learned here from the training corpus (`learn_tokenizer`). `table`: likewise a table
+    source's encoding (a run's stored one; by default learned here from the training split,
+    `learn_table`). `on_warning`: where an images source with `on_corrupt: skip` reports each file
+    it leaves out (default: Python's `warnings`)."""
     cfg = dict(config)
     kind = cfg.get("source", "synthetic")
     inputs = list(inputs)
@@ -70,6 +74,13 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
             vocab = Vocabulary.build(read_words(Path(base_dir) / cfg["path"]), cfg.get("vocab_size"))
         return TextSource(inputs, batch_size, path, unroll=ints[name].shape[0], vocab_size=cfg.get("vocab_size"),
                           input_name=cfg.get("input"), target_name=cfg.get("target"), part=part, vocab=vocab)
+    if kind == "images":
+        return ImageSource(inputs, batch_size, path, Path(base_dir) / cfg["path"], image_name=cfg.get("input"),
+                           label_name=cfg.get("label"), resize=cfg.get("resize"), crop=cfg.get("crop", "center"),
+                           flip=cfg.get("flip", False), mean=cfg.get("mean") or (0.0,), std=cfg.get("std") or (1.0,),
+                           on_corrupt=cfg.get("on_corrupt", "error"), workers=cfg.get("workers"),
+                           shuffle=cfg.get("shuffle", True), seed=cfg.get("seed", 0), part=part, training=not held,
+                           on_warning=on_warning)
     if kind == "parallel_text":
         base = Path(base_dir)
         target = base / (cfg["validation_target"] if held and cfg.get("validation") else cfg["target_path"])
@@ -77,7 +88,7 @@ def make_source(config: Mapping[str, Any], inputs: Sequence[InputSpec], batch_si
                                   vocab_paths=(base / cfg["path"], base / cfg["target_path"]),
                                   vocab_sizes=(cfg.get("vocab_size"), cfg.get("target_vocab_size")), part=part,
                                   bucket=cfg.get("bucket", False), shuffle=not held, seed=cfg.get("seed", 0))
-    raise SpecError(f"unknown data source {kind!r}: synthetic, arrays, table, text or parallel_text")
+    raise SpecError(f"unknown data source {kind!r}: synthetic, arrays, table, text, parallel_text or images")
 
 
 def learn_tokenizer(config: Mapping[str, Any], base_dir: str | Path = ".") -> ByteBPE:
@@ -124,6 +135,6 @@ def _sentences(cfg: dict[str, Any], inputs: list[InputSpec], batch_size: int, ba
                           shuffle=not held)
 
 
-__all__ = ["ArraySource", "ByteBPE", "DataSource", "InputSpec", "ParallelTextSource", "SPLITS", "SentenceSource", "SyntheticSource", "TableEncoding",
-           "TableSource", "TextSource",
-           "Vocabulary", "has_validation", "learn_table", "learn_tokenizer", "make_source", "unigram_perplexity"]
+__all__ = ["ArraySource", "ByteBPE", "DataSource", "ImageSource", "InputSpec", "ParallelTextSource", "SPLITS",
+           "SentenceSource", "SyntheticSource", "TableEncoding", "TableSource", "TextSource", "Vocabulary",
+           "has_validation", "learn_table", "learn_tokenizer", "make_source", "unigram_perplexity"]

@@ -80,8 +80,12 @@ class Prefetcher(DataSource):
         self._set_cursor(self._capture())
 
     def close(self) -> None:
-        """Stop the background thread (it is a daemon, but an idle one holds the source)."""
+        """Stop the background thread (it is a daemon, but an idle one holds the source), and the
+        source's own workers where it has them (an images source's decoding processes)."""
         self._halt()
+        stop = getattr(self.source, "close", None)
+        if stop is not None:
+            stop()
 
     def __enter__(self) -> "Prefetcher":
         return self

@@ -15,7 +15,7 @@ from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.blocks import Expansion, Instance
 from flowctl.spec.layers import Layer, LayerError, Weight, count
 from flowctl.spec.layers.base import elements, fmt
-from flowctl.spec.schema import ArrayData, ParallelTextData, Spec, TableData, TextData
+from flowctl.spec.schema import ArrayData, ImageData, ParallelTextData, Spec, TableData, TextData
 from flowctl.spec.source import LocDict, Mark, Problems, locate
 
 DEFAULT_BATCH = 32
@@ -375,12 +375,15 @@ def _check_devices(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Prob
 def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problems, base_dir: Path) -> None:
     data = spec.data
     inputs = {i.name: i for i in loaded.inputs()}
-    files = (ArrayData, TableData, TextData, ParallelTextData)
+    files = (ArrayData, TableData, TextData, ParallelTextData, ImageData)
     if isinstance(data, files):
         for key in ("path", "validation", "target_path", "validation_target"):
             name = getattr(data, key, None)
             if name and not (base_dir / name).exists():
-                problems.at(root, ("data", key), f"no such file: {base_dir / name}")
+                problems.at(root, ("data", key), f"no such {'folder' if isinstance(data, ImageData) else 'file'}: "
+                            f"{base_dir / name}")
+            elif name and isinstance(data, ImageData) and not (base_dir / name).is_dir():
+                problems.at(root, ("data", key), f"{base_dir / name} is not a folder (one sub-folder per class)")
     t = spec.training
     wants_eval = t.eval_every_steps or t.early_stopping or (spec.checkpoint and spec.checkpoint.keep_best)
     if wants_eval and isinstance(data, files) and not (data.validation or data.validation_fraction):
@@ -426,6 +429,8 @@ def _check_data(spec: Spec, root: LocDict, loaded: LoadedSpec, problems: Problem
             if not out.dtype.startswith(("int", "uint")) or (out.shape[1:] != () if per_example == () else len(out.shape) != 2):
                 problems.at(root, ("data", "feeds", key), f"'{name}' must be an integer model input of shape "
                             + ("[]" if per_example == () else "[steps]") + f", got {list(out.shape[1:])} {out.dtype}")
+    if isinstance(data, ImageData):
+        _check_images(data, root, inputs, problems, base_dir)
     if isinstance(data, TextData):
         ints = [n for n, i in inputs.items() if i.output.dtype.startswith(("int", "uint")) and n != data.lengths]
         if data.lengths is not None and (data.lengths not in inputs or inputs[data.lengths].output.shape[1:] != ()
@@ -494,3 +499,44 @@ def _check_table(data: TableData, root: LocDict, inputs: dict[str, LayerInfo], p
     if not data.categorical and width != len(data.features):
         problems.at(root, ("data", "features"), f"{len(data.features)} feature columns feed input "
                     f"'{floats[0].name}' of shape [{width}]: make it [{len(data.features)}]")
+
+
+def _check_images(data: ImageData, root: LocDict, inputs: dict[str, LayerInfo], problems: Problems,
+                  base_dir: Path) -> None:
+    """The image and label inputs an images source feeds, and its class sub-folders against the
+    label input's classes."""
+    def dtype(n: str) -> str:
+        return inputs[n].output.dtype
+
+    floats = [n for n in inputs if not dtype(n).startswith(("int", "uint")) and len(inputs[n].output.shape) == 4]
+    ints = [n for n in inputs if dtype(n).startswith(("int", "uint"))]
+    image, label = data.input or (floats[0] if floats else None), data.label or (ints[0] if ints else None)
+    for key, name, what in (("input", image, "a float image input [H, W, C]"), ("label", label, "an integer label input")):
+        if name is None:
+            problems.at(root, ("data",), f"an images source needs {what}; the model's inputs are "
+                        f"{', '.join(inputs) or 'none'}")
+        elif name not in inputs:
+            problems.at(root, ("data", key), f"'{name}' is not a model input" + did_you_mean(name, inputs))
+    if image in inputs:
+        shape = inputs[image].output.shape[1:]
+        if len(shape) != 3 or shape[2] not in (1, 3) or dtype(image).startswith(("int", "uint")):
+            problems.at(root, ("data", "input") if data.input else ("data",),
+                        f"image input '{image}' must be float [H, W, 1 or 3], got {list(shape)} {dtype(image)}")
+        else:
+            for key in ("mean", "std"):
+                if len(getattr(data, key)) not in (1, shape[2]):
+                    problems.at(root, ("data", key), f"{key} takes 1 or {shape[2]} values (the channels of "
+                                f"'{image}'), got {len(getattr(data, key))}")
+    if label not in inputs:
+        return
+    if inputs[label].output.shape[1:] != () or not dtype(label).startswith(("int", "uint")):
+        problems.at(root, ("data", "label") if data.label else ("data",), f"label input '{label}' must be an "
+                    f"integer scalar (shape []), got {list(inputs[label].output.shape[1:])} {dtype(label)}")
+    folder = base_dir / data.path
+    classes = getattr(inputs[label].layer, "classes", None)
+    if folder.is_dir() and classes is not None:
+        found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if len(found) != classes:
+            problems.at(root, ("data", "path"), f"{folder} has {len(found)} class sub-folder(s) "
+                        f"({', '.join(found[:5])}{', ...' if len(found) > 5 else ''}), but input '{label}' "
+                        f"takes {classes} classes")

@@ -202,7 +202,41 @@ class ParallelTextData(HeldOut):
         return self
 
 
-DataSpec = Annotated[Union[SyntheticData, ArrayData, TableData, TextData, ParallelTextData], Field(discriminator="source")]
+class ImageData(HeldOut):
+    """A folder of images, one sub-folder per class (ImageNet's layout); decoded with Pillow
+    (pip install 'flowctl[images]') on worker processes."""
+
+    source: Literal["images"]
+    path: str = Field(description="a folder with one sub-folder of images per class; the classes are the sorted "
+                      "sub-folder names, as many as the label input's classes (validation: a folder of the same layout)")
+    input: str | None = Field(None, description="model input fed with images (default: the first float input [H, W, C])")
+    label: str | None = Field(None, description="model input fed with class ids (default: the first int input)")
+    resize: int | None = Field(None, ge=1, description="resize so the shorter side is this many pixels, then crop "
+                               "to the input's H x W (default: the input's larger side)")
+    crop: Literal["center", "random"] = Field("center", description="random: a random offset while training "
+                                              "(validation is always centre-cropped)")
+    flip: bool = Field(False, description="flip left to right with probability 1/2 while training")
+    mean: list[float] = Field(default_factory=lambda: [0.0], min_length=1, max_length=3,
+                              description="per channel (or one for all), subtracted from pixels scaled to [0, 1]")
+    std: list[float] = Field(default_factory=lambda: [1.0], min_length=1, max_length=3,
+                             description="per channel (or one for all), dividing after the mean")
+    on_corrupt: Literal["error", "skip"] = Field("error", description="a file Pillow cannot read: error (one "
+                                                 "error naming it), or skip (a warning naming it; left out)")
+    workers: int | None = Field(None, ge=0, le=256, description="decoding processes (default: min(2, cores); "
+                                "0: in the training process)")
+    shuffle: bool = True
+    seed: int = Field(0, description="the epochs' orders, and each example's crop and flip")
+
+    @field_validator("std")
+    @classmethod
+    def _positive_std(cls, v: list[float]) -> list[float]:
+        if not all(math.isfinite(x) and x > 0 for x in v):
+            raise ValueError(f"std must be finite and > 0, got {v}")
+        return v
+
+
+DataSpec = Annotated[Union[SyntheticData, ArrayData, TableData, TextData, ParallelTextData, ImageData],
+                     Field(discriminator="source")]
 
 
 # ---------------------------------------------------------------------------- devices

@@ -4,6 +4,8 @@ learns from its data at its first start and keeps in the run directory: a text s
 BPE, a table's encoding (classes, vocabularies, means and stds)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from flowctl.data import ByteBPE, DataSource, InputSpec, TableEncoding, learn_table, learn_tokenizer, make_source
@@ -84,23 +86,26 @@ def _check_fits(loaded: LoadedSpec, table: TableEncoding) -> None:
 
 
 def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None,
-                 table: TableEncoding | None = None) -> list[DataSource]:
+                 table: TableEncoding | None = None,
+                 on_warning: Callable[[str], None] | None = None) -> list[DataSource]:
     """One source of `batch` examples per replica (one for the synchronous strategies). Replica
     k > 0 reads its own stream, seeded by its index: synthetic data draws from the generator
-    [seed, k] (the learnable task's teacher stays the spec's), shuffled arrays use seed + k, and
+    [seed, k] (the learnable task's teacher stays the spec's), shuffled arrays and images use seed + k, and
     ordered arrays and text start k/N of the way into the epoch. `tokenizer`: a bpe text source's
     (`run_tokenizer`); without it each source learns its own from the corpus. `table`: a table
-    source's encoding (`run_table`), likewise."""
+    source's encoding (`run_table`), likewise. `on_warning`: where an images source reports a file
+    it leaves out (default: Python's warnings)."""
     cfg = loaded.spec.data.model_dump()
     inputs = model_inputs(loaded)
     out = []
     for k in range(replicas):
         c = dict(cfg)
         kind = c.get("source", "synthetic")
-        shuffled = kind in ("arrays", "table") and c.get("shuffle", True)
+        shuffled = kind in ("arrays", "table", "images") and c.get("shuffle", True)
         if k and shuffled:
             c["seed"] = int(c.get("seed", 0)) + k
-        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer, table=table)
+        src = make_source(c, inputs, batch, base_dir=loaded.base_dir, tokenizer=tokenizer, table=table,
+                          on_warning=on_warning)
         if k and kind == "synthetic":
             src.rng = np.random.default_rng([int(c.get("seed", 0)), k])
         elif k and hasattr(src, "batches_per_epoch") and not shuffled:

@@ -14,7 +14,7 @@ from flowctl.engine.errors import CheckpointError, FlowctlError, SpecError
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.loader import load_spec, load_text
 from flowctl.spec.overrides import device_names
-from flowctl.spec.schema import ArrayData, ParallelTextData, TableData, TextData
+from flowctl.spec.schema import ArrayData, ImageData, ParallelTextData, TableData, TextData
 from flowctl.training.rundir import RunDir, RunLock, resolved, spec_changes, spec_hash
 from flowctl.training.trainer import Trainer
 
@@ -46,7 +46,8 @@ def load_training_spec(spec: str | None, data: str | None = None,
 def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
     """Point the spec's `data:` at a file: arrays (.npy/.npz), a table like the spec's (the same
     columns; held, encoded as the run learned them), or a text corpus, whose vocabulary is the
-    first integer input's class count. Returns the split that reads the file.
+    first integer input's class count; or at a folder of images (one sub-folder per class).
+    Returns the split that reads the file.
 
     `held`: the file is data to evaluate or predict on. A model trained on a text corpus then keeps
     reading it the same way (sentences with lengths, its named inputs) and keeps its training corpus
@@ -58,6 +59,14 @@ def override_data(loaded: LoadedSpec, data: str, held: bool = False) -> str:
     if isinstance(current, ParallelTextData):
         raise SpecError(f"--data {data}: a model trained on sentence pairs reads two files; give held-out pairs "
                         f"as data.validation and data.validation_target (--set) instead")
+    if p.is_dir():  # a folder of images, one sub-folder per class; an images spec keeps its reading
+        # A held-out fraction is of whichever folder is read; a validation folder was the old data's.
+        keep = current.model_dump(exclude={"validation"}) if isinstance(current, ImageData) else {"source": "images"}
+        if held and isinstance(current, ImageData):
+            loaded.spec.data = ImageData.model_validate({**keep, "validation": str(p), "validation_fraction": None})
+            return "validation"
+        loaded.spec.data = ImageData.model_validate({**keep, "path": str(p)})
+        return "train"
     if p.suffix in (".npy", ".npz"):
         loaded.spec.data = ArrayData.model_validate({"source": "arrays", "path": str(p)})
         return "train"

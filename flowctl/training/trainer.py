@@ -115,6 +115,7 @@ class Trainer:
         self.total_steps = spec.training.steps if steps is None else steps
         self.on_step = on_step or (lambda e: None)
         self.on_warning = on_warning or (lambda m: None)
+        self.data_warning = on_warning  # None: a data source warns through `warnings`, never silently
         self.run = RunDir(run_dir, self.on_warning)
         self.histograms_every = histograms_every
         self.allow_spec_change = allow_spec_change
@@ -147,7 +148,8 @@ class Trainer:
             self.train_op = step.train.train_op
         self.tokenizer = run_tokenizer(self.loaded, self.run)
         self.table = run_table(self.loaded, self.run)
-        self.sources = make_sources(self.loaded, step.replicas, step.batch, self.tokenizer, self.table)
+        self.sources = make_sources(self.loaded, step.replicas, step.batch, self.tokenizer, self.table,
+                                    on_warning=self.data_warning)
         if self.prefetch:
             self.sources = [Prefetcher(src, depth=self.prefetch) for src in self.sources]
         self.data = self.sources[0]
@@ -179,7 +181,7 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the prefetch threads and a multi-device session's device threads."""
-        for src in self.sources:
+        for src in [*self.sources, getattr(self, "eval_source", None)]:
             stop = getattr(src, "close", None)
             if stop is not None:
                 stop()
