@@ -247,6 +247,7 @@ def test_the_expert_moves_ruled_stages_too_where_moving_the_rest_cannot_fit() ->
     assert steps[1] <= 1.10 * steps[0], steps
 
 
+@pytest.mark.slow  # 31 s on 2 cores
 def test_the_search_under_a_cap_moves_whole_layers_where_the_model_has_them() -> None:
     # nmt_free with SGD on two K40s capped at 740 MiB (58% of its one-device need; activations,
     # not Adam's moments, fill the devices): the search over runs of groups cut anywhere finds
