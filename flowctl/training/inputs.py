@@ -4,7 +4,7 @@ learns from its data at its first start and keeps in the run directory: a text s
 BPE, a table's encoding (classes, vocabularies, means and stds)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -22,67 +22,60 @@ def model_inputs(loaded: LoadedSpec) -> list[InputSpec]:
             for i in loaded.inputs()]
 
 
+T = TypeVar("T")
+
+
+def _kept(run: RunDir, name: str, what: str, learn: Callable[[], T], load: Callable[[str], T]) -> T:
+    """What a run learns from its data at its first start and keeps as RUN/`name`: a run being
+    started (no run.json yet) learns it and writes the file atomically; a started run (resume,
+    evaluate, predict, export) reads the file and never learns again, so ids and features keep
+    their meaning even if the data changes. Missing or damaged: a CheckpointError naming `what`."""
+    path = run.path / name
+    if not run.exists():
+        value = learn()
+        run.write_text(name, value.to_json())  # type: ignore[attr-defined]
+        return value
+    try:
+        text = run.inside(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the run's {what} is kept there from its first start, "
+                              f"and learning it again from the data could give it another meaning") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        return load(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: damaged, not a {what} ({e})") from None
+
+
 def run_tokenizer(loaded: LoadedSpec, run: RunDir) -> ByteBPE | None:
-    """The byte-level BPE of a run whose spec asks for one (`data.tokenizer: bpe`), else None. A run
-    being started (no run.json yet) learns it from the corpus and writes RUN/tokenizer.json
-    atomically; a started run (resume, evaluate, predict, export) reads that file and never learns
-    again: the ids its checkpoints were trained on keep their meaning even if the corpus changes.
-    A started run without the file (or with a damaged one) is a CheckpointError, not a new tokenizer."""
+    """The byte-level BPE of a run whose spec asks for one (`data.tokenizer: bpe`), else None,
+    kept as RUN/tokenizer.json (`_kept`)."""
     cfg = loaded.spec.data.model_dump()
     if cfg.get("source") != "text" or cfg.get("tokenizer") != "bpe":
         return None
-    path = run.path / TOKENIZER
-    if not run.exists():
-        tokenizer = learn_tokenizer(cfg, loaded.base_dir)
-        run.write_text(TOKENIZER, tokenizer.to_json())
-        return tokenizer
-    try:
-        text = run.inside(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the run's byte-level BPE is kept there from its first start, "
-                              f"and learning it again from the corpus could give other ids") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        return ByteBPE.from_json(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: damaged, not a tokenizer ({e})") from None
+    return _kept(run, TOKENIZER, "byte-level BPE", lambda: learn_tokenizer(cfg, loaded.base_dir), ByteBPE.from_json)
 
 
 def run_table(loaded: LoadedSpec, run: RunDir) -> TableEncoding | None:
-    """The encoding of a run whose spec reads a table, else None: as `run_tokenizer`, learned from
-    the training split at the first start and written to RUN/table.json, read (never learned again)
-    by resume, evaluate and predict, so a file changed since cannot change what a feature means.
-    A width the model's input cannot take is a located spec error at data.features."""
+    """The encoding of a run whose spec reads a table, else None: learned from the training split
+    and kept as RUN/table.json (`_kept`). A width the model's input cannot take is a located spec
+    error at data.features."""
     cfg = loaded.spec.data.model_dump()
     if cfg.get("source") != "table":
         return None
-    path = run.path / TABLE
-    if not run.exists():
-        table = learn_table(cfg, loaded.base_dir)
-        _check_fits(loaded, table)
-        run.write_text(TABLE, table.to_json())
-        return table
-    try:
-        text = run.inside(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the run's table encoding is kept there from its first start, "
-                              f"and learning it again from the file could give other features") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
-    try:
-        table = TableEncoding.from_json(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: damaged, not a table encoding ({e})") from None
-    _check_fits(loaded, table)
-    return table
+    def learn() -> TableEncoding:
+        return _check_fits(loaded, learn_table(cfg, loaded.base_dir))  # before it is written
+
+    return _check_fits(loaded, _kept(run, TABLE, "table encoding", learn, TableEncoding.from_json))
 
 
-def _check_fits(loaded: LoadedSpec, table: TableEncoding) -> None:
+def _check_fits(loaded: LoadedSpec, table: TableEncoding) -> TableEncoding:
     problem = table.problem(model_inputs(loaded))
     if problem:
         where = loaded.where(("data", "features"))
         raise SpecError(f"{where + ': ' if where else ''}data.features: {problem}")
+    return table
 
 
 def make_sources(loaded: LoadedSpec, replicas: int, batch: int, tokenizer: ByteBPE | None = None,
