@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowctl.data.base import DataSource, InputSpec
+from flowctl.data.base import DataSource, InputSpec, epoch_order
 from flowctl.engine.errors import SpecError
 
 
@@ -101,8 +101,7 @@ class ArraySource(DataSource):
         """The example order of an epoch, a function of (seed, epoch) only, so a restored cursor
         sees exactly the batches an uninterrupted run would."""
         if epoch != self._order_epoch:
-            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.shuffle
-                           else np.arange(self.n))
+            self._order = epoch_order(self.seed, epoch, self.n, self.shuffle)
             self._order_epoch = epoch
         return self._order
 

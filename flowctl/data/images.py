@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from flowctl.data.base import DataSource, InputSpec
+from flowctl.data.base import DataSource, InputSpec, epoch_order
 from flowctl.engine.errors import SpecError
 
 NEEDS = "an images source needs Pillow: pip install 'flowctl[images]'"
@@ -226,8 +226,7 @@ class ImageSource(DataSource):
     def order(self, epoch: int) -> np.ndarray:
         """The file order of an epoch, a function of (seed, epoch) only."""
         if epoch != self._order_epoch:
-            self._order = (np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, epoch]).permutation(self.n)
-                           if self.shuffle else np.arange(self.n))
+            self._order = epoch_order(self.seed, epoch, self.n, self.shuffle)
             self._order_epoch = epoch
         return self._order
 
