@@ -87,6 +87,58 @@ def test_more_replicas_agree_to_float_rounding_and_stay_identical():
         np.testing.assert_array_equal(values[m], values[p], err_msg=m)
 
 
+def embedded(reduce: str, replicas: int, opt: str, steps: int = 3):
+    """An embedding table (20 x 6) read by 4 ids per example, under a small classifier; the ids
+    repeat within and across the replicas' halves of the batch."""
+    g = fc.Graph(seed=3)
+    with g.as_default():
+        ids = fc.placeholder("int32", (None, 4), name="ids")
+        y = fc.placeholder("int32", (None,), name="y")
+        table = fc.variable(fc.truncated_normal((20, 6), stddev=0.5), name="table")
+        w = fc.variable(fc.truncated_normal((6, 3), stddev=0.5), name="w")
+        h = fc.reduce_mean(fc.gather(table, ids), axis=1)
+        loss = fc.reduce_mean(fc.sparse_softmax_cross_entropy(fc.matmul(h, w), y), name="loss")
+        optimizer = {"adam": Adam(0.05), "sgd": SGD(0.5), "momentum": Momentum(0.2)}[opt]
+        step = st.sync_data_parallel(g, loss, {"ids": ids, "y": y}, [table, w], optimizer, CPUS[:replicas],
+                                     reduce=reduce)
+        init = fc.global_variables_initializer(g)
+    placement = st.complete_placement(g, step.placement, CPUS[0])
+    s = DistributedSession(g, Cluster.local(replicas), placement, store=ContainerStore())
+    s.run(init)
+    rng = np.random.default_rng(4)
+    X, Y = rng.integers(0, 12, (12, 4)).astype(np.int32), rng.integers(0, 3, 12).astype(np.int32)
+    losses = [float(s.run([step.loss, step.train_op], step.feeds({"ids": X, "y": Y}))[0]) for _ in range(steps)]
+    return s, step, losses
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+def test_an_embedding_tables_rows_travel_sparse_with_the_parameter_devices_bits(opt):
+    ps, _, ps_losses = embedded("parameter_device", 2, opt)
+    s, step, losses = embedded("allreduce", 2, opt)
+    assert losses == ps_losses and losses[-1] < losses[0]
+    saved, _ = ckpt.capture(s)
+    for k, v in ckpt.capture(ps)[0].items():
+        np.testing.assert_array_equal(saved[k], v, err_msg=k)
+    # Nothing of the table's dense shape crosses between the replicas: its rows do.
+    feeds = step.feeds({"ids": np.zeros((12, 4), np.int32), "y": np.zeros(12, np.int32)})
+    parts = s.step_plan([step.loss, step.train_op], feeds).partitions.values()
+    sends = [(part, n) for part in parts for n in part.nodes.values() if n.op == "Send"]
+    shapes = {part.tensor(n.inputs[0]).shape for part, n in sends}
+    assert (20, 6) not in shapes
+    assert any(part.nodes[n.inputs[0].split(":")[0]].op == "GatherGradRows" for part, n in sends)
+    if opt == "sgd":  # the update itself stays sparse
+        assert any(n.op == "SparseApplyGradientDescent" for n in step.graph.nodes.values())
+
+
+def test_three_replicas_sum_the_tables_rows_and_stay_identical():
+    _, _, ps_losses = embedded("parameter_device", 3, "adam")
+    s, step, losses = embedded("allreduce", 3, "adam")
+    np.testing.assert_allclose(losses, ps_losses, rtol=1e-6)
+    values = s.variable_values()
+    for m, p in ckpt.mirrors(step.graph).items():
+        np.testing.assert_array_equal(values[m], values[p], err_msg=m)
+
+
 def test_buckets_follow_the_backward_order_and_close_at_their_size():
     g, x, y, loss, variables = mlp(widths=(8, 16, 16, 3))
     grads = fc.gradients(loss, variables)
