@@ -65,6 +65,16 @@ def test_inception_v3_flops_match_the_known_cost():
     assert 2.5 < report["flops"]["training_step"] / report["flops"]["forward"] < 3.5
 
 
+def test_lstm_lm_flops_count_every_time_step_and_the_softmax_over_batch_times_time():
+    # The softmax's product and the LSTMs' run over batch x time rows (20 x 35 = 700): a fold whose
+    # first dimension is derived from the batch, which once counted as the batch alone (3.5x under).
+    report = summarize(load_spec(SPECS / "lstm_lm.yaml"))
+    rows, hidden, vocab = 20 * 35, 650, 10_000
+    products = 2 * rows * (hidden * vocab + 2 * (2 * hidden) * (4 * hidden))
+    assert 0.99 * products < report["flops"]["forward"] < 1.02 * products
+    assert 2.5 < report["flops"]["training_step"] / report["flops"]["forward"] < 3.5
+
+
 def test_lstm_lm_parameter_count_by_hand():
     loaded = load_spec(SPECS / "lstm_lm.yaml")
     vocab, hidden, emb = 10_000, 650, 650

@@ -1,8 +1,11 @@
 """What `flowctl inspect` reports: per-layer shapes and parameters, node counts, FLOPs per training
 step and an activation-memory estimate, all read off the graph actually built.
 
-FLOPs come from each op's own cost function (OpDef.estimate, whitepaper §3.2.1's cost model), with
-unknown (batch) dimensions set to the per-replica batch. Activation bytes are every forward op's
+FLOPs come from each op's own cost function (OpDef.estimate, whitepaper §3.2.1's cost model) over
+the concrete shapes `place`'s cost model uses (`concrete_shapes`: the sources' unknown (batch)
+dimensions set to the per-replica batch and every shape function re-run, so a dimension derived
+from the batch -- attention's [batch, heads, time, depth] after a reshape with -1 -- gets its real
+size, not the batch's). Activation bytes are every forward op's
 outputs once; a view (a Reshape, a Split part: its input's buffer, OpDef.view) adds none. A training step is the forward pass, the
 backward pass (`fc.gradients` of the loss w.r.t. every trainable variable) and the batch-norm
 moving-average updates; the optimizer's update ops belong to the training stage and are not counted.
@@ -16,9 +19,10 @@ import flowctl as fc
 from flowctl.engine.frames import run_counts
 from flowctl.engine.dtypes import itemsize
 from flowctl.engine.executor import needed_nodes
-from flowctl.engine.graph import Graph
+from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.opdef import SOURCE, STATE
 from flowctl.engine.placement.cost import concrete_shapes, views_of
+from flowctl.engine.shapes import TensorSpec
 from flowctl.spec.check import LoadedSpec
 from flowctl.spec.model import BuiltModel, build_model
 
@@ -28,14 +32,18 @@ def ancestors(graph: Graph, targets: list[str]) -> set[str]:
     return needed_nodes(graph, targets, set())
 
 
-def _cost(graph: Graph, name: str, batch: int) -> tuple[float, float]:
+def _cost(graph: Graph, name: str, batch: int, shapes: dict[str, list[tuple[int, ...]]]) -> tuple[float, float]:
     node = graph.nodes[name]
-    return node.opdef.estimate(graph.input_specs(node), node.outputs, node.attrs, batch=batch)
+    ins = []
+    for ref in node.inputs:
+        src, port = parse_ref(ref)
+        ins.append(TensorSpec(shapes[src][port], graph.nodes[src].outputs[port].dtype))
+    outs = [TensorSpec(shape, spec.dtype) for shape, spec in zip(shapes[name], node.outputs)]
+    return node.opdef.estimate(ins, outs, node.attrs, batch=batch)
 
 
-def _bytes(graph: Graph, name: str, batch: int) -> int:
-    return sum(math.prod(batch if d is None else d for d in s.shape) * itemsize(s.dtype)
-               for s in graph.nodes[name].outputs)
+def _bytes(graph: Graph, name: str, shapes: dict[str, list[tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) * itemsize(s.dtype) for shape, s in zip(shapes[name], graph.nodes[name].outputs))
 
 
 def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, Any]:
@@ -59,12 +67,13 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
     activations = 0
     runs = run_counts(g)  # §4.4: an op in a loop counts once per expected iteration
     order = g.topo_order()
-    views = views_of(g, order, {n: i for i, n in enumerate(order)}, concrete_shapes(g, batch))
+    shapes = concrete_shapes(g, batch)
+    views = views_of(g, order, {n: i for i, n in enumerate(order)}, shapes)
     is_view = {n for n, v in zip(order, views) if v is not None} if views else set()
     for n in step:
         if n in free:
             continue
-        flops, _ = _cost(g, n, batch)
+        flops, _ = _cost(g, n, batch, shapes)
         flops *= runs.get(n, 1.0)
         node = g.nodes[n]
         owner = layer_of.get(n) or layer_of.get(node.follows)
@@ -73,7 +82,7 @@ def summarize(loaded: LoadedSpec, model: BuiltModel | None = None) -> dict[str, 
             per_layer[owner]["step_flops"] += flops
         if n in forward:
             total_fwd += flops
-            b = 0 if n in is_view else int(_bytes(g, n, batch) * runs.get(n, 1.0))  # a view holds its input's buffer
+            b = 0 if n in is_view else int(_bytes(g, n, shapes) * runs.get(n, 1.0))  # a view holds its input's buffer
             activations += b
             if owner is not None:
                 per_layer[owner]["forward_flops"] += flops
