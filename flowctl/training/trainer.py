@@ -547,9 +547,12 @@ class Trainer:
     def _overlaps(self, step: "_Step", last_save: float) -> bool:
         """Whether the next step may be launched before `step` is read: nothing after `step` (the
         step number it completes: n) needs the variables as they are at n, and the next step
-        needs no host of its own."""
+        needs no host of its own. Never after a launch that raised (an uncaptured step's guard
+        raises on the host, and lowers no device flag that would hold the next step back)."""
         n = self.step + 1
-        return (len(step.runs) == 1 and step.stats is None and n < self.total_steps and self.trace_step != n + 1
+        assert step.last is not None
+        return (len(step.runs) == 1 and step.last.error is None and step.stats is None and n < self.total_steps
+                and self.trace_step != n + 1
                 and not (self.eval_every and n % self.eval_every == 0)
                 and not (self.histograms_every and n % self.histograms_every == 0)
                 and not self._due(time.perf_counter(), last_save, n))
