@@ -288,6 +288,8 @@ def test_check_numerics_in_capture_sets_flag(dtype):
         y = x.copy()
         y[123] = bad
         assert fn(y) is y and int(guard.flag(xp)[0]) == 0  # no raise
+        assert fn(x) is x and int(guard.flag(xp)[0]) == 0  # sticky: a finite step does not raise it again
+        guard.reset()  # the host, having read it
         assert fn(x) is x and int(guard.flag(xp)[0]) == 1
     assert gpu("CheckNumerics", {"message": "loss"}, xp=xp)(y) is y  # no guard: nothing to write
 
@@ -303,6 +305,8 @@ def test_check_numerics_uncaptured_raises_like_generic():
         cpu("CheckNumerics", {"message": "the loss"})(x)
     assert str(got.value) == str(want.value)
     ok = np.ones(3, "float32")
+    assert fn(ok) is ok and int(guard.flag(SIM)[0]) == 0  # sticky until the host resets it
+    guard.reset()
     assert fn(ok) is ok and int(guard.flag(SIM)[0]) == 1
 
 
@@ -430,6 +434,10 @@ def test_gpu_kernels_on_cupy_against_numpy():
         graph_bad.launch(stream)
         stream.synchronize()
         assert not guard.ok()
+        graph_ok.launch(stream)
+        stream.synchronize()
+        assert not guard.ok()  # sticky: a finite step does not raise it again
+        guard.reset()
         graph_ok.launch(stream)
         stream.synchronize()
         assert guard.ok()

@@ -17,6 +17,13 @@ kernels of a small step; replayed from a captured graph about 1-2 us, and no Pyt
 3. **Replay** (every later step): copy the feeds into the static buffers, launch the graph, hand back
    the static outputs (the caller reads them before the next step).
 
+A step's fetched values and its guard flags can also come back *late* (`run(late=True)`, issue 30:
+no host synchronisation in the step): copies to host buffers are queued on the step's stream after
+it (the backend's `read_async`), and a `LateRead` waits for them only when the host asks, by which
+time the trainer has launched the next step. The guard of the loss is sticky: once a step trips
+it, every later step skips its updates until the host reads the flag and resets it, so a host
+that learns of a non-finite step one step late still sees the state from before it.
+
 What a replay relies on, and how it is kept:
 - *State at fixed addresses.* Variables update in place on a GPU (kernels/state.py); a capture after
   which some variable's array is not the one it had is refused. A variable given a new array between
@@ -25,8 +32,8 @@ What a replay relies on, and how it is kept:
 - *No host in the step.* cupy raises on host copies, synchronisations and its own cuBLAS calls
   inside a capture; a kernel that must read a device value to the host (CheckNumerics of the
   step's guard) writes a device flag instead (`StepGuard`), updates skip themselves where it is 0,
-  and the host reads it after the step (`NonFiniteError` from the guard's node, as an uncaptured
-  step raises it).
+  and the host reads it after the step, or one step late (`NonFiniteError` from the guard's node,
+  as an uncaptured step raises it).
 - *Random numbers on the device.* A random op draws from a counter-based generator keyed by
   (seed, element), its draw number in a device cell that the graph itself advances
   (`RngState.device_counter`); the host keeps a mirror, advanced per replay by what the captured
@@ -44,6 +51,7 @@ import weakref
 import numpy as np
 
 from flowctl.engine.errors import ExecutionError, NonFiniteError
+from flowctl.kernels.registry import to_host
 
 # Steps of different feed shapes captured per plan (an evaluation batch, a last partial batch).
 MAX_SHAPES = 4
@@ -96,14 +104,15 @@ class CapturedStep:
                 "eager_steps": self.eager_steps,
                 "graph_nodes": max((s.nodes for s in self.shapes.values()), default=0)}
 
-    def run(self, feeds: Sequence[Any]) -> list[Any]:
+    def run(self, feeds: Sequence[Any], late: bool = False) -> Any:
         """One step on host (numpy) or device feed values; returns device arrays, valid until the
-        next step."""
+        next step, or (`late`) a `LateRead` of them and of the guard flags, copied to the host
+        behind the step with no host wait."""
         key = tuple((tuple(np.shape(v)), str(getattr(v, "dtype", ""))) for v in feeds)
         entry = self.shapes.get(key)
         if entry is None:
             if len(self.shapes) >= MAX_SHAPES:
-                return self._eager(feeds)
+                return self._eager(feeds, late)
             entry = self.shapes[key] = _Shape([self.xp.empty(np.shape(v), dtype=v.dtype) for v in feeds])
         b = self.backend
         with b.running():
@@ -124,15 +133,29 @@ class CapturedStep:
             else:
                 out = self._capture(entry)
             entry.runs += 1
+            if late:
+                return self._late(out)
         self._check_guards()
         return list(out)
 
-    def _eager(self, feeds: Sequence[Any]) -> list[Any]:
+    def _eager(self, feeds: Sequence[Any], late: bool) -> Any:
         with self.backend.running():
             out = self.plan.run([self._device(v) for v in feeds])
-        self.eager_steps += 1
+            self.eager_steps += 1
+            if late:
+                return self._late(out)
         self._check_guards()
         return list(out)
+
+    def _late(self, out: Sequence[Any]) -> "LateRead":
+        """Queue the copies of the step's outputs and of its raising guards' flags to the host, on
+        the step's stream (under `running`), behind the step."""
+        guards = [g for g in self.guards if g.raises]
+        values = [*out, *(g.flag(self.xp) for g in guards)]
+        read_async = getattr(self.backend, "read_async", None)
+        if read_async is None:  # a backend without asynchronous copies: read now
+            return LateRead([to_host(v) for v in values], len(out), guards)
+        return LateRead(read_async(values), len(out), guards)
 
     def _device(self, v: Any) -> Any:
         return v if isinstance(v, self.xp.ndarray) else self.xp.asarray(v)
@@ -221,9 +244,43 @@ class CapturedStep:
         for g in self.guards:
             if g.raises and not g.ok():
                 g.reset()
-                raise NonFiniteError(f"node '{g.name}' (CheckNumerics): the step's values are not finite "
-                                     f"(found on the device after the step; nothing was updated)",
-                                     node=g.name, op="CheckNumerics")
+                raise guard_error(g)
+
+
+def guard_error(g: Any) -> NonFiniteError:
+    """What a step whose guard `g` found a non-finite value raises (its flag read on the host)."""
+    return NonFiniteError(f"node '{g.name}' (CheckNumerics): the step's values are not finite "
+                          f"(found on the device after the step; nothing was updated)",
+                          node=g.name, op="CheckNumerics")
+
+
+class LateRead:
+    """A step's outputs and guard flags on their way to the host (`CapturedStep.run(late=True)`):
+    `result()` waits for the copies (the first call only) and then does what an uncaptured read
+    does right after the step: a guard found tripped is reset and raised (`NonFiniteError`);
+    otherwise the outputs, host arrays. `values` is the backend's pending read (`wait()` gives
+    the host arrays) or, for a backend without one, the host arrays themselves."""
+
+    __slots__ = ("_read", "_n", "_guards", "_out", "_error")
+
+    def __init__(self, values: Any, n: int, guards: list[Any]) -> None:
+        self._read, self._n, self._guards = values, n, guards
+        self._out: list[Any] | None = None
+        self._error: NonFiniteError | None = None
+
+    def result(self) -> list[Any]:
+        if self._error is not None:
+            raise self._error
+        if self._out is None:
+            got = self._read.wait() if hasattr(self._read, "wait") else self._read
+            self._read = None  # the host buffers go back to the backend's ring
+            for g, flag in zip(self._guards, got[self._n:]):
+                if int(np.asarray(flag).reshape(-1)[0]) != 1:
+                    g.reset()  # (a step launched after this one found it tripped, and skipped its updates)
+                    self._error = guard_error(g)
+                    raise self._error
+            self._out = list(got[:self._n])
+        return self._out
 
 
 class _Strong:

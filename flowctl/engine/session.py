@@ -90,6 +90,20 @@ class Session:
     def run(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, stats: RunStats | None = None) -> Any:
         """Fetch tensors (Tensor, "node:port", or a node name for a target), nested in lists,
         tuples or dicts; `feeds` maps tensors or refs to values."""
+        return self._run(fetches, feeds, stats, late=False)
+
+    def launch(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> "Pending":
+        """`run`, its fetched values handed back as they reach the host: where the step is captured
+        (one GPU) it is launched and its values copied back behind it, and nothing waits for the
+        device until `Pending.result()`, which also raises what `run` would have raised after the
+        step (a NonFiniteError from the step's guard). Anywhere else the step runs as `run` runs
+        it, and the Pending holds its values."""
+        if type(self).run is not Session.run:  # a session of several devices runs its own way
+            out = self.run(fetches, feeds)
+            return Pending(lambda: out)
+        return self._run(fetches, feeds, None, late=True)
+
+    def _run(self, fetches: Any, feeds: Mapping[Any, Any] | None, stats: RunStats | None, late: bool) -> Any:
         refs: list[str] = []
         targets: list[str] = []
         template = self._flatten(fetches, refs, targets)
@@ -105,13 +119,15 @@ class Session:
         if plan is None:
             plan = self._plans[key] = self._plan(refs, feed_refs, targets)
         if captured:
-            values = self._captured_step(key, plan).run(feed_vals)
+            values = self._captured_step(key, plan).run(feed_vals, late=late)
+            if late:
+                return Pending(lambda: self._rebuild(template, iter(values.result())))
         else:
             use_dataflow = self.executor == "dataflow"
             runner = plan.run_dataflow if use_dataflow else plan.run
             values = runner(feed_vals, stats=stats, check_numerics=self.check_numerics)
-        out = iter([to_host(v) for v in values])
-        return self._rebuild(template, out)
+        out = self._rebuild(template, iter([to_host(v) for v in values]))
+        return Pending(lambda: out) if late else out
 
     def _captured_step(self, key: tuple[Any, ...], plan: Plan) -> CapturedStep:
         step = self._captured.get(key)
@@ -298,6 +314,20 @@ class Session:
                 raise GraphError(f"random state for unknown node '{name}'")
             self._resource(node).set_state(st)
 
+
+
+class Pending:
+    """A step's fetched values, read on the host when asked (`Session.launch`)."""
+
+    __slots__ = ("_get",)
+
+    def __init__(self, get: Any) -> None:
+        self._get = get
+
+    def result(self) -> Any:
+        """The values (waiting for their copies to the host the first time), or the error the
+        step raises once they are read."""
+        return self._get()
 
 
 def _say(message: str) -> None:

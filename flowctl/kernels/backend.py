@@ -221,7 +221,10 @@ class StepGuard:
     step). The step's CheckNumerics of its loss writes it -- on a GPU inside a capture by a kernel,
     elsewhere by raising as before -- and every state write that waits for that check reads it: an
     update on a device skips itself where the flag is 0, so a non-finite step changes nothing, and
-    the host learns of it after the step (`ok()`). One flag array per array module."""
+    the host learns of it after the step (`ok()`). The loss's flag is sticky: the check only lowers
+    it, and it stays 0 -- every later update skipping -- until the host resets it (`reset()`), so a
+    host that reads it one step late (the next step already launched) finds the state from before
+    the non-finite step. fp16's GuardFlag sets it every step. One flag array per array module."""
 
     __slots__ = ("name", "raises", "_flags")
 

@@ -24,6 +24,12 @@ What it models of cupy and CUDA:
   output shape depends on the data, which cupy computes by reading a count back (boolean-mask
   indexing, `nonzero`, `flatnonzero`, `argwhere`, `unique`, `compress`, `extract`, one-argument
   `where`, `repeat` by an array).
+- Asynchronous reads (`counts["d2h_async"]`, `counts["waits"]`): a captured step's backend queues
+  copies of device arrays to host buffers behind the step (`LedgerCapture.read_async`, cupy's
+  `get(stream=, out=pinned, blocking=False)` and an event); each array copied counts one
+  `d2h_async`, the host's wait for them one `waits`, and neither is a synchronisation: the device
+  is not drained, the host only waits, later, for work it queued before the next step. The copy
+  is taken when it is queued (the ledger runs in order), so a later step's writes never reach it.
 - Host-to-device copies (`counts["h2d"]`, `counts["h2d_bytes"]`): `asarray`/`array`/
   `ascontiguousarray` of anything not already on the device (a numpy array, a list, a Python or
   numpy scalar) and a host array assigned into a device array or used as an index. A Python or
@@ -81,7 +87,7 @@ from flowctl.kernels.ledger_array import (BLOCK, JOIN_TABLE, CaptureError, Ledge
 
 
 COUNTS = ("launches", "syncs", "h2d", "h2d_bytes", "allocations", "bytes_allocated", "gemms", "custom",
-          "graph_launches", "graph_nodes")
+          "graph_launches", "graph_nodes", "d2h_async", "waits")
 
 
 class LedgerGraph:
@@ -147,12 +153,30 @@ class LedgerCapture:
         """A value into a static buffer: a device copy (one launch) or a host-to-device copy."""
         self.ledger._copy_in(dst, value)
 
+    def read_async(self, arrays: Any) -> "LedgerRead":
+        """Copies of device arrays to the host queued behind the step (see the module doc)."""
+        return self.ledger._read_async(arrays)
+
     def synchronize(self) -> None:
         self.ledger._sync("stream synchronize")
 
     def held_bytes(self) -> int:
         led = self.ledger
         return led.in_use + sum(size * n for size, n in led._free.items())
+
+
+class LedgerRead:
+    """Host copies queued behind a step: `wait()` hands them over (counted once as a wait)."""
+
+    def __init__(self, ledger: "Ledger", values: list[Any]) -> None:
+        self.ledger, self.values, self.waited = ledger, values, False
+
+    def wait(self) -> list[Any]:
+        if not self.waited:
+            self.waited = True
+            self.ledger.counts["waits"] += 1
+            self.ledger._event("wait", f"{len(self.values)} asynchronous read(s)")
+        return self.values
 
 
 class Ledger(types.ModuleType):
@@ -653,6 +677,19 @@ class Ledger(types.ModuleType):
         self.counts["h2d_bytes"] += h.nbytes
         self._event("h2d", "copy into a static buffer")
         np.copyto(self._operand(dst, "copy_in"), h, casting="unsafe")
+
+    def _read_async(self, arrays: Any) -> LedgerRead:
+        if self._tape is not None:
+            raise CaptureError("device-to-host copy (an asynchronous read) during a CUDA-graph capture: it "
+                               "would read the capture's values, never a replay's")
+        out = []
+        for a in arrays:
+            if isinstance(a, LedgerArray):
+                a = np.array(np.ndarray.view(a, np.ndarray))
+                self.counts["d2h_async"] += 1
+                self._event("d2h_async", f"{a.dtype}{a.shape}")
+            out.append(a)
+        return LedgerRead(self, out)
 
     def _x_copyto(self, dst: Any, src: Any, **kw: Any) -> None:
         self._call(np.copyto, (dst, src), kw, "copyto")

@@ -105,6 +105,8 @@ class Trainer:
         computes (§4.5); 0 reads them in the step. The checkpointed cursor is exact either way.
         `trace_step`: write a timeline of that step (RUN/trace-<step>.json, flowctl.training.trace)."""
         self.trace_step = trace_step
+        # One GPU, captured steps: launch each step before the last one's loss is read (`_loop`).
+        self.late_reads = True
         self.on_worker = on_worker  # a remote run: (task, state, detail) as each worker starts or is lost
         spec = loaded.spec
         self.prefetch = prefetch
@@ -375,8 +377,10 @@ class Trainer:
         self.run.write_json(f"checkpoints/{BEST}/{RANKING}", {"metric": keep.metric, "mode": keep.mode,
                                                               "count": keep.count, "ranking": self._ranking()})
 
-    def _due(self, now: float, last_save: float) -> bool:
-        return bool((self.ckpt_every_steps and self.step % self.ckpt_every_steps == 0) or
+    def _due(self, now: float, last_save: float, step: int | None = None) -> bool:
+        """Whether a checkpoint is due after `step` (the steps completed: self.step by default)."""
+        step = self.step if step is None else step
+        return bool((self.ckpt_every_steps and step % self.ckpt_every_steps == 0) or
                     (self.ckpt_every_seconds and now - last_save >= self.ckpt_every_seconds))
 
     # ------------------------------------------------------------------ the loop
@@ -462,6 +466,12 @@ class Trainer:
 
     def _loop(self, stop: Stop, metrics: MetricsLog, writer: Any,
               t0: float) -> tuple[float, list[float], str | None, bool]:
+        """Steps in order. On one GPU whose steps are captured (`_late`), step k+1 is launched
+        before step k's loss is read (it comes back by an asynchronous copy), unless something
+        after step k needs the host's state at step k: an evaluation, histograms, a checkpoint, a
+        trace, the last step, a stop. A non-finite step k is then found one step late, and step
+        k+1, launched meanwhile, changed nothing (the guard's flag is sticky: StepGuard), so the
+        run stops and explains it as a step read at once does. The metrics are the same."""
         assert self.program.step.train is not None
         train = self.program.step.train
         last_save = t0
@@ -473,47 +483,29 @@ class Trainer:
         if scaling is not None:  # fp16: the scale and the skipped count after each step, for metrics
             assert scaling.new_scale is not None and scaling.new_skipped is not None
             fetches += [scaling.new_scale, scaling.new_skipped]
+        late = self._late()
+        ahead: _Step | Exception | None = None  # the next step, launched before this one is read
         while self.step < self.total_steps:
-            if stop.requested:
+            if stop.requested and ahead is None:
                 return loss_v, rates, last_path, True
-            # One session run, or with training.accumulate K, K runs of one micro-batch each: all
-            # but the last add their gradients up, the last applies the update (strategies.TrainStep.runs).
-            runs = train.runs(self.data.next_batch())
-            lr = checked_learning_rate(self.spec.training.learning_rate, self.step)
-            guard = self.program.step.guard
-            stats = RunStats() if self.trace_step == self.step + 1 else None
-            losses: list[float] = []
-            scale: list[Any] = []
-            dt = 0.0  # the runs' time, not the snapshots'
             try:
-                for i, (target, feeds) in enumerate(runs):
-                    feeds[self.lr] = np.asarray(lr, dtype=self.lr.dtype)
-                    last = i == len(runs) - 1
-                    run_fetches = fetches if last else [self.loss, target]
-                    # What a replay of this run needs should its loss not be finite: the random states;
-                    # and the variables, unless the step's guard (program.guard_state) keeps a
-                    # non-finite step from writing any -- holding them would keep every update from
-                    # writing in place. A remote run would pull every variable across the network, so
-                    # it keeps none.
-                    snapshot = None if self.program.remote else (
-                        None if guard else self.session.variable_values(), self.session.rng_states())
-                    ts = time.perf_counter()
+                if isinstance(ahead, Exception):
+                    raise ahead
+                step = ahead or self._start(train, fetches, self.step, late)
+                ahead = None
+                if late and not stop.requested and self._overlaps(step, last_save):
                     try:
-                        loss_arr, _, *scale = self._run_step(run_fetches, feeds, stats if last else None)
-                        dt += time.perf_counter() - ts
-                    except NonFiniteError as e:
-                        if guard is None or e.node != guard:
-                            raise
-                        self._explain_non_finite(snapshot, run_fetches, feeds)
-                    losses.append(float(loss_arr))
-                    if not math.isfinite(losses[-1]):
-                        self._explain_non_finite(snapshot, run_fetches, feeds)
+                        ahead = self._start(train, fetches, self.step + 1, late)
+                    except Exception as e:  # noqa: BLE001 -- raised in its turn, after this step's metrics
+                        ahead = e
+                losses, scale, dt = self._finish(step)
             except WorkerLostError as e:
                 self._recover(e, metrics)
                 continue
-            if stats is not None:
-                self.write_trace(stats, fetches, runs[-1][1])
+            if step.stats is not None:
+                self.write_trace(step.stats, fetches, step.runs[-1][1])
             loss_v = losses[0] if len(losses) == 1 else sum(losses) / len(losses)  # the whole batch's mean
+            lr = step.lr
             self.step += 1
             eps = self.batch / dt if dt > 0 else float("inf")
             rates.append(eps)
@@ -536,11 +528,93 @@ class Trainer:
             if self.early_stopped:
                 return loss_v, rates, last_path, False
             now = time.perf_counter()
-            if self._due(now, last_save) and self.step < self.total_steps:
+            # (With a step launched ahead, a save due by the clock waits for the next step, which
+            # `_overlaps` then reads at once; one due by the step count never has a step ahead.)
+            if ahead is None and self._due(now, last_save) and self.step < self.total_steps:
                 metrics.flush()
                 last_path = self.save()
                 last_save = now
+        assert ahead is None
         return loss_v, rates, last_path, False
+
+    def _late(self) -> bool:
+        """Whether this run's steps are read one step late: one GPU whose steps are captured
+        (elsewhere a step's values are on the host when its run returns, or a device thread per
+        device reads them), and `late_reads` not turned off."""
+        return bool(self.late_reads and self.program.cluster is None and not self.program.remote
+                    and getattr(self.session, "capture", False))
+
+    def _overlaps(self, step: "_Step", last_save: float) -> bool:
+        """Whether the next step may be launched before `step` is read: nothing after `step` (the
+        step number it completes: n) needs the variables as they are at n, and the next step
+        needs no host of its own. Never after a launch that raised (an uncaptured step's guard
+        raises on the host, and lowers no device flag that would hold the next step back)."""
+        n = self.step + 1
+        assert step.last is not None
+        return (len(step.runs) == 1 and step.last.error is None and step.stats is None and n < self.total_steps
+                and self.trace_step != n + 1
+                and not (self.eval_every and n % self.eval_every == 0)
+                and not (self.histograms_every and n % self.histograms_every == 0)
+                and not self._due(time.perf_counter(), last_save, n))
+
+    def _start(self, train: Any, fetches: list[Any], done: int, late: bool) -> "_Step":
+        """Launch the step after `done` steps: one session run, or with training.accumulate K, K
+        runs of one micro-batch each (all but the last add their gradients up, the last applies
+        the update: strategies.TrainStep.runs). Every run but the last is read at once; the last
+        is read by `_finish` (`late`: launched with Session.launch, its values still on their way)."""
+        step = _Step(train.runs(self.data.next_batch()), checked_learning_rate(self.spec.training.learning_rate, done),
+                     RunStats() if self.trace_step == done + 1 else None)
+        guard = self.program.step.guard
+        for i, (target, feeds) in enumerate(step.runs):
+            feeds[self.lr] = np.asarray(step.lr, dtype=self.lr.dtype)
+            last = i == len(step.runs) - 1
+            run_fetches = fetches if last else [self.loss, target]
+            # What a replay of this run needs should its loss not be finite: the random states;
+            # and the variables, unless the step's guard (program.guard_state) keeps a
+            # non-finite step from writing any -- holding them would keep every update from
+            # writing in place. A remote run would pull every variable across the network, so
+            # it keeps none.
+            snapshot = None if self.program.remote else (
+                None if guard else self.session.variable_values(), self.session.rng_states())
+            run = _Run(run_fetches, feeds, snapshot)
+            ts = time.perf_counter()
+            try:
+                run.pending = self._run_step(run_fetches, feeds, step.stats if last else None,
+                                             late=late and step.stats is None)
+            except Exception as e:  # noqa: BLE001 -- raised where the run is read (`_read`)
+                run.error = e
+            run.seconds = time.perf_counter() - ts
+            if last:
+                step.last = run
+            else:
+                self._read(step, run)
+        return step
+
+    def _finish(self, step: "_Step") -> tuple[list[float], list[Any], float]:
+        """Read the step's last run: the losses of its runs, fp16's scale and skipped count, and
+        the runs' time (not the snapshots')."""
+        assert step.last is not None
+        step.scale = self._read(step, step.last)
+        return step.losses, step.scale, step.dt
+
+    def _read(self, step: "_Step", run: "_Run") -> list[Any]:
+        """One run's values on the host; a non-finite loss stops the run with the node that made it."""
+        guard = self.program.step.guard
+        try:
+            if run.error is not None:
+                raise run.error
+            ts = time.perf_counter()
+            assert run.pending is not None
+            loss_arr, _, *scale = run.pending.result()
+            step.dt += run.seconds + time.perf_counter() - ts
+        except NonFiniteError as e:
+            if guard is None or e.node != guard:
+                raise
+            self._explain_non_finite(run.snapshot, run.fetches, run.feeds)
+        step.losses.append(float(loss_arr))
+        if not math.isfinite(step.losses[-1]):
+            self._explain_non_finite(run.snapshot, run.fetches, run.feeds)
+        return scale
 
     def _recover(self, error: WorkerLostError, metrics: MetricsLog) -> None:
         """§3.3: a worker was lost mid-step. Restart it, put the last checkpoint back, and carry on
@@ -557,21 +631,24 @@ class Trainer:
                         f"restarted ({r.failure} of {self.recovery.max_failures}), {r.replayed} step(s) replayed "
                         f"from checkpoint {r.resumed_step}; Ray's account in {self.run.ray_log}")
 
-    def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
+    def _run_step(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None, late: bool = False) -> Any:
+        """One session run; its values, or (`late`) a Pending of them (Session.launch)."""
         if self.program.step.loss_scale is not None:
             # fp16 loss scaling overflows on purpose now and then (the step is skipped, the scale
             # halved): numpy's overflow warnings would only be noise.
             with np.errstate(over="ignore", invalid="ignore"):
-                return self._run_step_plain(fetches, feeds, stats)
-        return self._run_step_plain(fetches, feeds, stats)
+                return self._run_step_plain(fetches, feeds, stats, late)
+        return self._run_step_plain(fetches, feeds, stats, late)
 
-    def _run_step_plain(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None) -> Any:
+    def _run_step_plain(self, fetches: list[Any], feeds: dict[Any, Any], stats: RunStats | None, late: bool) -> Any:
+        if late:
+            return self.session.launch(fetches, feeds)
         if stats is None or self.program.cluster is not None:
-            return self.session.run(fetches, feeds, stats=stats)
+            return _Done(self.session.run(fetches, feeds, stats=stats))
         # One device: its straight-line plan keeps no timestamps, the dataflow executor does.
         executor, self.session.executor = self.session.executor, "dataflow"
         try:
-            return self.session.run(fetches, feeds, stats=stats)
+            return _Done(self.session.run(fetches, feeds, stats=stats))
         finally:
             self.session.executor = executor
 
@@ -613,6 +690,44 @@ class Trainer:
                                  device=e.device) from None
         raise ExecutionError(f"step {self.step + 1}: the loss is not finite, but replaying the step with every "
                              f"output checked found no non-finite value")
+
+
+@dataclass
+class _Run:
+    """One session run of a step, launched: what reading it needs, and what its loss not being
+    finite would need to replay it (`_explain_non_finite`)."""
+
+    fetches: list[Any]
+    feeds: dict[Any, Any]
+    snapshot: tuple[dict[str, Any] | None, dict[str, Any]] | None
+    pending: Any = None  # Session.launch's Pending, or _Done
+    error: Exception | None = None  # what launching it raised, raised when it is read
+    seconds: float = 0.0  # the launch's time
+
+
+@dataclass
+class _Step:
+    """One training step between its launch (Trainer._start) and its read (Trainer._finish)."""
+
+    runs: list[tuple[Any, dict[Any, Any]]]
+    lr: float
+    stats: RunStats | None
+    last: _Run | None = None
+    losses: list[float] = field(default_factory=list)
+    scale: list[Any] = field(default_factory=list)
+    dt: float = 0.0
+
+
+class _Done:
+    """A run's values, read when it returned (a Pending that is already resolved)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Any) -> None:
+        self.values = values
+
+    def result(self) -> Any:
+        return self.values
 
 
 class _AsyncState:

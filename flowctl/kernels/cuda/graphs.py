@@ -1,6 +1,6 @@
 """What the engine's captured step (`engine/capture.py`) asks of a device: a stream of its own, a
-memory pool private to the captured graph, stream capture, graph launch and copies into static
-buffers. `CupyCapture` does it with cupy on a GPU; the launch ledger (`kernels/ledger.py`) gives a
+memory pool private to the captured graph, stream capture, graph launch, copies into static
+buffers and asynchronous copies back (`read_async`). `CupyCapture` does it with cupy on a GPU; the launch ledger (`kernels/ledger.py`) gives a
 stand-in with the same methods over numpy (its "graph" is a tape of the recorded launches, replayed
 on the same buffers), so the engine's side is tested on a CPU.
 
@@ -26,6 +26,7 @@ class CupyCapture:
         self.cp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.pool = cp.cuda.MemoryPool()
+        self._rings: dict[tuple[Any, ...], list[_Buffers]] = {}  # read_async's pinned buffers
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -71,11 +72,72 @@ class CupyCapture:
         else:
             dst.set(value, stream=self.stream)
 
+    def read_async(self, arrays: Any) -> "PinnedRead":
+        """Copies of device arrays (the step's outputs and guard flags) to pinned host buffers,
+        queued on the plan's stream behind what it has launched, and an event after them: no host
+        wait here. Two sets of buffers per signature take turns, so the copies of the next step
+        never overwrite those of a step whose values the host has not read yet; a third read
+        while two are unread first takes the oldest's values out of its buffers."""
+        cp = self.cp
+        key = tuple((tuple(a.shape), a.dtype.str) if isinstance(a, cp.ndarray) else None for a in arrays)
+        ring = self._rings.get(key)
+        if ring is None:
+            import cupyx  # type: ignore[import-not-found]
+
+            ring = self._rings[key] = [_Buffers([None if k is None else cupyx.empty_pinned(k[0], dtype=k[1])
+                                                 for k in key]) for _ in range(2)]
+        bufs = ring[0]
+        ring.append(ring.pop(0))
+        if bufs.owner is not None:
+            bufs.owner.wait()
+        for a, host in zip(arrays, bufs.host):
+            if host is not None:
+                try:
+                    a.get(stream=self.stream, out=host, blocking=False)
+                except TypeError:  # cupy < 13: a copy given a stream is asynchronous
+                    a.get(stream=self.stream, out=host)
+        event = cp.cuda.Event(block=True, disable_timing=True)
+        event.record(self.stream)
+        # The device arrays are not held (a fetched variable's array held here would keep its next
+        # update from writing in place); the stream orders their reuse after the copies.
+        read = bufs.owner = PinnedRead(bufs, [None if h is not None else a for a, h in zip(arrays, bufs.host)], event)
+        return read
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 
     def held_bytes(self) -> int:
         return int(self.pool.total_bytes())
+
+
+class _Buffers:
+    """One set of pinned host buffers of `read_async`, and the read whose copies they hold."""
+
+    __slots__ = ("host", "owner")
+
+    def __init__(self, host: list[Any]) -> None:
+        self.host = host
+        self.owner: PinnedRead | None = None
+
+
+class PinnedRead:
+    """Copies to pinned buffers in flight: `wait()` waits for the event after them (the host
+    only: the device goes on with the steps queued since) and hands over the values, copied out
+    of the buffers, which go back to their ring."""
+
+    __slots__ = ("bufs", "arrays", "event", "values")
+
+    def __init__(self, bufs: _Buffers, arrays: list[Any], event: Any) -> None:
+        self.bufs, self.arrays, self.event = bufs, arrays, event  # arrays: the values not on the device
+        self.values: list[Any] | None = None
+
+    def wait(self) -> list[Any]:
+        if self.values is None:
+            self.event.synchronize()
+            self.values = [a if h is None else h.copy() for a, h in zip(self.arrays, self.bufs.host)]
+            if self.bufs.owner is self:
+                self.bufs.owner = None
+        return self.values
 
 
 class Captured:

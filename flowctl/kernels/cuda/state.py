@@ -9,7 +9,8 @@
   the loss's CheckNumerics, or fp16's GuardFlag) is 0. Elsewhere (the array shared, another shape
   or dtype) the generic kernel runs, its new arrays selected against the old ones by the flag
   (`guarded`).
-- `CheckNumerics`: under a capture, a kernel that writes the guard flag instead of raising.
+- `CheckNumerics`: under a capture, a kernel that lowers the guard flag instead of raising (never
+  raises it again: the host resets it).
 - `GatherGradRows`: fixed-size outputs (no `unique`, whose size needs a host read): the indices
   sorted, each run's rows summed in order at the run's first position, zeros elsewhere."""
 from __future__ import annotations
@@ -193,18 +194,16 @@ def check_numerics_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     k = _kernels()
 
     def run(x: Any) -> Any:
+        # The flag only ever goes down here (sticky): once a step trips it, later steps skip their
+        # updates until the host, reading it (perhaps one step late), resets it (StepGuard.reset).
         if xp.is_capturing():  # no host read, no raise: the flag says it, the updates read it
             if flag is not None:
-                _go(xp, k.set_flag, 1, 1, flag, np.int32(1))
                 dt = np.dtype(x.dtype)
                 if dt.kind == "f" and dt.itemsize in _EXPONENT:
                     bits = _flat(xp, x).view(f"uint{8 * dt.itemsize}")
                     _launch(xp, k.finite_flag, int(x.size), bits, _EXPONENT[dt.itemsize], flag, int(x.size))
             return x
-        out = generic(x)  # raises FloatingPointError where x is not finite
-        if flag is not None:
-            flag.fill(1)
-        return out
+        return generic(x)  # raises FloatingPointError where x is not finite
 
     return run
 
