@@ -161,8 +161,10 @@ def run_steps(g, x, y, loss, train, init, batches, device="cpu:0", led=None, cap
 
 
 # (clipped: each SGD update's step size is its own lr * scale node; Adam's gradients are scaled products)
-OPTIMIZERS = [(lambda: SGD(0.1), None), (lambda: SGD(0.1), 0.5), (lambda: Momentum(0.05, 0.9), None),
-              (lambda: Momentum(0.05, 0.9, nesterov=True), None), (lambda: Adam(0.01), 0.5),
+# (30 s each in the simulator, its L2Loss kernels: the slow set)
+OPTIMIZERS = [(lambda: SGD(0.1), None), pytest.param(lambda: SGD(0.1), 0.5, marks=pytest.mark.slow),
+              (lambda: Momentum(0.05, 0.9), None), (lambda: Momentum(0.05, 0.9, nesterov=True), None),
+              (lambda: Adam(0.01), None), pytest.param(lambda: Adam(0.01), 0.5, marks=pytest.mark.slow),
               (lambda: AdamW(0.01, weight_decay=0.1), None)]
 
 
@@ -236,9 +238,12 @@ def test_a_captured_step_on_the_ledger_launches_far_fewer_kernels(simulator, rng
     off, on = counts[False][0], counts[True][0]
     assert counts[False][1] == counts[True][1]
     assert all(np.array_equal(counts[False][2][k], counts[True][2][k]) for k in counts[False][2])
-    n_vars = 14
-    # warm-up: one numba launch per variable before, one per <= 16 variables after
-    assert off[0]["custom"] - on[0]["custom"] == n_vars - 1
-    assert off[2]["graph_nodes"] - on[2]["graph_nodes"] == n_vars - 1
+    n_vars = 16
+    # The first step's updates make new arrays (the initial values are seen elsewhere); from the
+    # second on, one numba launch per variable before, one per <= 16 variables after, and the
+    # captured graph holds that many nodes fewer.
+    assert (off[1]["custom"], on[1]["custom"]) == (n_vars, 1)
+    assert off[1]["launches"] - on[1]["launches"] == n_vars - 1
+    assert off[3]["graph_nodes"] - on[3]["graph_nodes"] == n_vars - 1
     for c in on[3:]:
-        assert c["launches"] == 0 and c["graph_launches"] == 1
+        assert (c["launches"], c["allocations"], c["graph_launches"]) == (0, 0, 1)
