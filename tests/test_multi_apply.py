@@ -12,7 +12,7 @@ pytest.importorskip("numba")
 import flowctl as fc  # noqa: E402
 import flowctl.kernels  # noqa: E402,F401
 from flowctl.engine.multi_apply import group_updates  # noqa: E402
-from flowctl.engine.optimizers import SGD, Adam, AdamW, Momentum, clip_by_global_norm  # noqa: E402
+from flowctl.engine.optimizers import SGD, Adam, AdamW, Momentum  # noqa: E402
 from flowctl.kernels.cuda import jit  # noqa: E402
 from flowctl.kernels.ledger import Ledger  # noqa: E402
 from flowctl.kernels.registry import KERNELS, StepGuard, override_array_module  # noqa: E402

@@ -47,7 +47,8 @@ _ATTRS = {"ApplyGradientDescent": (), "ApplyMomentum": ("momentum", "nesterov"),
           "ApplyAdam": ("beta1", "beta2", "epsilon")}
 
 
-def group_updates(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str]) -> Graph:
+def group_updates(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
+                  targets: Sequence[str]) -> Graph:
     """`graph` itself where nothing groups, else a copy in which each group of two or more
     per-variable updates is one MultiApply node (module doc)."""
     fed = set(feeds)
