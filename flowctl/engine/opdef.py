@@ -157,7 +157,9 @@ class OpDef:
     differentiable: bool = True
     # What the executor binds as `attrs["_resource"]` (§4.7): "variable" (the Container slot the node
     # names), "variable_input" (the slot of the Variable feeding input 0), "variable_inputs" (a tuple
-    # of the slots of the Variables feeding the ref inputs), "rng" (per-op random state).
+    # of the slots of the Variables feeding the ref inputs), "variable_list" (a tuple of the slots of
+    # the Variables named by the `variables` attribute: a multi-tensor update, engine/multi_apply.py),
+    # "rng" (per-op random state).
     resource: str = ""
     # Inputs that name state rather than read it (a TensorFlow "ref" edge): the executor neither
     # waits for nor passes them, so Assign can initialise a Variable that holds nothing yet.

@@ -19,6 +19,7 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
+from flowctl.engine import multi_apply
 from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
 from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
@@ -137,7 +138,7 @@ class Session:
             guards: dict[int, Any] = {}
             for node in plan.nodes:
                 kind = node.opdef.resource
-                if kind in ("variable", "variable_input", "variable_inputs"):
+                if kind in ("variable", "variable_input", "variable_inputs", "variable_list"):
                     res = self._resource(node)
                     for slot in res if isinstance(res, tuple) else (res,):
                         slots[id(slot)] = slot
@@ -166,7 +167,9 @@ class Session:
         if node.op in GUARDS:
             name = node.name
         else:
-            name = next((c for c in node.control_inputs if self.graph.nodes[c].op in GUARDS), None)
+            # (a control input may be a node of the plan's graph alone: a MultiApply, multi_apply.py)
+            name = next((c for c in node.control_inputs
+                         if c in self.graph.nodes and self.graph.nodes[c].op in GUARDS), None)
             if name is None:
                 return None
         g = self.guards.get(name)
@@ -189,6 +192,8 @@ class Session:
         if self.optimize:
             keep = {parse_ref(r)[0] for r in refs + feed_refs} | set(targets)
             graph = optimize(graph.copy(), keep=keep)
+        if self.device_type == "gpu" and multi_apply.ENABLED:  # one update node per optimizer and dtype
+            graph = multi_apply.group_updates(graph, refs, feed_refs, targets)
         guards = self._guard_for if self.device_type == "gpu" else None
         plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource, guards)
         for node in plan.nodes:
@@ -265,6 +270,8 @@ class Session:
             return self._input_variable(node, 0)
         if kind == "variable_inputs":  # one slot per ref input, in order (an update of a parameter and its slots)
             return tuple(self._input_variable(node, i) for i in node.opdef.ref_inputs)
+        if kind == "variable_list":  # a multi-tensor update (multi_apply.py): each variable, then its slots
+            return tuple(self._resource(self.graph.nodes[v]) for v in node.attrs["variables"])
         if kind == "rng":
             st = self.rng.get(node.name)
             if st is None:

@@ -633,7 +633,9 @@ class Ledger(types.ModuleType):
     def _x_launch(self, kernel: Any, grid: Any, block: Any, *args: Any) -> None:
         """A numba-cuda kernel of ours, in numba's CUDA simulator."""
         _simulator_closures(kernel)
-        plain = tuple(self.plain(a) if isinstance(a, LedgerArray) else a for a in args)
+        # (a tuple of arrays -- a multi-tensor update's, cuda/state.py -- passes each as plain too)
+        plain = tuple(tuple(self.plain(b) if isinstance(b, LedgerArray) else b for b in a) if type(a) is tuple
+                      else self.plain(a) if isinstance(a, LedgerArray) else a for a in args)
 
         def call() -> None:
             if self.run_kernels:

@@ -233,3 +233,50 @@ def sparse_apply_gradient_descent(xp: Any, attrs: dict[str, Any]) -> Fn:
         return new
 
     return run
+
+
+# -------------------------------------------------------------------------------- multi-tensor updates
+# MultiApply* (engine/multi_apply.py): one node updating N variables. The reference kernel is the
+# per-variable kernel bound once per variable and called in turn, so its results are those of the N
+# nodes it stands for, bit for bit, on any device; kernels/cuda/state.py's GPU kernel launches once
+# for many variables and is tested against it.
+_SINGLE = {"MultiApplyGradientDescent": ("ApplyGradientDescent", ()),
+           "MultiApplyMomentum": ("ApplyMomentum", ("momentum", "nesterov")),
+           "MultiApplyAdam": ("ApplyAdam", ("beta1", "beta2", "epsilon"))}
+
+
+def per_variable_attrs(op: str, attrs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The attrs each replaced per-variable node's kernel would be bound with: its slot (SGD) or
+    tuple of slots, the op's attributes, and the step's guard where the node has one."""
+    k = attrs["slots"]
+    res = attrs["_resource"]
+    out = []
+    for j in range(len(res) // (k + 1)):
+        group = res[j * (k + 1):(j + 1) * (k + 1)]
+        a = {name: attrs[name] for name in _SINGLE[op][1]}
+        a["_resource"] = group[0] if k == 0 else tuple(group)
+        a["_node"] = f"{attrs.get('_node', op)}[{j}]"
+        if "_guard" in attrs:
+            a["_guard"] = attrs["_guard"]
+        out.append(a)
+    return out
+
+
+def _multi(op: str, single: Fn) -> Fn:
+    def factory(xp: Any, attrs: dict[str, Any]) -> Fn:
+        fns = [single(xp, a) for a in per_variable_attrs(op, attrs)]
+        n = len(fns)
+
+        def run(*args: Any) -> None:
+            for fn, alpha, grad in zip(fns, args[:n], args[n:]):
+                fn(alpha, grad)
+
+        return run
+
+    kernel(op)(factory)
+    return factory
+
+
+multi_apply_gradient_descent = _multi("MultiApplyGradientDescent", apply_gradient_descent)
+multi_apply_momentum = _multi("MultiApplyMomentum", apply_momentum)
+multi_apply_adam = _multi("MultiApplyAdam", apply_adam)

@@ -210,3 +210,48 @@ def sparse_apply_gradient_descent(var: Tensor, alpha: Any, ids: Tensor, rows: Te
                                   name: str | None = None) -> Tensor:
     """var[ids] <- var[ids] - alpha * rows (ids distinct), as one node; the Variable's new value."""
     return make1("SparseApplyGradientDescent", [var, convert(alpha, var.graph, var.dtype), ids, rows], name=name)
+
+
+# ------------------------------------------------------------------ multi-tensor updates
+# One node updating N variables of one dtype with the same per-variable update (engine/multi_apply.py
+# makes them from ApplyGradientDescent / ApplyMomentum / ApplyAdam nodes when it compiles a GPU
+# plan; nothing builds them into a spec's graph). Inputs: the N step sizes (one per variable, as the
+# nodes it replaces had them; often one tensor N times), then the N gradients. The Variables are
+# not inputs (their number varies, and a ref input's position is fixed per op): `variables` names
+# them, each variable followed by its slots (`slots` per variable), and the kernel is bound to
+# their container slots (resource "variable_list"). No output: its readers wait by control edge.
+MULTI_APPLY = {"ApplyGradientDescent": ("MultiApplyGradientDescent", 0),
+               "ApplyMomentum": ("MultiApplyMomentum", 1),
+               "ApplyAdam": ("MultiApplyAdam", 2)}
+
+
+def _multi_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    if len(ins) % 2:
+        raise InferError(f"takes N step sizes then N gradients, got {len(ins)} inputs")
+    n = len(ins) // 2
+    if len(attrs["variables"]) != n * (1 + attrs["slots"]):
+        raise InferError(f"{n} gradients but {len(attrs['variables'])} variables and slots named "
+                         f"({1 + attrs['slots']} per gradient)")
+    for a, g in zip(ins[:n], ins[n:]):
+        if not is_float(g.dtype) or a.shape != () or a.dtype != g.dtype:
+            raise InferError(f"step size {a.dtype} {a.shape} does not fit the gradient {g.dtype} {g.shape}")
+    return []
+
+
+def _multi_cost(flops: float, reads: int) -> Any:
+    def cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+             attrs: dict[str, Any]) -> tuple[float, float]:
+        n = float(sum(np.prod(s) for s in ins[len(ins) // 2:]))
+        return flops * n, n * (2 * reads - 1) * 4.0
+    return cost
+
+
+for _single, (_multi, _slots) in MULTI_APPLY.items():
+    _base = {"variables": ("strs", ()), "slots": ("int", _slots)}
+    if _single == "ApplyMomentum":
+        _base.update(momentum=("float", 0.9), nesterov=("bool", False))
+    elif _single == "ApplyAdam":
+        _base.update(beta1=("float", 0.9), beta2=("float", 0.999), epsilon=("float", 1e-8))
+    register_op(_multi, _multi_infer, min_inputs=2, group=STATE, stateful=True, attrs=_base,
+                cost=_multi_cost(*{0: (2.0, 2), 1: (5.0, 3), 2: (12.0, 4)}[_slots]), differentiable=False,
+                resource="variable_list")

@@ -66,7 +66,11 @@ def launch_on_gpu(kernel: Any, grid: Any, block: Any, args: tuple[Any, ...]) -> 
 
 def launch_simulated(kernel: Any, grid: Any, block: Any, args: tuple[Any, ...]) -> None:
     """Run a launch in numba's CUDA simulator on host arrays (plain ndarray views of them)."""
-    plain = tuple(a.view(np.ndarray) if isinstance(a, np.ndarray) else a for a in args)
+    def one(a: Any) -> Any:
+        return a.view(np.ndarray) if isinstance(a, np.ndarray) else a
+
+    # a tuple of arrays (a multi-tensor update's) passes into the simulated kernel as it is, each viewed
+    plain = tuple(tuple(one(b) for b in a) if type(a) is tuple else one(a) for a in args)
     kernel[grid, block](*plain)
 
 

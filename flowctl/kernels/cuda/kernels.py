@@ -179,21 +179,15 @@ def _kernels() -> Any:
             dz[b, units + j] = ZERO32
 
     # ---------------------------------------------------------------- guarded updates
-    @cuda.jit
-    def sgd(var: Any, delta: Any, a_arr: Any, a_val: Any, use_arr: Any, flag: Any, size: Any) -> None:
-        i = cuda.grid(1)
-        if i >= size or flag[0] == 0:
-            return
-        a = a_arr[0] if use_arr else a_val
+    # Each update's arithmetic is one device function, shared by the per-variable kernel (a thread
+    # per element) and the multi-tensor kernel (state.py: a tuple of up to K variables, blockIdx.y
+    # picking the variable, a grid-stride loop over its elements), so the two give the same bits.
+    @cuda.jit(device=True)
+    def sgd_at(var: Any, delta: Any, i: Any, a: Any) -> None:
         var[i] = var[i] - mul(delta[i], a)
 
-    @cuda.jit
-    def momentum(var: Any, accum: Any, grad: Any, lr_arr: Any, lr_val: Any, use_arr: Any, m: Any, nesterov: Any,
-                 flag: Any, size: Any) -> None:
-        i = cuda.grid(1)
-        if i >= size or flag[0] == 0:
-            return
-        lr = lr_arr[0] if use_arr else lr_val
+    @cuda.jit(device=True)
+    def momentum_at(var: Any, accum: Any, grad: Any, i: Any, lr: Any, m: Any, nesterov: Any) -> None:
         g = grad[i]
         a = mul(accum[i], m) + g
         accum[i] = a
@@ -203,13 +197,9 @@ def _kernels() -> Any:
             step = mul(lr, a)
         var[i] = var[i] - step
 
-    @cuda.jit
-    def adam(var: Any, m: Any, v: Any, grad: Any, lr_arr: Any, lr_val: Any, use_arr: Any, b1: Any, c1: Any, b2: Any,
-             c2: Any, eps: Any, flag: Any, size: Any) -> None:
-        i = cuda.grid(1)
-        if i >= size or flag[0] == 0:
-            return
-        lr = lr_arr[0] if use_arr else lr_val
+    @cuda.jit(device=True)
+    def adam_at(var: Any, m: Any, v: Any, grad: Any, i: Any, lr: Any, b1: Any, c1: Any, b2: Any, c2: Any,
+                eps: Any) -> None:
         g = grad[i]
         mi = mul(m[i], b1) + mul(g, c1)
         vi = mul(v[i], b2) + mul(mul(g, g), c2)
@@ -217,6 +207,81 @@ def _kernels() -> Any:
         v[i] = vi
         d = f32(math.sqrt(vi)) + eps
         var[i] = var[i] - mul(lr, mi) / d
+
+    @cuda.jit
+    def sgd(var: Any, delta: Any, a_arr: Any, a_val: Any, use_arr: Any, flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        a = a_arr[0] if use_arr else a_val
+        sgd_at(var, delta, i, a)
+
+    @cuda.jit
+    def momentum(var: Any, accum: Any, grad: Any, lr_arr: Any, lr_val: Any, use_arr: Any, m: Any, nesterov: Any,
+                 flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        lr = lr_arr[0] if use_arr else lr_val
+        momentum_at(var, accum, grad, i, lr, m, nesterov)
+
+    @cuda.jit
+    def adam(var: Any, m: Any, v: Any, grad: Any, lr_arr: Any, lr_val: Any, use_arr: Any, b1: Any, c1: Any, b2: Any,
+             c2: Any, eps: Any, flag: Any, size: Any) -> None:
+        i = cuda.grid(1)
+        if i >= size or flag[0] == 0:
+            return
+        lr = lr_arr[0] if use_arr else lr_val
+        adam_at(var, m, v, grad, i, lr, b1, c1, b2, c2, eps)
+
+    # The multi-tensor updates: arguments are tuples of K flat float32 arrays (the variables, their
+    # slots, the gradients, the one-element step sizes; a chunk shorter than K padded with empty
+    # arrays), one launch with gridDim.y = K.
+    @cuda.jit
+    def multi_sgd(vars: Any, deltas: Any, alphas: Any, flag: Any) -> None:
+        if flag[0] == 0:
+            return
+        k = cuda.blockIdx.y
+        var = vars[k]
+        delta = deltas[k]
+        a = alphas[k][0]
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < var.size:
+            sgd_at(var, delta, i, a)
+            i += stride
+
+    @cuda.jit
+    def multi_momentum(vars: Any, accums: Any, grads: Any, lrs: Any, m: Any, nesterov: Any, flag: Any) -> None:
+        if flag[0] == 0:
+            return
+        k = cuda.blockIdx.y
+        var = vars[k]
+        accum = accums[k]
+        grad = grads[k]
+        lr = lrs[k][0]
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < var.size:
+            momentum_at(var, accum, grad, i, lr, m, nesterov)
+            i += stride
+
+    @cuda.jit
+    def multi_adam(vars: Any, ms: Any, vs: Any, grads: Any, lrs: Any, b1: Any, c1: Any, b2: Any, c2: Any, eps: Any,
+                   flag: Any) -> None:
+        if flag[0] == 0:
+            return
+        k = cuda.blockIdx.y
+        var = vars[k]
+        m = ms[k]
+        v = vs[k]
+        grad = grads[k]
+        lr = lrs[k][0]
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < var.size:
+            adam_at(var, m, v, grad, i, lr, b1, c1, b2, c2, eps)
+            i += stride
 
     @cuda.jit
     def assign_arr(var: Any, val: Any, bcast: Any, sub: Any, flag: Any, size: Any) -> None:
@@ -392,7 +457,8 @@ def _kernels() -> Any:
             out[0] = mul(s[0], HALF)
 
     return SimpleNamespace(dropout=dropout, bump=bump, lstm_cell=lstm_cell, lstm_cell_grad=lstm_cell_grad, sgd=sgd,
-                           momentum=momentum, adam=adam, assign_arr=assign_arr, assign_val=assign_val, set_flag=set_flag,
+                           momentum=momentum, adam=adam, multi_sgd=multi_sgd,
+                           multi_momentum=multi_momentum, multi_adam=multi_adam, assign_arr=assign_arr, assign_val=assign_val, set_flag=set_flag,
                            finite_flag=finite_flag, rank_sort=rank_sort, segment_rows=segment_rows,
                            sparse_sgd=sparse_sgd, sum_squares=sum_squares, finish_l2=finish_l2)
 
@@ -403,7 +469,8 @@ def _kernels() -> Any:
 # launch, which fails on a read-only input (a Const) and, where one array is passed twice, puts
 # back a stale copy over the written one.
 _WRITES = {"dropout": (1, 2), "bump": (0,), "lstm_cell": (7, 8, 9), "lstm_cell_grad": (6, 7), "sgd": (0,),
-           "momentum": (0, 1), "adam": (0, 1, 2), "assign_arr": (0,), "assign_val": (0,), "set_flag": (0,),
+           "momentum": (0, 1), "adam": (0, 1, 2), "multi_sgd": (0,), "multi_momentum": (0, 1),
+           "multi_adam": (0, 1, 2), "assign_arr": (0,), "assign_val": (0,), "set_flag": (0,),
            "finite_flag": (2,), "rank_sort": (3, 4), "segment_rows": (3,), "sparse_sgd": (0,),
            "sum_squares": (1,), "finish_l2": (2,)}
 

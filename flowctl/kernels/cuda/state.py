@@ -9,6 +9,8 @@
   the loss's CheckNumerics, or fp16's GuardFlag) is 0. Elsewhere (the array shared, another shape
   or dtype) the generic kernel runs, its new arrays selected against the old ones by the flag
   (`guarded`).
+- `MultiApplyGradientDescent`, `MultiApplyMomentum`, `MultiApplyAdam` (engine/multi_apply.py):
+  the updates of many variables in one launch per K of them (below).
 - `CheckNumerics`: under a capture, a kernel that lowers the guard flag instead of raising (never
   raises it again: the host resets it).
 - `GatherGradRows`: fixed-size outputs (no `unique`, whose size needs a host read): the indices
@@ -19,12 +21,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from flowctl.kernels.cuda.kernels import (_dummy, _flag, _flat, _go, _is_array, _is_scalar, _kernels, _launch,
-                                          _scalar_arg)
+from flowctl.kernels.cuda.kernels import (THREADS, _dummy, _flag, _flat, _go, _is_array, _is_scalar, _kernels,
+                                          _launch, _scalar_arg)
 from flowctl.kernels.registry import KERNELS, StepGuard, kernel
 from flowctl.kernels.state import _resident, check_numerics, dtype_of, updatable_in_place
 from flowctl.kernels.training import (_alone, apply_adam, apply_gradient_descent, apply_momentum,
-                                      sparse_apply_gradient_descent)
+                                      per_variable_attrs, sparse_apply_gradient_descent)
 
 Fn = Callable[..., Any]
 
@@ -111,6 +113,92 @@ def apply_adam_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         return var
 
     return run
+
+
+# -------------------------------------------------------------------------------- multi-tensor updates
+# How one launch reaches many tensors. A numba-cuda kernel cannot read a table of raw pointers, so
+# the variables of one launch arrive as tuples of arrays (numba flattens each array into its
+# parameters; cupy arrays type through __cuda_array_interface__, numpy's in the simulator, so CI
+# runs the same kernel): at most K variables per launch, because a launch's parameters must fit in
+# 4 KiB and each 1-D array takes 56 bytes (SGD 3 arrays per variable, momentum 4, Adam 5). A chunk
+# shorter than K is padded with empty arrays, so each kernel compiles once. The other options were
+# worse here: a packed buffer (variables and slots moved into one contiguous array at the first
+# step) fixes their side but not the gradients, new arrays every step, which would each need a
+# copy into it (a launch per variable again); a pointer table needs a CUDA C kernel the simulator
+# cannot run. The variables are sorted by size (largest first) before chunking, so a launch's
+# grid (blockIdx.y the variable, x a grid-stride loop over its elements, sized by the chunk's
+# largest) idles few blocks. Inception-v3's ~380 momentum updates are 24 launches, lstm_lm's Adam
+# a handful.
+#
+# Each variable takes the fast path only where its per-variable GPU kernel would write in place
+# (the same checks) with a one-value float32 device step size; any other runs that per-variable
+# kernel, bound at plan time with the node's attributes and guard, so the node is, variable by
+# variable, what the per-variable nodes were.
+_CHUNK = {"MultiApplyGradientDescent": 16, "MultiApplyMomentum": 16, "MultiApplyAdam": 12}
+_MAX_BLOCKS_X = 1024  # per variable of a launch; more elements are reached by the grid-stride loop
+
+
+def _in_place(xp: Any, slots: tuple[Any, ...], grad: Any, alpha: Any) -> bool:
+    """Would the per-variable GPU kernel write in place, with `alpha` a float32 device value?"""
+    if not _alone(xp, slots):  # asked before any local name holds an array
+        return False
+    var = slots[0].value
+    return (_update_ok(var, grad, alpha) and _is_array(xp, alpha) and alpha.size == 1
+            and alpha.dtype == var.dtype
+            and all(s.value.shape == var.shape and s.value.dtype == var.dtype for s in slots[1:]))
+
+
+def _multi_gpu(op: str, single: Fn) -> Fn:
+    def factory(xp: Any, attrs: dict[str, Any]) -> Fn:
+        per = per_variable_attrs(op, attrs)
+        fns = [single(xp, a) for a in per]  # each variable's own kernel, for those the launch leaves
+        slots = [a["_resource"] if isinstance(a["_resource"], tuple) else (a["_resource"],) for a in per]
+        n, width = len(per), len(slots[0]) if slots else 1
+        flag = _flag(xp, attrs)
+        empty, one = xp.zeros(0, dtype="float32"), xp.zeros(1, dtype="float32")
+        chunk = _CHUNK[op]
+        k = _kernels()
+        if op == "MultiApplyGradientDescent":
+            kern, extra = k.multi_sgd, ()
+        elif op == "MultiApplyMomentum":
+            kern, extra = k.multi_momentum, (np.float32(attrs["momentum"]), bool(attrs["nesterov"]))
+        else:
+            kern, extra = k.multi_adam, tuple(np.float32(c) for c in (
+                attrs["beta1"], 1.0 - attrs["beta1"], attrs["beta2"], 1.0 - attrs["beta2"], attrs["epsilon"]))
+        simulated = getattr(xp, "simulated", False)
+
+        def run(*args: Any) -> None:
+            alphas, grads = args[:n], args[n:]
+            fast = []
+            for j in range(n):
+                if _in_place(xp, slots[j], grads[j], alphas[j]):
+                    fast.append(j)
+                else:
+                    fns[j](alphas[j], grads[j])
+            fast.sort(key=lambda j: -int(slots[j][0].value.size))
+            for c in range(0, len(fast), chunk):
+                part = fast[c:c + chunk]
+                # padded to K on a GPU (one compilation); not in the simulator, where an empty block
+                # still costs a Python thread per CUDA thread
+                pad = 0 if simulated else chunk - len(part)
+                cols = [tuple(slots[j][w].value.reshape(-1) for j in part) + (empty,) * pad for w in range(width)]
+                g = tuple(_flat(xp, grads[j]) for j in part) + (empty,) * pad
+                a = tuple(alphas[j].reshape(1) for j in part) + (one,) * pad
+                biggest = int(cols[0][0].size)
+                threads = max(1, min(THREADS, biggest)) if simulated else THREADS
+                grid = (max(1, min(_MAX_BLOCKS_X, -(-biggest // threads))), len(part) + pad)
+                _go(xp, kern, grid, threads, *cols, g, a, *extra, flag)
+                del cols, g, a
+
+        return run
+
+    kernel(op, ["gpu"])(factory)
+    return factory
+
+
+multi_apply_gradient_descent_gpu = _multi_gpu("MultiApplyGradientDescent", apply_gradient_descent_gpu)
+multi_apply_momentum_gpu = _multi_gpu("MultiApplyMomentum", apply_momentum_gpu)
+multi_apply_adam_gpu = _multi_gpu("MultiApplyAdam", apply_adam_gpu)
 
 
 def guarded(xp: Any, attrs: dict[str, Any], generic: Fn) -> Fn:
