@@ -195,7 +195,7 @@ class LSTM(Recurrent):
             return fc.identity(h, name="last")
         if T == 1:
             return fc.expand_dims(out0, 1, name="batch_major")
-        rows = acc_stack(acc, h0, rows=T - 1)
+        rows = acc_stack(acc, out0, rows=T - 1)
         outs = fc.concat([fc.expand_dims(out0, 0), rows], axis=0, name="outputs")  # [T, batch, u]
         return fc.reshape(fc.transpose(outs, [1, 0, 2]), [-1, T, u], name="batch_major")
 
