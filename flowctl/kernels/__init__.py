@@ -7,6 +7,7 @@ from flowctl.kernels import (  # noqa: F401
 from flowctl.kernels.cuda import cudnn  # noqa: F401,E402 -- gpu Conv2D/backprops/FusedBatchNorm via cuDNN, generic fallback
 from flowctl.kernels.cuda import kernels as cuda_kernels  # noqa: F401,E402 -- our numba-cuda kernels on gpu (issue 30)
 from flowctl.kernels.cuda import state as cuda_state  # noqa: F401,E402 -- gpu state writes under the step's guard
+from flowctl.kernels.cuda import fused as cuda_fused  # noqa: F401,E402 -- gpu FusedElementwise: one generated kernel
 from flowctl.kernels.cpu import batchnorm as cpu_batchnorm  # noqa: F401,E402 -- numba variants (issue 32)
 from flowctl.kernels.cpu import pool as cpu_pool  # noqa: F401,E402
 from flowctl.kernels.cpu import conv as cpu_conv  # noqa: F401,E402
