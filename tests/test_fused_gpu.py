@@ -701,3 +701,26 @@ def test_on_a_gpu_every_op_and_random_programs_match_the_generic_body():
     stream.synchronize()
     _close(cupy.asnumpy(out), generic(text)(arrays[0] * 2, *arrays[1:]), "float32",
            _scale(b, [arrays[0] * 2, *arrays[1:]]))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_single_op_variant_matches_its_generic_kernel():
+    """The single-op variants on cupy: one-step programs compiled for the device, out of place and
+    into input 0's buffer, against the generic kernel on the same device."""
+    import cupy
+
+    from flowctl.kernels.cuda.xp import device_module
+
+    xp = device_module(cupy)
+    for dtype in ("float32", "float64"):
+        for op in sorted(gpu_fused.SINGLE_LAUNCHES):
+            arrays = _single_inputs(op, dtype, np.random.default_rng(zlib.crc32(f"gpu {op} {dtype}".encode())))
+            specs = _specs(arrays)
+            with override_array_module("gpu", xp):
+                fn, fn_into = bind(op, "gpu", {}, specs), bind_into(op, "gpu", {}, specs)
+            want = cupy.asnumpy(KERNELS[(op, "gpu")](xp, {})(*(cupy.asarray(a) for a in arrays)))
+            _single_close(op, cupy.asnumpy(fn(*(cupy.asarray(a) for a in arrays))), want)
+            dev = [cupy.asarray(a) for a in arrays]
+            got = fn_into(0, *dev)
+            assert got is dev[0]
+            _single_close(op, cupy.asnumpy(got), want)
