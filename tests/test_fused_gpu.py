@@ -15,8 +15,10 @@ comparison's absolute floor is therefore the same tolerance times the size of th
 program computes with (`_close`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,10 +31,11 @@ import flowctl.kernels  # noqa: E402,F401
 from flowctl.engine.graph import Graph  # noqa: E402
 from flowctl.engine.ops.fused import parse_program  # noqa: E402
 from flowctl.kernels.cuda import fused as gpu_fused  # noqa: E402
+from flowctl.kernels import registry  # noqa: E402
 from flowctl.kernels.cuda import jit  # noqa: E402
 from flowctl.kernels.fused import fused_elementwise  # noqa: E402
 from flowctl.kernels.ledger import Ledger  # noqa: E402
-from flowctl.kernels.registry import KERNELS, override_array_module  # noqa: E402
+from flowctl.kernels.registry import KERNELS, bind, bind_into, chosen, override_array_module, reference_kernels  # noqa: E402
 
 SIM = jit.simulated_module()
 # Log of 0, 1 / sqrt(0), pow overflowing: numpy warns (in the generic body and in the simulator's
@@ -407,21 +410,158 @@ def test_a_fused_graph_node_on_a_gpu_session_is_one_launch():
 
     x = np.random.default_rng(0).standard_normal((7, 5)).astype(np.float32)
     counts, results = [], []
-    for fused in (False, True):
+    for fused, reference in ((False, True), (False, False), (True, False)):
         g = build()
         if fused:
             fuse(g, keep={"a", "z"})
             assert len(fused_nodes(g)) == 1
         led = Ledger()
-        with override_array_module("gpu", led):
+        with override_array_module("gpu", led), reference_kernels(reference):
             sess = fc.Session(g, device="gpu:0", capture=False)
             sess.run("z:0", {"a:0": x})
             led.reset_counts()
             results.append(float(sess.run("z:0", {"a:0": x})))
         counts.append(led.counts["launches"])
-    # Mul, Add, Relu, Square and Sigmoid (four launches of its own) then the sum: 9 launches; fused, 2
-    assert counts == [9, 2]
+    # Mul, Add, Relu, Square and Sigmoid (four launches of its generic kernel) then the sum: 9
+    # launches; with Sigmoid's GPU variant (one generated launch) 6; fused, 2
+    assert counts == [9, 6, 2]
     assert results[1] == pytest.approx(results[0], rel=1e-6)
+    assert results[2] == pytest.approx(results[0], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------ single ops
+def _generic_launches(op: str, dtype: str, n_inputs: int) -> int:
+    """Launches of the op's generic GPU kernel on the ledger (the reference the variant replaces)."""
+    led = Ledger()
+    attrs = {"dtype": "float64" if dtype == "float32" else "float32"} if op == "Cast" else {}
+    fn = KERNELS[(op, "gpu")](led, attrs)
+    rng = np.random.default_rng(0)
+    xs = [led.asarray(np.abs(rng.standard_normal((4, 5))).astype(dtype)) for _ in range(n_inputs)]
+    if op == "Select":
+        xs[0] = led.asarray(np.arange(20).reshape(4, 5) % 2 == 0)
+    fn(*xs)
+    led.reset_counts()
+    fn(*xs)
+    return led.counts["launches"]
+
+
+ARITY = {"Select": 3, "AddN": 3, **{op: 2 for op in BINARY + COMPARE}}
+
+
+def test_the_single_op_list_is_every_op_whose_generic_kernel_is_more_than_one_launch():
+    """Measured on the ledger for every op in the table: those of more than one launch are exactly
+    SINGLE_LAUNCHES, with its counts (float32; Erf's series in float64 is 2 casts fewer)."""
+    counts = {op: _generic_launches(op, "float32", ARITY.get(op, 1)) for op in gpu_fused.OPS}
+    assert {op: n for op, n in counts.items() if n > 1} == gpu_fused.SINGLE_LAUNCHES
+    assert _generic_launches("Erf", "float64", 1) == gpu_fused.SINGLE_LAUNCHES["Erf"] - 2
+    assert _generic_launches("AddN", "float32", 2) == 1 and _generic_launches("AddN", "float32", 5) == 4
+
+
+def _single_inputs(op: str, dtype: str, rng: np.random.Generator) -> list[np.ndarray]:
+    """The node's inputs: binary ops broadcast (dy (3, 4, 5) against y (4, 5)); y in the range its
+    activation gives; zeros, a negative zero and Erf's both regimes (|x| above and below 2.5)."""
+    x = (rng.standard_normal((3, 4, 5)) * 2.5).astype(dtype)
+    x.flat[:4] = [0.0, -0.0, 2.5, -3.75]
+    if op == "Rsqrt":
+        return [np.abs(x)]
+    if op == "AddN":
+        return [x, (rng.standard_normal(x.shape)).astype(dtype), (rng.standard_normal(x.shape) * 3).astype(dtype)]
+    if op.endswith("Grad"):
+        y = rng.standard_normal((4, 5)).astype(dtype)
+        y = {"ReluGrad": np.maximum(y, 0), "SigmoidGrad": 1 / (1 + np.exp(-y)), "TanhGrad": np.tanh(y)}[op]
+        return [x, y.astype(dtype)]
+    return [x]
+
+
+def _specs(arrays: list[np.ndarray]) -> list[Any]:
+    return [SimpleNamespace(dtype=str(a.dtype), shape=tuple(a.shape)) for a in arrays]
+
+
+def _single_close(op: str, got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if op in TRANSCENDENTAL:  # Erf (libdevice's / math.erf against the series), Sigmoid's tanh
+        _close(got, want, str(want.dtype), max(1.0, float(np.max(np.abs(want)))))
+    else:
+        np.testing.assert_array_equal(got, want)  # exactly rounded: the generic kernel's bits
+
+
+@pytest.mark.parametrize("op", sorted(gpu_fused.SINGLE_LAUNCHES))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_single_op_node_on_a_gpu_is_one_generated_launch_with_the_generic_values(op, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"single {op} {dtype}".encode()))
+    arrays = _single_inputs(op, dtype, rng)
+    specs = _specs(arrays)
+    assert chosen(op, "gpu", {}, specs).name == "generated"
+    with np.errstate(all="ignore"):
+        want = np.asarray(KERNELS[(op, "gpu")](np, {})(*arrays))  # the generic kernel
+    led = Ledger()
+    dev = [led.asarray(a) for a in arrays]
+    with override_array_module("gpu", led):
+        fn = bind(op, "gpu", {}, specs)
+        with reference_kernels():
+            ref = bind(op, "gpu", {}, specs)
+    fn(*dev), ref(*dev)
+    led.reset_counts()
+    got = fn(*dev)
+    assert (led.counts["launches"], led.counts["custom"], led.counts["syncs"]) == (1, 1, 0)
+    _single_close(op, np.asarray(got), want)
+    led.reset_counts()
+    ref(*dev)
+    generic_launches = gpu_fused.SINGLE_LAUNCHES[op] - (2 if (op, dtype) == ("Erf", "float64") else 0)
+    assert (led.counts["launches"], led.counts["custom"]) == (generic_launches, 0)
+    with led.capture() as cap:  # capturable: one graph node
+        fn(*dev)
+    assert cap.graph.nodes == 1
+
+
+@pytest.mark.parametrize("op", sorted(gpu_fused.SINGLE_LAUNCHES))
+def test_a_single_op_forwards_its_buffer_through_the_same_generated_kernel(op):
+    """The in-place kernel bound beside the variant writes the same values into input 0's buffer, in
+    one launch; the reference's in-place kernel (several launches) is not used."""
+    rng = np.random.default_rng(zlib.crc32(f"into {op}".encode()))
+    arrays = _single_inputs(op, "float32", rng)
+    specs = _specs(arrays)
+    led = Ledger()
+    with override_array_module("gpu", led):
+        fn, fn_into = bind(op, "gpu", {}, specs), bind_into(op, "gpu", {}, specs)
+    want = np.asarray(fn(*(led.asarray(a) for a in arrays))).copy()
+    dev = [led.asarray(a) for a in arrays]
+    led.reset_counts()
+    got = fn_into(0, *dev)
+    assert got is dev[0] and (led.counts["launches"], led.counts["custom"], led.counts["allocations"]) == (1, 1, 0)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("op", sorted(gpu_fused.SINGLE_LAUNCHES))
+def test_float16_and_mixed_dtypes_keep_the_generic_kernel(op):
+    arrays = [a.astype("float16") for a in _single_inputs(op, "float32", np.random.default_rng(0))]
+    assert chosen(op, "gpu", {}, _specs(arrays)) is None
+    if len(arrays) > 1:
+        assert chosen(op, "gpu", {}, _specs([arrays[0].astype("float32"), *arrays[1:]])) is None
+    led = Ledger()
+    with override_array_module("gpu", led):
+        fn = bind(op, "gpu", {}, _specs(arrays))
+        fn_into = bind_into(op, "gpu", {}, _specs(arrays))
+    dev = [led.asarray(a) for a in arrays]
+    fn(*dev)
+    led.reset_counts()
+    got = fn(*dev)
+    assert led.counts["custom"] == 0 and led.counts["launches"] == gpu_fused.SINGLE_LAUNCHES[op]
+    np.testing.assert_array_equal(np.asarray(got), KERNELS[(op, "gpu")](np, {})(*arrays))
+    if fn_into is not None:  # the reference's own in-place kernel
+        led.reset_counts()
+        fn_into(0, *dev)
+        assert led.counts["custom"] == 0
+
+
+def test_addn_of_two_inputs_and_ops_of_one_launch_keep_the_generic_kernel():
+    two = _specs([np.zeros((3, 4), np.float32)] * 2)
+    assert chosen("AddN", "gpu", {}, two) is None and chosen("AddN", "gpu", {}, two * 2).name == "generated"
+    for op in ("Add", "Mul", "Relu", "Tanh", "Exp", "Div", "Cast"):
+        assert chosen(op, "gpu", {}, two) is None
+    with reference_kernels():
+        assert chosen("Sigmoid", "gpu", {}, two[:1]) is None
+    assert chosen("Sigmoid", "cpu", {}, two[:1]) is None  # the CPU keeps its kernels
 
 
 # ------------------------------------------------------------------------------ a training step
@@ -439,10 +579,11 @@ training: {fuse: FUSE, optimizer: {type: momentum, momentum: 0.9}}
 """
 
 
-def _train(fuse: bool, capture: bool, steps: int = 4, clip: bool = False
-           ) -> tuple[list[float], list[dict[str, int]], list[list[str]]]:
+def _train(fuse: bool, capture: bool, steps: int = 4, clip: bool = False, device: str = "gpu",
+           graphs: list[Graph] | None = None) -> tuple[list[float], list[dict[str, int]], list[list[str]]]:
     """An MLP's training step (gelu activations, clipping: the fused trees of a real step) in a GPU
-    session on the ledger: each step's loss and counts, and the fused programs' ops."""
+    session on the ledger (or a CPU session: no counts): each step's loss and counts, and the fused
+    programs' ops. `graphs` gets the step's graph."""
     from flowctl.bench.peers import Row, _batch, _load
     from flowctl.engine.container import ContainerStore
     from flowctl.spec.model import build_model
@@ -455,10 +596,12 @@ def _train(fuse: bool, capture: bool, steps: int = 4, clip: bool = False
     step = build_step(build_model(loaded, training=True), step_config(loaded))
     programs = [[s["op"] for s in json.loads(n.attrs["program"])["steps"]] for n in step.graph.nodes.values()
                 if n.op == "FusedElementwise"]
+    if graphs is not None:
+        graphs.append(step.graph)
     led = Ledger()
     losses, counts = [], []
-    with override_array_module("gpu", led):
-        sess = fc.Session(step.graph, device="gpu:0", store=ContainerStore(), capture=capture)
+    with override_array_module("gpu", led) if device == "gpu" else contextlib.nullcontext():
+        sess = fc.Session(step.graph, device=f"{device}:0", store=ContainerStore(), capture=capture)
         sess.run(step.model.initializer())
         arrays = _batch(loaded, 4)
         for n in range(steps):
@@ -474,6 +617,9 @@ def _train(fuse: bool, capture: bool, steps: int = 4, clip: bool = False
 
 @pytest.mark.parametrize("clip", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "clip_norm"])
 def test_a_fused_training_step_on_the_ledger_gives_the_unfused_loss_in_fewer_launches(monkeypatch, clip):
+    # what the fusion pass saves, against the generic kernels (the single-op variants, below, off:
+    # the nodes fusion absorbs would otherwise be launches of ours in the unfused step)
+    monkeypatch.setattr(registry, "_reference_only", {"on": True})
     unfused, c_unfused, none = _train(fuse=False, capture=False, clip=clip)
     fused, c_fused, programs = _train(fuse=True, capture=False, clip=clip)
     assert none == [] and len(programs) >= 2 + clip and max(len(p) for p in programs) >= 5, programs
@@ -489,6 +635,25 @@ def test_a_fused_training_step_on_the_ledger_gives_the_unfused_loss_in_fewer_lau
     assert c_generic[-1]["launches"] - c_fused[-1]["launches"] >= saved
     np.testing.assert_allclose(generic_losses, unfused, rtol=1e-6)
 
+
+def test_an_unfused_gelu_step_runs_each_multi_launch_op_in_one_launch_with_the_cpu_loss():
+    """The MLP's training step without the fusion pass, in a GPU session on the ledger: each node of
+    an op in SINGLE_LAUNCHES (gelu's Erf, its gradient's ops, ...) is one generated launch instead of
+    its generic kernel's, and the losses are the CPU session's to 1e-6."""
+    cpu, _, _ = _train(fuse=False, capture=False, device="cpu")
+    with reference_kernels():
+        before, c_before, _ = _train(fuse=False, capture=False)
+    graphs: list[Graph] = []
+    after, c_after, _ = _train(fuse=False, capture=False, graphs=graphs)
+    np.testing.assert_allclose(before, cpu, rtol=1e-6)
+    np.testing.assert_allclose(after, cpu, rtol=1e-6)
+    g = graphs[0]
+    nodes = [(n.op, len(n.inputs)) for n in g.nodes.values()
+             if chosen(n.op, "gpu", n.attrs, g.input_specs(n)) is not None]
+    assert "Erf" in {op for op, _ in nodes}
+    saved = sum((k - 1 if op == "AddN" else gpu_fused.SINGLE_LAUNCHES[op]) - 1 for op, k in nodes)
+    assert c_before[-1]["launches"] - c_after[-1]["launches"] == saved
+    assert c_after[-1]["custom"] - c_before[-1]["custom"] == len(nodes)
 
 def test_a_fused_training_step_is_captured_and_replays_its_uncaptured_losses():
     eager, _, _ = _train(fuse=True, capture=False, steps=5)
@@ -536,3 +701,26 @@ def test_on_a_gpu_every_op_and_random_programs_match_the_generic_body():
     stream.synchronize()
     _close(cupy.asnumpy(out), generic(text)(arrays[0] * 2, *arrays[1:]), "float32",
            _scale(b, [arrays[0] * 2, *arrays[1:]]))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_single_op_variant_matches_its_generic_kernel():
+    """The single-op variants on cupy: one-step programs compiled for the device, out of place and
+    into input 0's buffer, against the generic kernel on the same device."""
+    import cupy
+
+    from flowctl.kernels.cuda.xp import device_module
+
+    xp = device_module(cupy)
+    for dtype in ("float32", "float64"):
+        for op in sorted(gpu_fused.SINGLE_LAUNCHES):
+            arrays = _single_inputs(op, dtype, np.random.default_rng(zlib.crc32(f"gpu {op} {dtype}".encode())))
+            specs = _specs(arrays)
+            with override_array_module("gpu", xp):
+                fn, fn_into = bind(op, "gpu", {}, specs), bind_into(op, "gpu", {}, specs)
+            want = cupy.asnumpy(KERNELS[(op, "gpu")](xp, {})(*(cupy.asarray(a) for a in arrays)))
+            _single_close(op, cupy.asnumpy(fn(*(cupy.asarray(a) for a in arrays))), want)
+            dev = [cupy.asarray(a) for a in arrays]
+            got = fn_into(0, *dev)
+            assert got is dev[0]
+            _single_close(op, cupy.asnumpy(got), want)

@@ -325,7 +325,7 @@ class Plan:
                 cands.append((pos, s))
             if not cands:
                 continue
-            fn = bind_into(node.op, self.device_type, self._attrs(node, resources))
+            fn = bind_into(node.op, self.device_type, self._attrs(node, resources), _input_specs(graph, node))
             if fn is not None:
                 self.forward[i], self.into[i] = cands, fn
         if any(self.forward):

@@ -15,7 +15,9 @@ factory with a rule over the node's attributes and its inputs' dtypes and static
 takes the first variant whose rule holds, else the registered kernel, which stays the reference
 every variant is tested against. The choice is a rule, never a measurement, so a resumed run
 binds the same kernels as the run it continues; `reference_kernels()` turns variants off (the
-tests comparing against the reference, and `bench` measuring what a variant is worth).
+tests comparing against the reference, and `bench` measuring what a variant is worth). A node bound
+to a variant forwards buffers (INTO) only through the variant's own in-place kernel, if it has one:
+the reference's in-place kernel would compute what the variant replaced.
 
 This module is the engine's one door into the kernels: besides the table it hands out each
 device type's array module (`array_module`), the copy to host memory (`to_host`) and what the
@@ -59,20 +61,22 @@ class Variant:
     name: str
     factory: KernelFactory
     applies: Callable[[dict[str, Any], Sequence[Any]], bool]
+    into: KernelFactory | None = None  # its in-place kernel (see INTO), or None: no forwarding
 
 
 VARIANTS: dict[tuple[str, str], list[Variant]] = {}
 _reference_only = {"on": False}
 
 
-def variant(op: str, device_type: str, name: str,
-            applies: Callable[[dict[str, Any], Sequence[Any]], bool]) -> Callable[[KernelFactory], KernelFactory]:
-    """Register `factory` as variant `name` of `op` on `device_type`, tried in registration order."""
+def variant(op: str, device_type: str, name: str, applies: Callable[[dict[str, Any], Sequence[Any]], bool],
+            into: KernelFactory | None = None) -> Callable[[KernelFactory], KernelFactory]:
+    """Register `factory` as variant `name` of `op` on `device_type`, tried in registration order;
+    `into`, its in-place kernel (a factory of `fn(k, *inputs)`, as INTO's)."""
     def deco(factory: KernelFactory) -> KernelFactory:
         found = VARIANTS.setdefault((op, device_type), [])
         if any(v.name == name for v in found):
             raise ValueError(f"variant {name!r} of {(op, device_type)} registered twice")
-        found.append(Variant(name, factory, applies))
+        found.append(Variant(name, factory, applies, into))
         return factory
 
     return deco
@@ -133,9 +137,12 @@ def into(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[Kerne
     return deco
 
 
-def bind_into(op: str, device_type: str, attrs: dict[str, Any]) -> Callable[..., Any] | None:
-    """The step-time in-place variant of one node's kernel (INTO), or None where it has none."""
-    factory = INTO.get((op, device_type))
+def bind_into(op: str, device_type: str, attrs: dict[str, Any],
+              ins: Sequence[Any] | None = None) -> Callable[..., Any] | None:
+    """The step-time in-place variant of one node's kernel (INTO), or None where it has none. With
+    the node's input specs: that of the variant `bind` takes, if it takes one (None if it has none)."""
+    v = chosen(op, device_type, attrs, ins)
+    factory = INTO.get((op, device_type)) if v is None else v.into
     return None if factory is None else factory(array_module(device_type), attrs)
 
 

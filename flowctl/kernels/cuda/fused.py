@@ -43,6 +43,15 @@ simulator cannot type it as CUDA does), numba-cuda missing -- makes the whole no
 body, decided once when the kernel is built. At a call, inputs whose dtypes are not the program's
 (never, in a checked graph) also take the generic body.
 
+Single ops: an element-wise node the fusion pass leaves alone runs its generic kernel, a launch per
+operation of its formula (Erf's some 350, Sigmoid's 4, the *Grad ops' 2-3). The ops where that is
+more than one launch (`SINGLE_LAUNCHES`, counted on the ledger) have a GPU variant (registry.variant,
+"generated"): the node runs as the one-step program of its op, one launch, and forwards a buffer
+through the same kernel writing into it. The variant's rule is on the node's input specs, decided at
+bind: one dtype the op's entry covers (float16 and ops without an entry keep the generic kernel), and
+AddN of 3 inputs or more. Erf is the one that computes differently from its generic kernel (libdevice's
+float64 erf against the generic series: see SINGLE_LAUNCHES).
+
 In numba's CUDA simulator (a CPU, the tests) the same source runs on numpy scalars; the math
 functions there are numpy's float64 ones with IEEE results (Python's `math` raises on log(0) or an
 overflowing exp where CUDA gives -inf or inf)."""
@@ -53,14 +62,14 @@ import json
 import linecache
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from flowctl.kernels.cuda.jit import blocks, numba_cuda, simulated
 from flowctl.kernels.cuda.kernels import THREADS
 from flowctl.kernels.fused import fused_elementwise
-from flowctl.kernels.registry import kernel
+from flowctl.kernels.registry import KERNELS, KernelFactory, kernel, variant
 
 Fn = Callable[..., Any]
 
@@ -481,10 +490,18 @@ def layout(shapes: list[tuple[int, ...]], out_shape: tuple[int, ...]) -> tuple[l
 # ------------------------------------------------------------------------------ the kernel
 @kernel("FusedElementwise", ["gpu"])
 def fused_elementwise_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    text = attrs["program"]
     generic = fused_elementwise(xp, attrs)
+    body = _generated(xp, attrs["program"], generic)
+    return generic if body is None else (lambda *xs: body(None, *xs))
+
+
+def _generated(xp: Any, text: str, generic: Fn) -> Callable[..., Any] | None:
+    """`body(buf, *xs)`: the program's kernel over xs, written into `buf` where that is given and is
+    a whole C-contiguous array of the output's shape and dtype (an input's buffer the executor
+    forwards: a thread reads its element of it before it writes it), else into a new array. None
+    where the program takes the generic body: decided here, once."""
     if numba_cuda() is None or unsupported(text) is not None:
-        return generic  # decided here, once: the generic body, a launch per step
+        return None
     program = json.loads(text)
     want = [np.dtype(t) for t in program["inputs"]]
     live = _live(program)
@@ -502,13 +519,17 @@ def fused_elementwise_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         # (a read-only Const would fail; one array passed twice would put a stale copy back).
         return into(plain(flat) if plain is not None else flat.view(np.ndarray))
 
-    def run(*xs: Any) -> Any:
+    def run(buf: Any, *xs: Any) -> Any:
         if any(x.dtype != w for x, w in zip(xs, want)):
             return generic(*xs)
         xs = tuple(xs[k] for k in reads)
         shapes = [tuple(x.shape) for x in xs]
         out_shape = np.broadcast_shapes(*shapes)  # the last step's: its operands' broadcast, step by step
-        out = xp.empty(out_shape, dtype=out_dtype)
+        if (buf is not None and tuple(buf.shape) == out_shape and buf.dtype == out_dtype
+                and buf.flags.c_contiguous):
+            out = buf
+        else:
+            out = xp.empty(out_shape, dtype=out_dtype)
         size = int(out.size)
         if size == 0:
             return out
@@ -521,3 +542,75 @@ def fused_elementwise_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         return out
 
     return run
+
+
+# ------------------------------------------------------------------------------ single ops
+# An element-wise op the fusion pass leaves alone (fusion off, or a node it cannot join) runs its
+# generic kernel (kernels/elementwise.py) on a GPU: one cupy call per operation of its formula. Where
+# that is more than one launch, the op's node runs instead as the one-step program [op](inputs): its
+# table entry, the generic formula operation for operation (see Numerics above), in ONE launch.
+# The generic kernels' launches per node, counted on the launch ledger (tests/test_fused_gpu.py
+# measures every op in OPS and checks this list against them: every op of more than one launch is
+# here, with its count; the others are a single cupy call -- a ufunc, where, astype -- and gain nothing):
+SINGLE_LAUNCHES = {
+    "Erf": 357,         # float32 (355 in float64 and the 2 casts): the 60-term series and the 80-term fraction
+    "Sigmoid": 4,       # 0.5 * x, tanh, 1 + t, 0.5 * (...)
+    "SigmoidGrad": 3,   # dy * y, 1 - y, the product
+    "TanhGrad": 3,      # y * y, 1 - y*y, dy * (...)
+    "Rsqrt": 2,         # sqrt, 1 / s
+    "ReluGrad": 2,      # y > 0, dy * mask
+    "AddN": 2,          # of 3 inputs: n - 1 sums (of 2 inputs one, of 1 none: those keep the generic kernel)
+}
+# Erf computes differently: libdevice's erf (math.erf in the simulator) in float64, then the cast,
+# where the generic kernel sums its float64 series / continued fraction; both are within a few ulp
+# of erf in float64 (so within the 1e-12 the tests allow there, and the same float32 after the cast
+# but for the rare value within an ulp of a rounding boundary: 1e-6 relative). The others are the
+# generic formula's operations in its order and dtype; Sigmoid's tanh is libdevice's.
+
+
+def single_program(op: str, dtypes: Sequence[str]) -> str:
+    """The one-step program of a node of `op` over inputs of `dtypes` (every op in SINGLE_LAUNCHES
+    gives its first input's dtype and reads no attribute)."""
+    return json.dumps({"inputs": list(dtypes),
+                       "steps": [{"op": op, "attrs": {}, "args": list(range(len(dtypes))), "dtype": dtypes[0],
+                                  "name": op}]})
+
+
+def _single_applies(op: str) -> Callable[[dict[str, Any], Sequence[Any]], bool]:
+    """The rule, on the node's input specs: numba-cuda present, inputs of one dtype that the op's
+    table entry covers (not float16: that keeps the generic kernel), AddN of 3 inputs or more."""
+    def applies(attrs: dict[str, Any], ins: Sequence[Any]) -> bool:
+        dtypes = [str(s.dtype) for s in ins]
+        if not dtypes or len(set(dtypes)) != 1 or (op == "AddN" and len(dtypes) < 3):
+            return False
+        return numba_cuda() is not None and unsupported(single_program(op, dtypes)) is None
+
+    return applies
+
+
+def _single(op: str, in_place: bool) -> KernelFactory:
+    """The node's kernel (or its in-place kernel, INTO's `fn(k, *xs)`): the one-step program's,
+    compiled for the dtypes its inputs come in (one entry, in a checked graph; the generic kernel
+    for any the table does not cover)."""
+    def factory(xp: Any, attrs: dict[str, Any]) -> Fn:
+        reference = KERNELS[(op, "gpu")](xp, attrs)
+        bodies: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+        def body(xs: tuple[Any, ...]) -> Callable[..., Any]:
+            key = tuple(x.dtype for x in xs)
+            b = bodies.get(key)
+            if b is None:
+                text = single_program(op, [str(t) for t in key])
+                b = _generated(xp, text, reference) if unsupported(text) is None else None
+                b = bodies[key] = b if b is not None else (lambda buf, *ys: reference(*ys))
+            return b
+
+        if in_place:
+            return lambda k, *xs: body(xs)(xs[k], *xs)
+        return lambda *xs: body(xs)(None, *xs)
+
+    return factory
+
+
+for _name in SINGLE_LAUNCHES:
+    variant(_name, "gpu", "generated", _single_applies(_name), into=_single(_name, True))(_single(_name, False))
