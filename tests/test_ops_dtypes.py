@@ -55,6 +55,7 @@ LEFT_OUT = {
     "QueueSize": "needs a queue resource (tests/test_queues.py)",
     "Send": "inserted by partitioning, needs a rendezvous and a peer Recv (tests/test_partition.py)",
     "Recv": "inserted by partitioning, needs a rendezvous and a peer Send (tests/test_partition.py)",
+    "CollectiveAllReduce": "N ranks meeting in a step's rendezvous (tests/test_collective.py)",
     "MultiApplyGradientDescent": "made on a GPU plan from ApplyGradientDescent nodes, whose kernels it runs "
                                  "(tests/test_multi_apply.py)",
     "MultiApplyMomentum": "made on a GPU plan from ApplyMomentum nodes (tests/test_multi_apply.py)",

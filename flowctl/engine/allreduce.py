@@ -41,29 +41,66 @@ MultiWorkerMirroredStrategy):
 
 Side updates (batch norm's moving averages) run on replica 0 only, as with the parameter device;
 a replica's mirrors of non-trainable state are never written and never checkpointed.
+
+**The collective transport.** Where every replica is a GPU of this process (a DistributedSession
+over gpu:0..gpu:N-1), the ring above would carry every byte through the host (a GPU's Send/Recv
+goes through host memory). There each bucket's reduction is instead N `CollectiveAllReduce` nodes
+(ops/communication.py), one per replica, sharing a group key: their kernel is NCCL's all-reduce
+over a clique of the replicas' GPUs (kernels/cuda/nccl.py), the transport the whitepaper's
+successors use; the bucket's sum then goes through the same unbucketing. `FLOWCTL_COLLECTIVE`
+chooses: `auto` (the default: GPUs of this process), `on` (also CPU devices of this process: the
+collective's CPU kernel sums the ranks in rank order, which is how it is tested) or `off`. Ray
+workers and CPU devices keep the ring by default (a collective meets in one process's
+rendezvous). The collective's sum is rank 0 + rank 1 + ... on the CPU (two replicas: the
+exchange's bits; more: rounding apart from the ring's order), NCCL's own order on GPUs; every
+replica gets the same bits either way. Tables still travel as rows (their GatherGrads).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import numpy as np
 
+from flowctl.engine.devices import DEFAULT_JOB, canonical, parse_device
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor, make_ref, parse_ref
 from flowctl.engine.ops.api import make1
 from flowctl.engine.ops.array import concat, reshape, split
+from flowctl.engine.ops.communication import collective_all_reduce
 from flowctl.engine.ops.control import group, identity
 from flowctl.engine.ops.elementwise import add, mul
 from flowctl.engine.ops.state import variable
 from flowctl.engine.ops.training import gather_grad_rows
 from flowctl.engine.optimizers import Optimizer
 
-__all__ = ["BUCKET_BYTES", "buckets", "mark_mirrors", "mirror_state", "replica_updates", "ring_allreduce"]
+__all__ = ["BUCKET_BYTES", "COLLECTIVE_ENV", "buckets", "mark_mirrors", "mirror_state", "replica_updates",
+           "ring_allreduce", "use_collective"]
 
 OnDevice = Callable[[Tensor, int], Tensor]  # a node just made, and the replica whose device it goes on
 Process = Callable[[list[Tensor | None]], list[Tensor | None]]  # strategies.GradientProcess
 
 BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
+COLLECTIVE_ENV = "FLOWCTL_COLLECTIVE"  # auto | on | off (the module doc)
+_COLLECTIVE_MODES = {"auto": "auto", "": "auto", "on": "on", "1": "on", "true": "on", "off": "off", "0": "off",
+                     "false": "off"}
+
+
+def use_collective(devices: Sequence[str], mode: str | None = None) -> bool:
+    """Do the replicas on `devices` reduce through CollectiveAllReduce nodes rather than the ring?
+    Only devices of this process (a collective meets in one process's rendezvous), each replica on
+    a device of its own; then `mode` (default: `FLOWCTL_COLLECTIVE`, else "auto") decides: "auto"
+    where every device is a GPU, "on" for any, "off" never."""
+    raw = (mode if mode is not None else os.environ.get(COLLECTIVE_ENV, "auto")).strip().lower()
+    if raw not in _COLLECTIVE_MODES:
+        raise GraphError(f"{COLLECTIVE_ENV}={raw!r}: use auto, on or off")
+    chosen = _COLLECTIVE_MODES[raw]
+    names = [parse_device(d) for d in devices]
+    if chosen == "off" or len(names) < 2 or len(set(names)) != len(names):
+        return False
+    if any((d.job, d.task) != (DEFAULT_JOB, 0) for d in names):
+        return False
+    return chosen == "on" or all(d.type == "gpu" for d in names)
 
 
 def mirror_state(graph: Graph, copies: Sequence[dict[str, str]]) -> list[dict[str, str]]:
@@ -184,11 +221,14 @@ def _nbytes(t: Tensor) -> int:
 
 def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]], devices: Sequence[str],
                    placement: dict[str, str], bucket_bytes: int = BUCKET_BYTES,
-                   scope: str = "allreduce") -> list[list[Tensor | None]]:
+                   scope: str = "allreduce", collective: bool | None = None) -> list[list[Tensor | None]]:
     """Per replica, the mean over replicas of each gradient (None kept), every replica's bitwise
-    the same: buckets ring-all-reduced as the module doc says. Every node made is assigned its
-    device in `placement`."""
+    the same: buckets ring-all-reduced as the module doc says, or each reduced by N
+    CollectiveAllReduce nodes where `collective` (default: `use_collective(devices)`). Every node
+    made is assigned its device in `placement`."""
     n = len(per_replica)
+    if collective is None:
+        collective = use_collective(devices)
     out: list[list[Tensor | None]] = [[None] * len(g) for g in per_replica]
     made: list[tuple[Tensor, str]] = []
 
@@ -212,7 +252,9 @@ def ring_allreduce(graph: Graph, per_replica: Sequence[Sequence[Tensor | None]],
                     with graph.name_scope(f"replica_{k}"):
                         parts = [on(reshape(per_replica[k][i], (-1,), name="flat"), k) for i in idx]
                         flat.append(parts[0] if len(parts) == 1 else on(concat(parts, 0, name="bucket"), k))
-                if n == 2:  # each replica sums both itself: one crossing each way, no gather
+                if collective and n > 1:  # one collective node per replica (the module doc)
+                    wholes = _collective(graph, flat, devices, on)
+                elif n == 2:  # each replica sums both itself: one crossing each way, no gather
                     wholes = [_exchange(graph, flat, k, on) for k in range(n)]
                 else:
                     sums = _reduce_scatter(graph, flat, total, on) if n > 1 else [flat[0]]
@@ -278,6 +320,20 @@ def _exchange(graph: Graph, flat: Sequence[Tensor], k: int, on: OnDevice) -> Ten
     off from three replicas."""
     with graph.name_scope(f"replica_{k}"):
         return on(add(flat[0], flat[1], name="sum"), k)
+
+
+def _collective(graph: Graph, flat: Sequence[Tensor], devices: Sequence[str], on: OnDevice) -> list[Tensor]:
+    """The bucket's sum on every replica, by one CollectiveAllReduce per replica; their group key
+    is rank 0's node name (unique in the graph)."""
+    n = len(flat)
+    names = tuple(canonical(d) for d in devices)
+    out = []
+    for k in range(n):
+        with graph.name_scope(f"replica_{k}"):
+            out.append(on(collective_all_reduce(flat[k], "pending", n, k, names, name="all_reduce"), k))
+    for t in out:
+        graph.nodes[t.node].attrs["group_key"] = out[0].node
+    return out
 
 
 def _reduce_scatter(graph: Graph, flat: Sequence[Tensor], total: int, on: OnDevice) -> list[Tensor]:

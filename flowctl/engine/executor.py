@@ -58,7 +58,7 @@ from flowctl.engine.frame_executor import FrameTables, run_frames
 from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ledger import Ledger
-from flowctl.engine.opdef import COMMUNICATION, resident
+from flowctl.engine.opdef import COLLECTIVE, COMMUNICATION, resident
 from flowctl.kernels.registry import array_module, bind, bind_into, check_finite
 
 if TYPE_CHECKING:
@@ -464,8 +464,9 @@ class Plan:
     def _start_async(self, i: int, step: "StepContext | None", inputs: tuple[Any, ...],
                      completed: "CompletionQueue", cond: threading.Condition) -> None:
         """Start async kernel i; its continuation only queues the result and wakes the executor."""
-        if step is None and self.nodes[i].opdef.group == COMMUNICATION:
-            # Queue kernels (§4.6) need no rendezvous and run under a plain Session; Send/Recv do.
+        if step is None and self.nodes[i].opdef.group in (COMMUNICATION, COLLECTIVE):
+            # Queue kernels (§4.6) need no rendezvous and run under a plain Session; Send/Recv and
+            # collectives do.
             node = self.nodes[i]
             raise ExecutionError(f"node '{node.name}' ({node.op}) on {self.device} is asynchronous and "
                                  f"needs a step context (a rendezvous): run partitioned graphs through "

@@ -26,6 +26,9 @@ RANDOM = "random"
 STATE = "state"
 SOURCE = "source"
 COMMUNICATION = "communication"
+# Collectives (CollectiveAllReduce): N nodes, one per device, meeting in the step's rendezvous;
+# not Send/Recv, so the partitioner leaves them in place (their inputs and outputs are local).
+COLLECTIVE = "collective"
 CONTROL = "control"
 
 

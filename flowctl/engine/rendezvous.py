@@ -10,6 +10,14 @@ exists; they are in the key now so that adding loops does not change the wire fo
 failed step never touches another step in flight), guarded by one lock, with every continuation
 called *outside* the lock because a continuation may run a kernel's follow-up work. Across machines
 the same interface is carried by the distributed engine (ARCHITECTURE.md, "Distribution").
+
+Collectives (CollectiveAllReduce, issue 33) meet here too: `collective(key, rank, size, value,
+reduce, done)` is a rendezvous of N participants instead of two. Each rank's kernel deposits its
+value and registers its continuation, and returns at once (it holds no device thread while it
+waits, as a Recv does); the last to arrive runs `reduce` on the N values, in rank order, on its own
+thread and outside the lock, then calls every rank's continuation with its share. An abort wakes
+every rank already waiting with the error and fails later arrivals at once, so a failed device's
+step never leaves another device's collective hanging.
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ from typing import Any, Callable, NamedTuple
 from flowctl.engine.errors import ExecutionError
 
 RecvCallback = Callable[[Any, "BaseException | None"], None]
+# A collective's reduction: the N ranks' values in rank order -> each rank's output, in rank order.
+Reduce = Callable[[list[Any]], list[Any]]
 
 _step_ids = itertools.count(1)
 
@@ -62,6 +72,7 @@ class LocalRendezvous:
         self._lock = threading.Lock()
         self._values: dict[RendezvousKey, Any] = {}
         self._waiting: dict[RendezvousKey, RecvCallback] = {}
+        self._groups: dict[tuple[Any, ...], _Group] = {}  # collectives some ranks have joined
         self._error: BaseException | None = None
 
     @property
@@ -100,22 +111,75 @@ class LocalRendezvous:
                     return
         done(value, err)
 
+    def collective(self, key: tuple[Any, ...], rank: int, size: int, value: Any, reduce: Reduce,
+                   done: RecvCallback) -> None:
+        """Rank `rank` of `size` joins the collective `key` with `value`. Returns at once; `done(out,
+        None)` is called with this rank's output once all `size` ranks have joined (the last one
+        runs `reduce(values in rank order)`, outside the lock), or `done(None, error)` when the step
+        aborts or the reduction fails."""
+        with self._lock:
+            if self._error is not None:
+                err: BaseException | None = self._collective_aborted(key, rank)
+            elif not 0 <= rank < size:
+                err = ExecutionError(f"collective {key}: rank {rank} is not in 0..{size - 1}")
+            else:
+                group = self._groups.get(key)
+                if group is None:
+                    group = self._groups[key] = _Group(size)
+                if group.size != size or group.done[rank] is not None:
+                    why = (f"group sizes {group.size} and {size} disagree" if group.size != size
+                           else f"rank {rank} joined twice")
+                    err = ExecutionError(f"collective {key}: {why}")
+                else:
+                    group.values[rank], group.done[rank] = value, done
+                    group.joined += 1
+                    if group.joined < size:
+                        return
+                    del self._groups[key]
+                    err = None
+        if err is not None:
+            done(None, err)
+            return
+        try:  # the last rank to join reduces, on its own thread
+            outs = reduce(group.values)
+        except Exception as e:  # noqa: BLE001 -- every rank reports the reduction's failure
+            for d in group.done:
+                assert d is not None
+                d(None, e)
+            return
+        for d, out in zip(group.done, outs):
+            assert d is not None
+            d(out, None)
+
     def abort(self, error: BaseException) -> None:
-        """Fail the step: every waiting Recv is woken with the error, later Sends and Recvs fail at
-        once, and buffered values are dropped. The first abort's error is kept (the root cause)."""
+        """Fail the step: every waiting Recv and collective rank is woken with the error, later
+        Sends, Recvs and collectives fail at once, and buffered values are dropped. The first
+        abort's error is kept (the root cause)."""
         with self._lock:
             if self._error is None:
                 self._error = error
             waiting = list(self._waiting.items())
             self._waiting.clear()
             self._values.clear()
+            groups = list(self._groups.items())
+            self._groups.clear()
         for k, done in waiting:
             done(None, self._aborted(k))
+        for key, group in groups:
+            for rank, d in enumerate(group.done):
+                if d is not None:
+                    d(None, self._collective_aborted(key, rank))
 
     def pending(self) -> tuple[list[RendezvousKey], list[RendezvousKey]]:
         """(keys sent but not received, keys awaited but not sent): both empty after a clean step."""
         with self._lock:
             return list(self._values), list(self._waiting)
+
+    def _collective_aborted(self, key: tuple[Any, ...], rank: int) -> RendezvousAborted:
+        cause = self._error
+        assert cause is not None
+        return RendezvousAborted(f"step {key[0]} was aborted while rank {rank} waited in collective {key[1]!r}: "
+                                 f"{cause}", cause=cause)
 
     def _aborted(self, k: RendezvousKey) -> RendezvousAborted:
         cause = self._error
@@ -123,6 +187,18 @@ class LocalRendezvous:
         return RendezvousAborted(f"step {k.step_id} was aborted while {k.tensor_name} was in transit "
                                  f"({k.src_device} -> {k.dst_device}): {cause}", cause=cause,
                                  device=k.dst_device)
+
+
+class _Group:
+    """One collective's ranks so far: their values and continuations by rank."""
+
+    __slots__ = ("size", "values", "done", "joined")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: list[Any] = [None] * size
+        self.done: list[RecvCallback | None] = [None] * size
+        self.joined = 0
 
 
 @dataclass
@@ -137,3 +213,7 @@ class StepContext:
 
     def key(self, src_device: str, dst_device: str, tensor_name: str) -> RendezvousKey:
         return RendezvousKey(self.step_id, src_device, dst_device, tensor_name, self.frame, self.iteration)
+
+    def collective_key(self, group_key: str) -> tuple[Any, ...]:
+        """The key under which a collective's N ranks of this step (frame, iteration) meet."""
+        return (self.step_id, group_key, self.frame, self.iteration)

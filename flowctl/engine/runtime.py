@@ -50,7 +50,7 @@ import numpy as np
 
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.container import ContainerStore
-from flowctl.engine.devices import canonical, device_type
+from flowctl.engine.devices import canonical, parse_device
 from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, PlacementError
 from flowctl.engine.executor import Plan, RunStats, needed_nodes
@@ -59,7 +59,7 @@ from flowctl.engine.opdef import COMMUNICATION
 from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
 from flowctl.engine.session import Session, require_device
-from flowctl.kernels.registry import array_module, to_host
+from flowctl.kernels.registry import array_module, on_gpu, to_host, use_gpu
 
 
 @dataclass
@@ -150,7 +150,9 @@ class DeviceThreads:
     def __init__(self, devices: Sequence[str]) -> None:
         # `Device.threads` is not a count of execution threads: it is the device's share of cores,
         # which only BLAS could use (see blas_limits).
-        self._pools = {d: cf.ThreadPoolExecutor(1, thread_name_prefix=f"flowctl-{short_device(d)}")
+        # A GPU's thread makes its own CUDA device current (gpu:1's kernels on GPU 1, not GPU 0).
+        self._pools = {d: cf.ThreadPoolExecutor(1, thread_name_prefix=f"flowctl-{short_device(d)}",
+                                                initializer=_use_device, initargs=(d,))
                        for d in devices}
         self._submit_lock = threading.Lock()
 
@@ -335,8 +337,18 @@ def host_feed(graph: Graph, ref: str, value: Any) -> np.ndarray:
 
 
 def on_device(value: Any, device: str) -> Any:
-    dtype = device_type(device)
-    return value if dtype == "cpu" else array_module(dtype).asarray(value)
+    d = parse_device(device)
+    if d.type == "cpu":
+        return value
+    with on_gpu(d.index):  # onto that device's own GPU
+        return array_module(d.type).asarray(value)
+
+
+def _use_device(device: str) -> None:
+    """A device thread's initializer: a GPU's thread works on its own CUDA device."""
+    d = parse_device(device)
+    if d.type == "gpu":
+        use_gpu(d.index)
 
 
 def root_cause(err: BaseException) -> BaseException:

@@ -401,17 +401,19 @@ REDUCES = ("parameter_device", "allreduce")
 def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
                        optimizer: Optimizer, devices: Sequence[str], *, param_device: str | None = None,
                        updates: Sequence[Tensor] = (), process: GradientProcess | None = None,
-                       reduce: str = "parameter_device", bucket_bytes: int | None = None) -> TrainStep:
+                       reduce: str = "parameter_device", bucket_bytes: int | None = None,
+                       collective: bool | None = None) -> TrainStep:
     """Figure 7 top: replica k (forward and gradients, every node under `replica_<k>/`) on
     devices[k]; Variables, the gradient average, the optimizer and the update on `param_device`
     (default devices[0]). Replica 0's side updates (batch-norm moving averages) run with the step.
     `reduce="allreduce"`: every replica holds its own copy of the variables and the gradients are
-    ring-all-reduced between the replicas instead (allreduce.py; `param_device` unused)."""
+    ring-all-reduced between the replicas instead (allreduce.py; `param_device` unused), or reduced
+    by CollectiveAllReduce nodes where `collective` (default: `allreduce.use_collective`)."""
     if reduce not in REDUCES:
         raise GraphError(f"unknown gradient reduction {reduce!r}; known: {', '.join(REDUCES)}")
     if reduce == "allreduce":
         return _allreduce_data_parallel(graph, loss, inputs, variables, optimizer, devices, updates, process,
-                                        bucket_bytes)
+                                        bucket_bytes, collective)
     n = len(devices)
     maps, losses, ins, ups, per = _replicas(graph, loss, inputs, variables, updates, devices, "sync_data_parallel",
                                           optimizer)
@@ -426,7 +428,8 @@ def sync_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor],
 
 def _allreduce_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
                              optimizer: Optimizer, devices: Sequence[str], updates: Sequence[Tensor],
-                             process: GradientProcess | None, bucket_bytes: int | None) -> TrainStep:
+                             process: GradientProcess | None, bucket_bytes: int | None,
+                             collective: bool | None = None) -> TrainStep:
     from flowctl.engine import allreduce as ar
 
     n = len(devices)
@@ -441,7 +444,8 @@ def _allreduce_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Te
         per = [optimizer.gradients_of(shares[k], [_own(graph, mirrors[k], v) for v in variables],
                                       name=f"replica_{k}/gradients") for k in range(n)]
     placement: dict[str, str] = {}
-    grads = ar.ring_allreduce(graph, per, devices, placement, bucket_bytes or ar.BUCKET_BYTES)
+    grads = ar.ring_allreduce(graph, per, devices, placement, bucket_bytes or ar.BUCKET_BYTES,
+                              collective=collective)
     train_op = ar.replica_updates(graph, optimizer, grads, variables, mirrors, devices, placement, process, ups[0])
     mean = _mean_loss(graph, losses, "sync_loss")
     fixed = {name: devices[k] for k in range(n) for name in graph.nodes

@@ -56,6 +56,27 @@ def gpu_properties(index: int) -> dict[str, Any] | None:
     return out
 
 
+def use_gpu(index: int) -> None:
+    """Make CUDA device `index` the calling thread's current device (a DistributedSession's thread
+    for gpu:<index>), so what its kernels allocate and launch lands on its own GPU. Nothing where
+    there is no such GPU, or where a stand-in serves the `gpu` type (the launch ledger)."""
+    cp = cupy_or_none()
+    if cp is None or "gpu" in _override or not 0 <= index < gpu_count():
+        return
+    cp.cuda.Device(index).use()
+
+
+def on_gpu(index: int) -> Any:
+    """A context in which cupy allocates on CUDA device `index` (a feed for gpu:<index> moved by
+    the session's own thread); a no-op where `use_gpu` would do nothing."""
+    import contextlib
+
+    cp = cupy_or_none()
+    if cp is None or "gpu" in _override or not 0 <= index < gpu_count():
+        return contextlib.nullcontext()
+    return cp.cuda.Device(index)
+
+
 # A stand-in array module per device type (`override_array_module`): the launch ledger runs a GPU
 # plan's kernels on the CPU this way, through the same interface the device module gives them.
 _override: dict[str, Any] = {}

@@ -9,12 +9,22 @@ assignments replace a variable's array, so the receiving device may share the se
 A Recv on a device whose array module differs from the sender's moves the array: off a GPU on a
 copy thread once the producer's CUDA event fires, onto a GPU on a copy stream the compute stream
 waits for (`backend.receive`), so neither device's thread waits for the other's queue.
+
+CollectiveAllReduce is asynchronous too: each rank joins the step's collective
+(`LocalRendezvous.collective`) and returns; the last rank to join reduces on its own thread and
+every rank's continuation gets its output. No device thread ever blocks on another, so no step can
+deadlock on a collective (a device still computing simply joins later), and an aborted step wakes
+the ranks that wait (`LocalRendezvous.abort`). On the CPU, and wherever the arrays are not cupy's
+(the launch ledger), the reduction is the ranks' sum in rank order, one array shared by every rank
+(kernels never write their inputs, and buffer forwarding only takes a buffer no other rank holds).
+On GPUs the last rank launches NCCL's all-reduce for all N ranks in one NCCL group, each rank on
+its own device's current stream (kernels/cuda/nccl.py): nothing waits on the host.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from flowctl.kernels.backend import DEAD, mark_ready, receive
+from flowctl.kernels.backend import DEAD, cupy_or_none, mark_ready, receive
 from flowctl.kernels.registry import kernel
 
 Done = Callable[[Any, "BaseException | None"], None]
@@ -85,5 +95,39 @@ def recv(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done
 
         # §5.3: registers the continuation and returns; the executor goes on with other work.
         step.rendezvous.recv_async(step.key(src, dst, name), arrived)
+
+    return start
+
+
+def sum_in_rank_order(values: list[Any]) -> list[Any]:
+    """The collective's CPU reduction: rank 0 + rank 1 + ... (left to right), one array for all."""
+    acc = values[0] + values[1]
+    for v in values[2:]:
+        acc = acc + v
+    return [acc] * len(values)
+
+
+@kernel("CollectiveAllReduce")
+def collective_all_reduce(xp: Any, attrs: dict[str, Any]) -> Callable[[Any, tuple[Any, ...], Done], None]:
+    group, size, rank = attrs["group_key"], int(attrs["group_size"]), int(attrs["rank"])
+    on_host = xp.__name__ == "numpy"
+
+    def start(step: Any, inputs: tuple[Any, ...], done: Done) -> None:
+        x = inputs[0]
+        if x is DEAD:
+            done(None, ValueError(f"collective {group!r} rank {rank}: a dead (untaken-branch) value cannot "
+                                  f"be all-reduced"))
+            return
+        if size == 1:
+            done(x, None)
+            return
+        cp = None if on_host else cupy_or_none()
+        if cp is not None and isinstance(x, cp.ndarray):
+            from flowctl.kernels.cuda import nccl
+
+            value, reduce = nccl.arrive(cp, x), nccl.all_reduce
+        else:
+            value, reduce = x, sum_in_rank_order
+        step.rendezvous.collective(step.collective_key(group), rank, size, value, reduce, done)
 
     return start

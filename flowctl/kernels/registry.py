@@ -30,14 +30,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from flowctl.kernels.backend import (DEAD, Ready, StepGuard, array_module, check_finite, cupy_or_none,
-                                     gpu_count, gpu_properties, override_array_module, to_host)
+                                     gpu_count, gpu_properties, on_gpu, override_array_module, to_host,
+                                     use_gpu)
 from flowctl.kernels.cuda.blas import fp32_products, set_fp32_products
 from flowctl.kernels.cuda.graphs import capture_backend
 
 __all__ = ["DEAD", "DEVICE_TYPES", "INTO", "KERNELS", "KernelFactory", "Ready", "StepGuard", "array_module",
            "Variant", "bind", "bind_into", "chosen", "capture_backend", "check_finite", "cupy_or_none", "device_types_for", "fp32_products", "gpu_count",
-           "gpu_properties", "has_kernel", "into", "kernel", "override_array_module", "reference_kernels", "set_fp32_products",
-           "to_host", "variant", "VARIANTS"]
+           "gpu_properties", "has_kernel", "into", "kernel", "on_gpu", "override_array_module", "reference_kernels", "set_fp32_products",
+           "to_host", "use_gpu", "variant", "VARIANTS"]
 
 KernelFactory = Callable[[Any, dict[str, Any]], Callable[..., Any]]
 

@@ -29,7 +29,7 @@ from flowctl.engine.devices import parse_device
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.frames import has_control_flow, output_counts, run_counts
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.opdef import CONTROL, ELEMENTWISE, view_reshape, view_same
+from flowctl.engine.opdef import COLLECTIVE, CONTROL, ELEMENTWISE, view_reshape, view_same
 from flowctl.engine.opdef import resident as is_resident
 from flowctl.engine.shapes import TensorSpec, concrete
 
@@ -52,6 +52,21 @@ class CostModel(Protocol):
     def transfer_time(self, nbytes: int, src: str, dst: str) -> float: ...
 
     def fallbacks(self) -> list[str]: ...
+
+
+def collective_transfer(model: Any, graph: Graph, node: Node) -> float:
+    """Seconds a collective node (CollectiveAllReduce) spends on the wire: as a ring all-reduce
+    does, each rank sends and receives 2(N-1)/N of the buffer, here over the link from its device
+    to the next rank's (its `devices` attr; none named: free). 0 for any other node. Added to the
+    node's own time, so the simulator and every placer see what the transfer costs (a collective
+    has no Send/Recv for them to price)."""
+    if node.opdef.group != COLLECTIVE:
+        return 0.0
+    n, k, devices = int(node.attrs["group_size"]), int(node.attrs["rank"]), node.attrs["devices"]
+    if n < 2 or len(devices) != n:
+        return 0.0
+    wire = int(model.tensor_bytes(graph, f"{node.name}:0") * 2 * (n - 1) / n)
+    return float(model.transfer_time(wire, devices[k], devices[(k + 1) % n]))
 
 
 def _ref_skipped(node: Node) -> tuple[int, ...]:
@@ -122,7 +137,7 @@ class StaticCostModel:
 
     def op_time(self, graph: Graph, node: Node, device: str) -> float:
         flops, nbytes = self.estimate(graph, node)
-        return self.time_of(flops, nbytes, device)
+        return self.time_of(flops, nbytes, device) + collective_transfer(self, graph, node)
 
     def tensor_bytes(self, graph: Graph, ref: str) -> int:
         name, port = parse_ref(ref)
@@ -192,9 +207,13 @@ class MeasuredCostModel:
         if t is None:
             if node.op == "Placeholder":  # fed: the step runs no kernel for it
                 return 0.0
-            self._missed[node.name] = None
-            return self.static.op_time(graph, node, device)
-        return t * self._scale(device) + self.dispatch_by.get(self.cluster.device(device).profile.name, self.dispatch)
+            if node.opdef.group != COLLECTIVE:  # never profiled alone: it needs its N ranks
+                self._missed[node.name] = None
+            # (a collective's wire time over this model's links: measured where they are)
+            return self.static.op_time(graph, node, device) - collective_transfer(self.static, graph, node) \
+                + collective_transfer(self, graph, node)
+        return t * self._scale(device) + self.dispatch_by.get(self.cluster.device(device).profile.name, self.dispatch) \
+            + collective_transfer(self, graph, node)
 
     def _scale(self, device: str) -> float:
         return self.scale_by.get(self.cluster.device(device).profile.name, 1.0)
@@ -550,7 +569,8 @@ class CostTable:
                 if model is not static and stream_time is not None:
                     stream_rows.append([0.0] * len(devices))
             elif model is static:  # one estimate serves every profile
-                per = {r: static.time_of(fl, nb, devices[r]) for r in rep_list}
+                wire = w * collective_transfer(static, graph, node)
+                per = {r: static.time_of(fl, nb, devices[r]) + wire for r in rep_list}
             else:
                 per = {r: w * float(model.op_time(graph, node, devices[r])) for r in rep_list}
                 if stream_time is not None:
