@@ -130,7 +130,7 @@ finish
 pt_timeout=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && pt_timeout=(--timeout=90)
 cpu_files=()
-for f in ${FLOWCTL_GPU_CPU_TESTS:-tests/test_ledger.py tests/test_cuda_kernels.py tests/test_capture.py tests/test_cuda_blas.py tests/test_cudnn.py}; do
+for f in ${FLOWCTL_GPU_CPU_TESTS:-tests/test_ledger.py tests/test_cuda_kernels.py tests/test_capture.py tests/test_cuda_blas.py tests/test_cudnn.py tests/test_late_read.py tests/test_multi_apply.py tests/test_multi_l2.py tests/test_fused_gpu.py tests/test_collective.py}; do
   [ -e "$f" ] && cpu_files+=("$f")
 done
 if [ ${#cpu_files[@]} -gt 0 ]; then
