@@ -564,7 +564,13 @@ def _go(xp: Any, k: Any, grid: Any, block: Any, *args: Any) -> None:
     if getattr(xp, "simulated", False):
         writes = _WRITES[k.__name__]
         into = numba_cuda().In
-        args = tuple(into(a.view(np.ndarray)) if isinstance(a, np.ndarray) and i not in writes else a
+        # On the launch ledger, its plain view of the array's memory: a view of the array itself
+        # would hold it from the captured step's tape, and a variable an L2 penalty reads would
+        # then look shared to its update (which would not run in place)
+        plain = getattr(xp, "plain", None)
+        view = (lambda a: plain(a) if isinstance(a, xp.ndarray) else a.view(np.ndarray)) if plain is not None \
+            else (lambda a: a.view(np.ndarray))
+        args = tuple(into(view(a)) if isinstance(a, np.ndarray) and i not in writes else a
                      for i, a in enumerate(args))
     xp.launch(k, grid, block, *args)
 
