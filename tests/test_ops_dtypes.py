@@ -43,6 +43,7 @@ LEFT_OUT = {
     "SparseApplyGradientDescent": "writes a Variable (tests/test_train_step_kernels.py)",
     "ApplyMomentum": "writes a Variable and its slot (tests/test_optimizers.py)",
     "ApplyAdam": "writes a Variable and its slots (tests/test_optimizers.py)",
+    "MultiL2Loss": "L2Loss nodes and their AddN, made by a GPU plan's pass (tests/test_multi_l2.py)",
     "GatherGradRows": "made by the optimizer from a GatherGrad, not by a template (tests/test_train_step_kernels.py)",
     "GuardFlag": "a bool scalar passed through, raising a device flag (tests/test_capture_ledger.py)",
     "FIFOQueue": "a queue resource, no tensor output (tests/test_queues.py)",

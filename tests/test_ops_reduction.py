@@ -236,9 +236,10 @@ EMPTY_AXIS = {"Sum": fc.reduce_sum, "Prod": fc.reduce_prod, "Mean": fc.reduce_me
               "Min": fc.reduce_min}
 # Not reductions to a value: ArgMax has no identity (below); CumSum and TopK keep the scanned axis
 # (an empty one stays empty, below); the rest are gradient ops.
-# L2Loss sums over every axis with no axis attribute (an empty input gives 0: tests/test_optimizers.py)
+# L2Loss sums over every axis with no axis attribute (an empty input gives 0: tests/test_optimizers.py),
+# MultiL2Loss over every axis of each input (an empty one adds 0: tests/test_multi_l2.py)
 NOT_VALUE_REDUCTIONS = {"ArgMax", "CumSum", "TopK", "ReduceGrad", "ReduceMaxGrad", "ReduceProdGrad", "TopKGrad",
-                        "L2Loss"}
+                        "L2Loss", "MultiL2Loss"}
 
 
 def test_every_reduction_op_has_an_empty_axis_case():

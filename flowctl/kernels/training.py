@@ -280,3 +280,19 @@ def _multi(op: str, single: Fn) -> Fn:
 multi_apply_gradient_descent = _multi("MultiApplyGradientDescent", apply_gradient_descent)
 multi_apply_momentum = _multi("MultiApplyMomentum", apply_momentum)
 multi_apply_adam = _multi("MultiApplyAdam", apply_adam)
+
+
+# -------------------------------------------------------------------------------- summed L2 losses
+# MultiL2Loss (engine/multi_l2.py): the L2Loss nodes an AddN summed, as one node. The reference
+# kernel is theirs: each tensor's L2Loss, then AddN's left-to-right sum, so its bits are the
+# unfused graph's on any device (kernels/cuda/kernels.py's GPU kernel is tested against it).
+@kernel("MultiL2Loss")
+def multi_l2_loss(xp: Any, attrs: dict[str, Any]) -> Fn:
+    from flowctl.kernels.elementwise import add_n
+
+    single, total = l2_loss(xp, attrs), add_n(xp, attrs)
+
+    def run(*ts: Any) -> Any:
+        return total(*[single(t) for t in ts])
+
+    return run

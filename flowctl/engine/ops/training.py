@@ -255,3 +255,25 @@ for _single, (_multi, _slots) in MULTI_APPLY.items():
     register_op(_multi, _multi_infer, min_inputs=2, group=STATE, stateful=True, attrs=_base,
                 cost=_multi_cost(*{0: (2.0, 2), 1: (5.0, 3), 2: (12.0, 4)}[_slots]), differentiable=False,
                 resource="variable_list")
+
+
+# ------------------------------------------------------------------ summed half squared norms
+# MultiL2Loss(t_1..t_N) = L2Loss(t_1) + ... + L2Loss(t_N), summed left to right as AddN sums (a
+# scalar of the tensors' dtype). engine/multi_l2.py makes it from an AddN (or a chain of Adds) over
+# L2Loss nodes when it compiles a GPU plan (clip_by_global_norm's global norm, an L2 penalty);
+# nothing builds it into a spec's graph. Its kernels: the per-tensor L2Loss kernels then AddN's
+# (reference), or a few launches for all N tensors (kernels/cuda/kernels.py).
+def _multi_l2_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    for k, t in enumerate(ins):
+        if not is_float(t.dtype) or t.dtype != ins[0].dtype:
+            raise InferError(f"input {k} is {t.dtype}: every input must be of one float dtype ({ins[0].dtype})")
+    return [TensorSpec((), ins[0].dtype)]
+
+
+def _multi_l2_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+                   attrs: dict[str, Any]) -> tuple[float, float]:
+    return 2.0 * float(sum(np.prod(s) for s in ins)), memory_bytes(ins, outs, dtypes)
+
+
+register_op("MultiL2Loss", _multi_l2_infer, min_inputs=1, group=REDUCTION, cost=_multi_l2_cost,
+            differentiable=False)

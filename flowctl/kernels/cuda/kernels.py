@@ -456,11 +456,95 @@ def _kernels() -> Any:
         if tid == 0:
             out[0] = mul(s[0], HALF)
 
+
+    # ---------------------------------------------------------------- MultiL2Loss
+    # Many tensors' L2Loss and their sum (engine/multi_l2.py). The first pass is sum_squares for
+    # up to K tensors at once (a tuple of flat arrays, blockIdx.y the tensor): each tensor gets
+    # the grid its own L2Loss launch would have, the same grid-stride share per thread and the same
+    # tree per block, so its partial sums are that launch's bits; its blocks past that grid (the
+    # launch's grid.x is its chunk's largest) return at once. The partial sums of all N tensors lie
+    # in one buffer, and each tensor's offset and count are written beside them for the finish.
+    @cuda.jit(device=True)
+    def reduce_grid(n: Any) -> Any:
+        g = (n + THREADS - 1) // THREADS
+        if g > _MAX_REDUCE_BLOCKS:
+            g = _MAX_REDUCE_BLOCKS
+        if g < 1:
+            g = 1
+        return g
+
+    @cuda.jit
+    def multi_sum_squares(xs: Any, ids: Any, count: Any, base: Any, partial: Any, offs: Any, cnts: Any) -> None:
+        k = cuda.blockIdx.y
+        if k >= count:  # a padding entry of the chunk
+            return
+        x = xs[k]
+        n = x.size
+        grid = reduce_grid(n)
+        b = cuda.blockIdx.x
+        if b >= grid:  # the whole block, before any barrier
+            return
+        off = base
+        for j in range(k):
+            off += reduce_grid(xs[j].size)
+        s = cuda.shared.array(THREADS, nb_float32)
+        tid = cuda.threadIdx.x
+        acc = ZERO32
+        i = b * THREADS + tid
+        stride = grid * THREADS
+        while i < n:
+            v = f32(x[i])
+            acc = acc + mul(v, v)
+            i += stride
+        s[tid] = acc
+        width = THREADS // 2
+        while width > 0:
+            cuda.syncthreads()
+            if tid < width:
+                s[tid] = s[tid] + s[tid + width]
+            width //= 2
+        if tid == 0:
+            partial[off + b] = s[0]
+            if b == 0:
+                offs[ids[k]] = off
+                cnts[ids[k]] = grid
+
+    # The finish, one block: tensor by tensor (in the node's input order) finish_l2's sum of its
+    # partial sums, halved and rounded to the tensors' dtype (`halves`), added to the total as AddN
+    # adds (left to right, each sum rounded to the dtype by its store into `out`).
+    @cuda.jit
+    def multi_finish_l2(partial: Any, offs: Any, cnts: Any, n: Any, halves: Any, out: Any) -> None:
+        s = cuda.shared.array(THREADS, nb_float32)
+        tid = cuda.threadIdx.x
+        for k in range(n):
+            off = offs[k]
+            count = cnts[k]
+            acc = ZERO32
+            i = tid
+            while i < count:
+                acc = acc + partial[off + i]
+                i += THREADS
+            s[tid] = acc
+            width = THREADS // 2
+            while width > 0:
+                cuda.syncthreads()
+                if tid < width:
+                    s[tid] = s[tid] + s[tid + width]
+                width //= 2
+            if tid == 0:
+                halves[k] = mul(s[0], HALF)
+                if k == 0:
+                    out[0] = halves[0]
+                else:
+                    out[0] = f32(out[0]) + f32(halves[k])
+            cuda.syncthreads()  # s is the next tensor's
+
     return SimpleNamespace(dropout=dropout, bump=bump, lstm_cell=lstm_cell, lstm_cell_grad=lstm_cell_grad, sgd=sgd,
                            momentum=momentum, adam=adam, multi_sgd=multi_sgd,
                            multi_momentum=multi_momentum, multi_adam=multi_adam, assign_arr=assign_arr, assign_val=assign_val, set_flag=set_flag,
                            finite_flag=finite_flag, rank_sort=rank_sort, segment_rows=segment_rows,
-                           sparse_sgd=sparse_sgd, sum_squares=sum_squares, finish_l2=finish_l2)
+                           sparse_sgd=sparse_sgd, sum_squares=sum_squares, finish_l2=finish_l2,
+                           multi_sum_squares=multi_sum_squares, multi_finish_l2=multi_finish_l2)
 
 
 # -------------------------------------------------------------------------------- helpers
@@ -472,14 +556,21 @@ _WRITES = {"dropout": (1, 2), "bump": (0,), "lstm_cell": (7, 8, 9), "lstm_cell_g
            "momentum": (0, 1), "adam": (0, 1, 2), "multi_sgd": (0,), "multi_momentum": (0, 1),
            "multi_adam": (0, 1, 2), "assign_arr": (0,), "assign_val": (0,), "set_flag": (0,),
            "finite_flag": (2,), "rank_sort": (3, 4), "segment_rows": (3,), "sparse_sgd": (0,),
-           "sum_squares": (1,), "finish_l2": (2,)}
+           "sum_squares": (1,), "finish_l2": (2,), "multi_sum_squares": (4, 5, 6),
+           "multi_finish_l2": (4, 5)}
 
 
 def _go(xp: Any, k: Any, grid: Any, block: Any, *args: Any) -> None:
     if getattr(xp, "simulated", False):
         writes = _WRITES[k.__name__]
         into = numba_cuda().In
-        args = tuple(into(a.view(np.ndarray)) if isinstance(a, np.ndarray) and i not in writes else a
+        # On the launch ledger, its plain view of the array's memory: a view of the array itself
+        # would hold it from the captured step's tape, and a variable an L2 penalty reads would
+        # then look shared to its update (which would not run in place)
+        plain = getattr(xp, "plain", None)
+        view = (lambda a: plain(a) if isinstance(a, xp.ndarray) else a.view(np.ndarray)) if plain is not None \
+            else (lambda a: a.view(np.ndarray))
+        args = tuple(into(view(a)) if isinstance(a, np.ndarray) and i not in writes else a
                      for i, a in enumerate(args))
     xp.launch(k, grid, block, *args)
 
@@ -626,5 +717,71 @@ def l2_loss_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         _go(xp, k.sum_squares, grid, THREADS, _flat(xp, t), partial, n)
         _go(xp, k.finish_l2, 1, THREADS, partial, grid, out.reshape(1))
         return out
+
+    return run
+
+
+# -------------------------------------------------------------------------------- MultiL2Loss
+# An AddN over L2Loss nodes as one node (engine/multi_l2.py): clip_by_global_norm's global norm,
+# an L2 penalty; Inception-v3's clipped step has ~190 L2Loss nodes, 2 launches each. Here: one
+# first pass per K tensors (tuples of arrays, as the multi-tensor updates pass them, cuda/state.py)
+# and one finish for all N, so 1 + ceil(N / K) launches. Each tensor's half squared norm is its
+# L2Loss launch's bits (the same grid, shares and trees), and the total is AddN's left-to-right
+# sum of them. float64 (the generic L2Loss) and mixed dtypes run the per-tensor kernels and AddN.
+_L2_CHUNK = 32  # a 1-D array is 56 bytes of a launch's 4 KiB of parameters, its id 8
+
+
+def _reduce_grid(n: int) -> int:
+    """The grid of L2Loss's first launch for n elements (as the kernel's reduce_grid)."""
+    return max(1, min(_MAX_REDUCE_BLOCKS, (n + THREADS - 1) // THREADS))
+
+
+def multi_l2_parts(xp: Any, ts: tuple[Any, ...], pads: dict[Any, Any] | None = None) -> tuple[Any, Any]:
+    """(halves, total): each tensor's L2Loss as an array of the tensors' dtype, and their sum as
+    AddN sums it (a 0-d array), in 1 + ceil(N / K) launches. The tensors are float32 or float16,
+    all of one dtype. `pads` keeps the empty array a chunk is padded with, per dtype, from call to
+    call (made once: its making is a launch)."""
+    k = _kernels()
+    n = len(ts)
+    dt = ts[0].dtype
+    simulated = getattr(xp, "simulated", False)
+    flats = [_flat(xp, t) for t in ts]
+    grids = [_reduce_grid(int(f.size)) for f in flats]
+    partial = xp.empty(sum(grids), dtype="float32")
+    offs = xp.empty(n, dtype="int64")
+    cnts = xp.empty(n, dtype="int64")
+    halves = xp.empty(n, dtype=dt)
+    out = xp.empty((), dtype=dt)
+    order = sorted(range(n), key=lambda j: -grids[j])  # a chunk's blocks past a tensor's grid idle: few
+    pads = {} if pads is None else pads
+    base = 0
+    for c in range(0, n, _L2_CHUNK):
+        part = order[c:c + _L2_CHUNK]
+        # padded to K on a GPU (one compilation); not in the simulator (a Python thread per thread)
+        pad = 0 if simulated else _L2_CHUNK - len(part)
+        if pad and dt not in pads:
+            pads[dt] = xp.zeros(0, dtype=dt)
+        xs = tuple(flats[j] for j in part) + (pads.get(dt),) * pad
+        ids = tuple(part) + (0,) * pad
+        _go(xp, k.multi_sum_squares, (grids[part[0]], len(part) + pad), THREADS, xs, ids, len(part), base,
+            partial, offs, cnts)
+        base += sum(grids[j] for j in part)
+        del xs
+    _go(xp, k.multi_finish_l2, 1, THREADS, partial, offs, cnts, n, halves, out.reshape(1))
+    return halves, out
+
+
+@kernel("MultiL2Loss", ["gpu"])
+def multi_l2_loss_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    from flowctl.kernels.registry import KERNELS
+
+    single = l2_loss_gpu(xp, attrs)
+    total = KERNELS[("AddN", "gpu")](xp, attrs)
+    pads: dict[Any, Any] = {}
+
+    def run(*ts: Any) -> Any:
+        if str(ts[0].dtype) not in ("float32", "float16") or any(t.dtype != ts[0].dtype for t in ts):
+            return total(*[single(t) for t in ts])
+        return multi_l2_parts(xp, ts, pads)[1]
 
     return run
