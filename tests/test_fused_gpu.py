@@ -557,6 +557,10 @@ def test_float16_and_mixed_dtypes_keep_the_generic_kernel(op):
 def test_addn_of_two_inputs_and_ops_of_one_launch_keep_the_generic_kernel():
     two = _specs([np.zeros((3, 4), np.float32)] * 2)
     assert chosen("AddN", "gpu", {}, two) is None and chosen("AddN", "gpu", {}, two * 2).name == "generated"
+    # clip_norm's AddN over Inception-v3's 190 gradient norms: one nested expression would be past
+    # what Python's parser takes ("too many nested parentheses"): the generic kernel.
+    many = _specs([np.zeros((), np.float32)] * 190)
+    assert chosen("AddN", "gpu", {}, many) is None
     for op in ("Add", "Mul", "Relu", "Tanh", "Exp", "Div", "Cast"):
         assert chosen(op, "gpu", {}, two) is None
     with reference_kernels():

@@ -339,9 +339,15 @@ def _cast(s: _Source, a: list[str], ins: list[str], out: str) -> str | None:
     return s.cast(a[0], out)  # float -> int truncates toward zero, as numpy's astype does
 
 
+# An AddN is one nested expression, ((x0 + x1) + x2) + ...: Python's parser refuses nesting much
+# past 200 parentheses (clip_norm's AddN over Inception-v3's 190 gradients), so a longer one keeps
+# the generic kernel.
+MAX_ADD_N = 64
+
+
 @_op("AddN")
 def _add_n(s: _Source, a: list[str], ins: list[str], out: str) -> str | None:  # ((x0 + x1) + x2) + ...
-    if out not in NUMERIC:
+    if out not in NUMERIC or len(a) > MAX_ADD_N:
         return None
     acc = a[0]
     for x in a[1:]:
