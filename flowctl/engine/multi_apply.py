@@ -47,16 +47,26 @@ _ATTRS = {"ApplyGradientDescent": (), "ApplyMomentum": ("momentum", "nesterov"),
           "ApplyAdam": ("beta1", "beta2", "epsilon")}
 
 
-def group_updates(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
-                  targets: Sequence[str]) -> Graph:
-    """`graph` itself where nothing groups, else a copy in which each group of two or more
-    per-variable updates is one MultiApply node (module doc)."""
+def plan_scope(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
+               targets: Sequence[str]) -> tuple[set[str], set[str]] | None:
+    """What a GPU-plan pass may rewrite: (the nodes the plan runs, the names it must keep: fetched,
+    fed, targets), or None for a plan with control flow (its frames are left alone)."""
     fed = set(feeds)
     roots = [parse_ref(r)[0] for r in fetches if r not in fed] + list(targets)
     need = needed_nodes(graph, roots, fed)
     if has_control_flow(graph.nodes[n] for n in need):
+        return None
+    return need, {parse_ref(r)[0] for r in list(fetches) + list(feeds)} | set(targets)
+
+
+def group_updates(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
+                  targets: Sequence[str]) -> Graph:
+    """`graph` itself where nothing groups, else a copy in which each group of two or more
+    per-variable updates is one MultiApply node (module doc)."""
+    scope = plan_scope(graph, fetches, feeds, targets)
+    if scope is None:
         return graph
-    keep = {parse_ref(r)[0] for r in list(fetches) + list(feeds)} | set(targets)
+    need, keep = scope
     # (a Group reads its inputs only to wait for them: the rewrite makes those control edges)
     read = {parse_ref(r)[0] for n in graph.nodes.values() if n.op != "Group" for r in n.inputs}
     groups: dict[tuple, list[Node]] = {}

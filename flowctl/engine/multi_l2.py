@@ -27,9 +27,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from flowctl.engine.executor import needed_nodes
-from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
+from flowctl.engine.multi_apply import plan_scope
 
 ENABLED = os.environ.get("FLOWCTL_MULTI_L2", "1") != "0"
 
@@ -38,12 +37,10 @@ def fuse_l2_sums(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
                  targets: Sequence[str]) -> Graph:
     """`graph` itself where nothing fuses, else a copy in which each sum of two or more L2Loss
     nodes is one MultiL2Loss node named as the sum was (module doc)."""
-    fed = set(feeds)
-    roots = [parse_ref(r)[0] for r in fetches if r not in fed] + list(targets)
-    need = needed_nodes(graph, roots, fed)
-    if has_control_flow(graph.nodes[n] for n in need):
+    scope = plan_scope(graph, fetches, feeds, targets)
+    if scope is None:
         return graph
-    keep = {parse_ref(r)[0] for r in list(fetches) + list(feeds)} | set(targets)
+    need, keep = scope
     readers: dict[str, int] = {}
     for node in graph.nodes.values():
         for r in node.inputs:

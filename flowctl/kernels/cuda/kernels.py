@@ -416,13 +416,13 @@ def _kernels() -> Any:
         var[r, col] = var[r, col] - mul(rows[p, col], a)
 
     # ---------------------------------------------------------------- L2Loss
-    @cuda.jit
-    def sum_squares(x: Any, partial: Any, size: Any) -> None:
+    @cuda.jit(device=True)
+    def block_sum_squares(x: Any, i: Any, stride: Any, size: Any) -> Any:
+        """This block's sum of x[i]^2 over its threads' grid-stride shares (thread 0's value is the
+        block's): a fixed tree, so L2Loss and MultiL2Loss give a tensor the same bits."""
         s = cuda.shared.array(THREADS, nb_float32)
         tid = cuda.threadIdx.x
         acc = ZERO32
-        i = cuda.grid(1)
-        stride = cuda.gridsize(1)
         while i < size:
             v = f32(x[i])
             acc = acc + mul(v, v)
@@ -434,8 +434,13 @@ def _kernels() -> Any:
             if tid < width:
                 s[tid] = s[tid] + s[tid + width]
             width //= 2
-        if tid == 0:
-            partial[cuda.blockIdx.x] = s[0]
+        return s[0]
+
+    @cuda.jit
+    def sum_squares(x: Any, partial: Any, size: Any) -> None:
+        total = block_sum_squares(x, cuda.grid(1), cuda.gridsize(1), size)
+        if cuda.threadIdx.x == 0:
+            partial[cuda.blockIdx.x] = total
 
     @cuda.jit
     def finish_l2(partial: Any, count: Any, out: Any) -> None:
@@ -487,24 +492,9 @@ def _kernels() -> Any:
         off = base
         for j in range(k):
             off += reduce_grid(xs[j].size)
-        s = cuda.shared.array(THREADS, nb_float32)
-        tid = cuda.threadIdx.x
-        acc = ZERO32
-        i = b * THREADS + tid
-        stride = grid * THREADS
-        while i < n:
-            v = f32(x[i])
-            acc = acc + mul(v, v)
-            i += stride
-        s[tid] = acc
-        width = THREADS // 2
-        while width > 0:
-            cuda.syncthreads()
-            if tid < width:
-                s[tid] = s[tid] + s[tid + width]
-            width //= 2
-        if tid == 0:
-            partial[off + b] = s[0]
+        total = block_sum_squares(x, b * THREADS + cuda.threadIdx.x, grid * THREADS, n)
+        if cuda.threadIdx.x == 0:
+            partial[off + b] = total
             if b == 0:
                 offs[ids[k]] = off
                 cnts[ids[k]] = grid
