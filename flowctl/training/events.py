@@ -21,6 +21,7 @@ import struct
 import time
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -28,6 +29,21 @@ import numpy as np
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.shapes import TensorSpec
 from flowctl.training.rundir import write_failed
+
+
+@dataclass
+class StepEvent:
+    """What a training step reports to its listeners (the CLI's progress line, `Trainer.on_step`)."""
+
+    step: int  # steps completed
+    total: int
+    loss: float
+    lr: float
+    examples_per_s: float
+    elapsed: float
+    batch: int = 0  # examples in the step (one replica's update under async data parallel)
+    evaluation: dict[str, float] | None = None  # this step's evaluation, when one ran
+
 
 # flowctl dtype -> TensorFlow's DataType number (tensorflow/core/framework/types.proto; tensorboardX's
 # copy of the enum stops before DT_VARIANT = 21, which TensorBoard's own knows).
