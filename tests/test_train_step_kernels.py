@@ -156,3 +156,34 @@ def test_the_cpu_sparse_update_takes_a_gpus_rows_with_repeated_ids(rng):
     bind("SparseApplyGradientDescent", "cpu", {"_resource": want})(alpha, ids, rows)
     bind("SparseApplyGradientDescent", "cpu", {"_resource": got})(alpha, fixed_ids, fixed_rows)
     np.testing.assert_array_equal(got.value, want.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_run_sums_are_reduceats_bits(dtype, axis, rng):
+    """The embedding gradients' run sums (GatherGrad and GatherGradRows on the CPU) equal
+    np.add.reduceat to the bit, whatever the runs' lengths: single rows, short runs summed together,
+    runs past the short limit (reduceat's pairwise sum of the rest) summed by reduceat."""
+    from flowctl.kernels.array import _SHORT_RUN, run_sums
+
+    lengths = rng.permutation(np.array([1] * 20 + list(range(2, _SHORT_RUN + 3)) + [17, 40, 200]))
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.intp)
+    n = int(lengths.sum())
+    shape = (n, 7) if axis == 0 else (3, n, 5)
+    scale = 10.0 ** rng.uniform(-4, 4, size=(n, 1) if axis == 0 else (1, n, 1))
+    x = (rng.standard_normal(shape) * scale).astype(dtype)
+    want = np.add.reduceat(x, starts, axis=axis)
+    got = run_sums(x, starts, axis)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    # a plain left-to-right sum differs somewhere: the test can tell the orders apart
+    seq = np.stack([np.sum(np.moveaxis(x, axis, 0)[s:s + k], axis=0) if k < 3 else
+                    _left_to_right(np.moveaxis(x, axis, 0)[s:s + k]) for s, k in zip(starts, lengths)])
+    assert not np.array_equal(np.moveaxis(seq, 0, axis), want)
+
+
+def _left_to_right(rows):
+    acc = rows[0].copy()
+    for r in rows[1:]:
+        acc = acc + r
+    return acc

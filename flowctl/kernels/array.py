@@ -261,11 +261,45 @@ def gather_grad(xp: Any, attrs: dict[str, Any]) -> Fn:
     return run
 
 
+# A run of up to this many equal ids is summed by whole-batch passes (`run_sums`); a longer one
+# (a padding id repeated through a batch) by add.reduceat on its own rows.
+_SHORT_RUN = 8
+
+
+def run_sums(x: np.ndarray, starts: np.ndarray, axis: int) -> np.ndarray:
+    """np.add.reduceat(x, starts, axis) to the bit, for `starts` strictly increasing from 0 (the
+    runs of a sorted index vector), without reduceat's cost per run (~5 us each: 7.4 ms for the
+    1,309 runs of lstm_lm's two-replica embedding gradient, 0.6 ms here).
+
+    reduceat sums a run as its first slice plus numpy's pairwise sum of the rest, which below
+    eight terms is a plain left-to-right sum from the second slice. Runs of up to `_SHORT_RUN`
+    are therefore summed together, one pass per position in the run: rest = x[s+1], rest +=
+    x[s+2], ..., then first + rest. Longer runs (few in practice) go to reduceat one by one."""
+    n = x.shape[axis]
+    lengths = np.diff(np.append(starts, n))
+    out = np.take(x, starts, axis=axis)
+    multi = np.flatnonzero((lengths > 1) & (lengths <= _SHORT_RUN))
+    if multi.size:
+        at = starts[multi]
+        rest = np.take(x, at + 1, axis=axis)
+        for j in range(2, int(lengths[multi].max())):
+            more = np.flatnonzero(lengths[multi] > j)
+            pos = (slice(None),) * axis + (more,)
+            rest[pos] += np.take(x, at[more] + j, axis=axis)
+        pos = (slice(None),) * axis + (multi,)
+        out[pos] += rest
+    for i in np.flatnonzero(lengths > _SHORT_RUN):
+        s = int(starts[i])
+        seg = (slice(None),) * axis + (slice(s, s + int(lengths[i])),)
+        out[(slice(None),) * axis + (slice(i, i + 1),)] = np.add.reduceat(x[seg], [0], axis=axis)
+    return out
+
+
 @kernel("GatherGrad", device_types=("cpu",))
 def gather_grad_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    """Sort the indices and sum each run of equal ones with add.reduceat: 2-3x faster than numpy's
-    add.at on embedding-sized problems (measured 3.1 ms against 7.8 ms for 4096 rows of 128 into
-    10000), with the same sums up to float rounding order."""
+    """Sort the indices and sum each run of equal ones as add.reduceat does (`run_sums`): 2-3x
+    faster than numpy's add.at on embedding-sized problems (measured 3.1 ms against 7.8 ms for 4096
+    rows of 128 into 10000, with reduceat itself), with the same sums up to float rounding order."""
     axis = attrs["axis"]
 
     def run(dy: Any, indices: Any, like: Any) -> Any:
@@ -275,7 +309,7 @@ def gather_grad_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
             order = xp.argsort(idx, kind="stable")
             ids = idx[order]
             starts = xp.flatnonzero(xp.concatenate(([True], ids[1:] != ids[:-1])))
-            out[:, ids[starts]] = xp.add.reduceat(d3[:, order], starts, axis=1)
+            out[:, ids[starts]] = run_sums(d3[:, order], starts, axis=1)
         return out.reshape(like.shape)
 
     return run

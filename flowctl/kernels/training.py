@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from flowctl.kernels.array import run_sums
 from flowctl.kernels.registry import kernel
 from flowctl.kernels.state import _resident, dtype_of, on_device, updatable_in_place
 
@@ -194,8 +195,8 @@ def gather_grad_rows(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 @kernel("GatherGradRows", device_types=("cpu",))
 def gather_grad_rows_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    """Sort the indices and sum each run of equal ones with add.reduceat: GatherGrad's CPU kernel
-    without the scatter into zeros, so the rows are its rows to the bit."""
+    """Sort the indices and sum each run of equal ones as add.reduceat does (`array.run_sums`):
+    GatherGrad's CPU kernel without the scatter into zeros, so the rows are its rows to the bit."""
     def run(dy: Any, indices: Any, like: Any) -> tuple[Any, Any]:
         idx, d2 = _flat_rows(dy, indices, like)
         if not idx.size:
@@ -203,7 +204,7 @@ def gather_grad_rows_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         order = xp.argsort(idx, kind="stable")
         ids = idx[order]
         starts = xp.flatnonzero(xp.concatenate(([True], ids[1:] != ids[:-1])))
-        rows = xp.add.reduceat(d2[order], starts, axis=0)
+        rows = run_sums(d2[order], starts, axis=0)
         return ids[starts].astype("int64"), rows.reshape((starts.size, *like.shape[1:]))
 
     return run
