@@ -36,8 +36,12 @@ def test_dataparallel_measures_each_row_and_bench_scaling_reads_it(tmp_path: Pat
     spec.write_text(SPEC)
     r = dataparallel_benchmark(steps=2, rounds=1, spec=spec)
     assert r["one_process"]["batch"] == 16 and r["two_workers"]["allreduce"]["batch"] == 32  # weak scaling
-    for row in (r["one_process"], r["one_process_all_threads"], *r["two_workers"].values()):
+    for row in (r["one_process"], r["one_process_all_threads"], r["two_processes"], *r["two_workers"].values()):
         assert row["examples_per_s"] > 0 and row["step_s"] > 0
+    # the ceiling: both processes' steps, each at the spec's batch; its rounds are timed like the others'
+    assert r["two_processes"]["batch"] == 32 and len(r["two_processes"]["rounds_examples_per_s"]) == 1
+    assert r["ratios"]["allreduce_vs_two_processes"] == pytest.approx(
+        r["two_workers"]["allreduce"]["examples_per_s"] / r["two_processes"]["examples_per_s"])
     assert r["ratios"]["allreduce_vs_one_process"] == pytest.approx(
         r["two_workers"]["allreduce"]["examples_per_s"] / r["one_process"]["examples_per_s"])
     assert r["links"]["allreduce"]["bandwidth_Bps"] > 0 and r["link_rates"]["64_MiB"]["GBps"] > 0

@@ -8,7 +8,11 @@ threads (threadpoolctl; the workers set theirs from their device's share of the 
   one_process_all_threads: the same process with every core (the "same cores" comparison);
   two_workers.allreduce / .parameter_device: `sync_data_parallel` over two Ray workers
     (`worker0/cpu:0`, `worker1/cpu:0`), each worker at the spec's batch (global batch 40: weak
-    scaling, as data parallel is used to go faster), all-reduce or the parameter device.
+    scaling, as data parallel is used to go faster), all-reduce or the parameter device;
+  two_processes: the one-process row run in two processes at once (this one and a companion
+    started for the sitting), nothing exchanged: the ceiling two workers on this machine could
+    reach, its cores, caches and memory shared, with no communication and no Ray at all. Its
+    step is the median of both processes' steps, its examples those of both.
 Each row is opened once, then the rows are timed in blocks, in turn, `rounds` times (one untimed
 step, then `steps` timed ones per block); examples/s from the median step, with the rounds' range.
 First, in the same sitting, the link between two workers (`bench.ray.links`: 4 MiB and 64 MiB
@@ -16,12 +20,15 @@ crossings), which `bench scaling` takes as each scheme's measured link.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import yaml
 
 from flowctl.bench.strategies import _measure
@@ -37,6 +44,83 @@ def _spec(text: str, batch: int, **sections: Any) -> Any:
     d.setdefault("training", {})["batch_size"] = batch
     d.update(sections)
     return load_text(yaml.safe_dump(d, sort_keys=False), filename="<bench dataparallel>")
+
+
+def _timed_steps(p: Any, src: Any, steps: int) -> list[float]:
+    """One block as `_measure` times it: an untimed step, then `steps` timed ones (seconds)."""
+    train = p.step.train
+    out = []
+    for i in range(steps + 1):
+        feeds = train.feeds(src.next_batch())
+        feeds[p.step.lr] = np.asarray(0.01, dtype=p.step.lr.dtype)
+        t0 = time.perf_counter()
+        p.session.run([train.loss, train.train_op], feeds)
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def _opened(text: str, batch: int) -> tuple[Any, Any]:
+    from flowctl.training.inputs import make_sources
+    from flowctl.training.program import open_program
+
+    loaded = _spec(text, batch)
+    p = open_program(loaded)
+    src = make_sources(loaded, 1, p.step.batch)[0]
+    p.session.run(p.step.init)
+    return p, src
+
+
+def _companion(conn: Any, text: str, batch: int, threads: int) -> None:
+    """The second process of the two_processes row: builds the one-process row, then runs a block
+    each time it is told to (the number of steps), answering with its step times; None ends it."""
+    from threadpoolctl import threadpool_limits
+
+    p, src = _opened(text, batch)
+    try:
+        conn.send("ready")
+        with threadpool_limits(limits=threads, user_api="blas"):
+            while (steps := conn.recv()) is not None:
+                conn.send(_timed_steps(p, src, steps))
+    finally:
+        p.close()
+
+
+class _TwoProcesses:
+    """The two_processes row's blocks: this process and a spawned companion each run the
+    one-process row's block at the same moment."""
+
+    def __init__(self, text: str, batch: int, threads: int) -> None:
+        self.text, self.batch, self.threads = text, batch, threads
+        self.local: tuple[Any, Any] | None = None
+        ctx = multiprocessing.get_context("spawn")  # not fork: this process holds Ray and threads
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_companion, args=(theirs, text, batch, threads), daemon=True)
+        self.proc.start()
+
+    def block(self, steps: int) -> list[float]:
+        from threadpoolctl import threadpool_limits
+
+        if self.local is None:
+            self.local = _opened(self.text, self.batch)
+            if not self.conn.poll(300) or self.conn.recv() != "ready":
+                raise RuntimeError("bench dataparallel: the companion process did not start")
+        self.conn.send(steps)
+        with threadpool_limits(limits=self.threads, user_api="blas"):
+            mine = _timed_steps(*self.local, steps)
+        return mine + self.conn.recv()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+        if self.local is not None:
+            self.local[0].close()
 
 
 def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, spec: Path | None = None,
@@ -66,6 +150,7 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
     if started:  # both Ray rows stay open: 4 logical CPUs for their 4 one-core workers
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
                  object_store_memory=OBJECT_STORE)
+    pair: _TwoProcesses | None = None
     try:
         # The link first, on a quiet Ray: after the rows it measured 2.1-2.3 GB/s for 64 MiB where
         # alone it gives 5.8-5.95 (the rows' workers were still going away).
@@ -73,26 +158,33 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
         from flowctl.bench.ray import links
 
         rates = links(repeat=5)["link_rates"]
+        pair = _TwoProcesses(text, batch, threads)
         # Ray rows: the limit is the master's only (each worker sets its own from its device).
         measured = _measure({name: loaded for name, (loaded, _) in rows.items()}, steps, say, rounds,
-                            limits={name: limit or 1 for name, (_, limit) in rows.items()})
+                            limits={name: limit or 1 for name, (_, limit) in rows.items()},
+                            blocks={"two_processes": (pair.block, 2 * batch)})
     finally:
+        if pair is not None:
+            pair.close()
         if started:
             ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    one, all_cores = measured["one_process"], measured["one_process_all_threads"]
+    one, all_cores, ceiling = measured["one_process"], measured["one_process_all_threads"], measured["two_processes"]
     two_rows = {s: measured[s] for s in ("allreduce", "parameter_device")}
     # Both schemes move tensors by the same Send/Recv between workers: one measured link for both.
     link = {"bandwidth_Bps": rates["64_MiB"]["GBps"] * 1e9, "latency_s": rates["latency_s"]}
     return {
         "model": str(yaml.safe_load(text).get("name", "lstm_lm")), "batch": batch, "threads": threads,
         "cores": cores, "steps": steps, "rounds": rounds,
-        "one_process": one, "one_process_all_threads": all_cores, "two_workers": two_rows,
+        "one_process": one, "one_process_all_threads": all_cores, "two_processes": ceiling, "two_workers": two_rows,
         "links": {s: dict(link) for s in two_rows}, "link_rates": rates,
         "ratios": {f"{s}_vs_one_process": two_rows[s]["examples_per_s"] / one["examples_per_s"]
                    for s in two_rows} | {f"{s}_vs_all_threads": two_rows[s]["examples_per_s"] /
-                                         all_cores["examples_per_s"] for s in two_rows},
+                                         all_cores["examples_per_s"] for s in two_rows}
+                  | {f"{s}_vs_two_processes": two_rows[s]["examples_per_s"] / ceiling["examples_per_s"]
+                     for s in two_rows}
+                  | {"two_processes_vs_one_process": ceiling["examples_per_s"] / one["examples_per_s"]},
     }
 
 

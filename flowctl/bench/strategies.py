@@ -31,13 +31,16 @@ def _with(text: str, **sections: Any) -> LoadedSpec:
 
 
 def _measure(programs: dict[str, LoadedSpec], steps: int, progress: Callable[[str], None],
-             rounds: int = 2, limits: dict[str, int | None] | None = None) -> dict[str, Any]:
+             rounds: int = 2, limits: dict[str, int | None] | None = None,
+             blocks: dict[str, tuple[Callable[[int], list[float]], int]] | None = None) -> dict[str, Any]:
     """Build each program, then time them in blocks, A B A B (`rounds` blocks each): one untimed
     step, then `steps` timed ones. Blocks rather than alternating single steps because a program
     that ran BLAS on all cores leaves OpenBLAS worker threads spinning for a while, which would slow
     whichever program runs right after it; blocks repeated in turn still share the machine's
     drift. examples/s from the median step time, and each round's. `limits`: a program's BLAS
-    threads in this process (default: its devices' share of the cores, or all of them)."""
+    threads in this process (default: its devices' share of the cores, or all of them). `blocks`:
+    rows timed by a function of their own, in turn after the programs: name -> (a function that
+    runs one block of `steps` timed steps and returns their seconds, the examples of one step)."""
     from threadpoolctl import threadpool_limits
 
     built = {}
@@ -65,12 +68,16 @@ def _measure(programs: dict[str, LoadedSpec], steps: int, progress: Callable[[st
                         if i:
                             block.append(time.perf_counter() - t0)
                 times[name].append(block)
+            for name, (run_block, _) in (blocks or {}).items():
+                progress(f"{name}: round {r + 1}/{rounds}")
+                times.setdefault(name, []).append(run_block(steps))
     finally:
         for p, _ in built.values():
             p.close()
 
     def figure(name: str) -> dict[str, Any]:
-        b, every = built[name][0].step.batch, [t for ts in times[name] for t in ts]
+        b = built[name][0].step.batch if name in built else (blocks or {})[name][1]
+        every = [t for ts in times[name] for t in ts]
         return {"examples_per_s": b / statistics.median(every), "step_s": statistics.median(every), "batch": b,
                 "rounds_examples_per_s": [b / statistics.median(ts) for ts in times[name]]}
 

@@ -321,6 +321,8 @@ def _render_dataparallel(console: Console, r: dict[str, Any]) -> None:
     one = r["one_process"]["examples_per_s"]
     rows = [("1 process", r["one_process"], f"{r['threads']} thread(s)"),
             ("1 process", r["one_process_all_threads"], f"{r['cores']} threads"),
+            *((("2 processes, nothing exchanged (the ceiling)", r["two_processes"],
+                f"{r['threads']} thread(s) each"),) if "two_processes" in r else ()),
             *((f"2 Ray workers, {s}", r["two_workers"][s], f"{r['threads']} thread(s) each")
               for s in ("allreduce", "parameter_device"))]
     body = [[name, threads, str(f["batch"]), f"{f['step_s'] * 1e3:,.0f}",
