@@ -291,14 +291,25 @@ class Worker:
             return
         import ray
 
+        refs = []
         for key, ref in rv.outgoing:
             try:
                 if isinstance(ref, Future):  # a large transfer: its put and call, made on the sending thread
                     ref = ref.result(timeout=self.transfer_timeout)
+            except Exception as e:  # noqa: BLE001 -- any failure to deliver is the transfer's
+                raise _transfer_failed(key, e) from None
+            refs.append((key, ref))
+        try:  # one wait for all the deliveries (a call to Ray per transfer cost the step ~1 ms)
+            ray.get([ref for _, ref in refs], timeout=self.transfer_timeout)
+            return
+        except Exception:  # noqa: BLE001 -- find which transfer failed, below
+            pass
+        for key, ref in refs:
+            try:
                 ray.get(ref, timeout=self.transfer_timeout)
             except Exception as e:  # noqa: BLE001 -- any failure to deliver is the transfer's
-                raise ExecutionError(f"transfer {key} failed: {type(e).__name__}: {str(e).splitlines()[0]}",
-                                     device=key.src_device) from None
+                raise _transfer_failed(key, e) from None
+        raise ExecutionError(f"a transfer from worker task {self.task} failed", device=refs[0][0].src_device)
 
     def deliver(self, key: tuple[Any, ...], value: Any) -> bool:
         """A Send on another worker hands over a tensor for step key[0] (a large one as `Stored`)."""
@@ -351,6 +362,11 @@ class Worker:
         if node is None or node.assigned_device not in self.sessions:
             raise ExecutionError(f"worker task {self.task} does not hold '{name}'")
         return node.assigned_device
+
+
+def _transfer_failed(key: RendezvousKey, err: BaseException) -> ExecutionError:
+    first = (str(err).strip().splitlines() or [""])[0]
+    return ExecutionError(f"transfer {key} failed: {type(err).__name__}: {first}", device=key.src_device)
 
 
 def _plain(err: BaseException) -> BaseException:
