@@ -321,7 +321,7 @@ def _render_dataparallel(console: Console, r: dict[str, Any]) -> None:
     one = r["one_process"]["examples_per_s"]
     rows = [("1 process", r["one_process"], f"{r['threads']} thread(s)"),
             ("1 process", r["one_process_all_threads"], f"{r['cores']} threads"),
-            *((("2 processes, nothing exchanged (the ceiling)", r["two_processes"],
+            *((("2 processes, no exchange (ceiling)", r["two_processes"],
                 f"{r['threads']} thread(s) each"),) if "two_processes" in r else ()),
             *((f"2 Ray workers, {s}", r["two_workers"][s], f"{r['threads']} thread(s) each")
               for s in ("allreduce", "parameter_device"))]
@@ -334,6 +334,10 @@ def _render_dataparallel(console: Console, r: dict[str, Any]) -> None:
                       [Col("row"), Col("threads"), Col("batch", "right"), Col("step ms", "right"),
                        Col("examples/s", "right"), Col(f"vs 1 process, {r['threads']} thread(s)", "right")],
                       body, console.width))
+    if "two_processes" in r:
+        ceiling = r["two_processes"]["examples_per_s"]
+        console.print("  of the ceiling: " + ", ".join(
+            f"{s} {r['two_workers'][s]['examples_per_s'] / ceiling:.0%}" for s in ("allreduce", "parameter_device")))
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:
