@@ -594,7 +594,7 @@ def _train(fuse: bool, capture: bool, steps: int = 4, clip: bool = False, device
     from flowctl.training.program import build_step, step_config
 
     spec = MLP.replace("FUSE", "true" if fuse else "false")
-    if clip:  # the global norm's scale fuses too (AddN, Mul, Sqrt, Maximum, Div); L2Loss is slow in the simulator
+    if clip:  # the global norm's scale fuses too (Mul, Sqrt, Maximum, Div); L2Loss is slow in the simulator
         spec = spec.replace("training: {", "training: {clip_norm: 1.0, ")
     loaded = _load(Row("mlp", spec, 4))
     step = build_step(build_model(loaded, training=True), step_config(loaded))
@@ -624,8 +624,8 @@ def test_a_fused_training_step_on_the_ledger_gives_the_unfused_loss_in_fewer_lau
     # what the fusion pass saves, against the generic kernels (the single-op variants, below, off:
     # the nodes fusion absorbs would otherwise be launches of ours in the unfused step)
     monkeypatch.setattr(registry, "_reference_only", {"on": True})
-    # ... and MultiL2Loss's pass off: unfused, it takes clip_norm's AddN of L2Loss terms, which the
-    # fusion pass absorbs first in the fused graph, so the two steps would differ by more than fusion
+    # ... and MultiL2Loss's pass off: the launches it saves are not fusion's (the fusion pass leaves
+    # clip_norm's AddN of L2Loss terms to it: test_fusion_leaves_the_sum_of_l2_losses_to_multi_l2)
     from flowctl.engine import multi_l2
 
     monkeypatch.setattr(multi_l2, "ENABLED", False)

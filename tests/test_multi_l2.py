@@ -285,3 +285,23 @@ def test_a_captured_gpu_step_fuses_the_sum_keeps_the_bits_and_launches_less(simu
     assert off[3]["graph_nodes"] - on[3]["graph_nodes"] == saved
     for c in on[3:]:
         assert (c["launches"], c["allocations"], c["graph_launches"]) == (0, 0, 1)
+
+
+def test_fusion_leaves_the_sum_of_l2_losses_to_multi_l2(simulator):
+    """training.fuse's pass fuses what reads clipping's global norm (its Mul, Sqrt, Maximum, Div)
+    but not the AddN of L2Loss terms, so a fused step's GPU plan still sums them in one
+    MultiL2Loss; before, the fused tree absorbed the AddN and every L2Loss kept its own launches."""
+    from flowctl.engine.fusion import fuse
+    from flowctl.engine.graph import parse_ref
+
+    g, x, y, loss, train, _ = cnn_graph(clip=1.0)
+    fused = fuse(g.copy(), keep=[loss.op.name, train.op.name, "x", "y"])
+    sums = [n for n in fused.nodes.values() if n.op == "AddN"
+            and all(fused.nodes[parse_ref(r)[0]].op == "L2Loss" for r in n.inputs)]
+    assert len(sums) == 1 and len(sums[0].inputs) == 16  # the 16 variables' norms
+    readers = [n for n in fused.nodes.values() if f"{sums[0].name}:0" in n.inputs]
+    assert [n.op for n in readers] == ["FusedElementwise"]  # the norm's scale, one node
+    with override_array_module("gpu", Ledger()):
+        sess = fc.Session(fused, device="gpu:0", store=fc.ContainerStore(), capture=False)
+        ops = [n.op for n in sess.plan_for([loss.name, train.op.name], {"x:0": None, "y:0": None}).nodes]
+    assert ops.count("MultiL2Loss") == 1 and "L2Loss" not in ops

@@ -17,7 +17,11 @@ What may be a member at all:
 - outside every control-flow frame (§4.4: values inside a frame are tagged per iteration) and
   every branch of a conditional (downstream of a Switch, up to its Merge: such values may be dead);
 - the same requested device, colocation constraints and `placement` entry as the root, so fusing
-  never changes where anything may run.
+  never changes where anything may run;
+- not a sum of L2 losses (an AddN or Add reading an L2Loss: clipping's global norm, an L2
+  penalty): a GPU plan makes that sum one MultiL2Loss node (engine/multi_l2.py), 1 + N/32 launches
+  for its N terms where a fused tree would still leave each L2Loss its own two; what reads the sum
+  (the norm's Mul, Sqrt, Maximum, Div) fuses as before.
 The root may be kept, carry control inputs and be a control input: its name is the node's.
 """
 from __future__ import annotations
@@ -46,6 +50,11 @@ def fusable(node: Node) -> bool:
             and has_kernel(node.op, "cpu") and has_kernel(node.op, "gpu"))
 
 
+def _sums_l2(graph: Graph, node: Node) -> bool:
+    """An AddN or Add with an L2Loss among its inputs: left to the GPU plan's MultiL2Loss (module doc)."""
+    return node.op in ("AddN", "Add") and any(graph.nodes[parse_ref(r)[0]].op == "L2Loss" for r in node.inputs)
+
+
 def _where(node: Node, placement: Mapping[str, str]) -> tuple[str, tuple[str, ...], str | None, str | None]:
     return node.device, tuple(sorted(node.colocate_with)), placement.get(node.name), node.assigned_device
 
@@ -64,7 +73,7 @@ def _trees(graph: Graph, keep: set[str], placement: Mapping[str, str]) -> list[l
             users[parse_ref(ref)[0]].add(node.name)
         ctrl_users.update(node.control_inputs)
     candidates = {n for n, node in graph.nodes.items() if fusable(node) and n not in branches
-                  and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT)}
+                  and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT) and not _sums_l2(graph, node)}
     taken: set[str] = set()
     trees: list[list[str]] = []
     for root in reversed(graph.topo_order()):  # consumers first: each tree grows from its bottom
