@@ -24,14 +24,12 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import yaml
 
-from flowctl.bench.strategies import _measure
+from flowctl.bench.strategies import _measure, timed_block
 from flowctl.spec.loader import load_text
 
 LSTM_LM = Path(__file__).resolve().parents[2] / "specs" / "lstm_lm.yaml"
@@ -44,20 +42,6 @@ def _spec(text: str, batch: int, **sections: Any) -> Any:
     d.setdefault("training", {})["batch_size"] = batch
     d.update(sections)
     return load_text(yaml.safe_dump(d, sort_keys=False), filename="<bench dataparallel>")
-
-
-def _timed_steps(p: Any, src: Any, steps: int) -> list[float]:
-    """One block as `_measure` times it: an untimed step, then `steps` timed ones (seconds)."""
-    train = p.step.train
-    out = []
-    for i in range(steps + 1):
-        feeds = train.feeds(src.next_batch())
-        feeds[p.step.lr] = np.asarray(0.01, dtype=p.step.lr.dtype)
-        t0 = time.perf_counter()
-        p.session.run([train.loss, train.train_op], feeds)
-        if i:
-            out.append(time.perf_counter() - t0)
-    return out
 
 
 def _opened(text: str, batch: int) -> tuple[Any, Any]:
@@ -81,7 +65,7 @@ def _companion(conn: Any, text: str, batch: int, threads: int) -> None:
         conn.send("ready")
         with threadpool_limits(limits=threads, user_api="blas"):
             while (steps := conn.recv()) is not None:
-                conn.send(_timed_steps(p, src, steps))
+                conn.send(timed_block(p, src, steps))
     finally:
         p.close()
 
@@ -107,7 +91,7 @@ class _TwoProcesses:
                 raise RuntimeError("bench dataparallel: the companion process did not start")
         self.conn.send(steps)
         with threadpool_limits(limits=self.threads, user_api="blas"):
-            mine = _timed_steps(*self.local, steps)
+            mine = timed_block(*self.local, steps)
         return mine + self.conn.recv()
 
     def close(self) -> None:

@@ -30,6 +30,24 @@ def _with(text: str, **sections: Any) -> LoadedSpec:
     return load_text(yaml.safe_dump(d, sort_keys=False), filename="<benchmark>")
 
 
+def timed_block(p: Any, src: Any, steps: int, before: Callable[[int], None] | None = None) -> list[float]:
+    """One block of a program's training steps: an untimed one, then `steps` timed ones; their
+    seconds. `before(i)` is told each step's index first (progress)."""
+    train = p.step.train
+    assert train is not None
+    out = []
+    for i in range(steps + 1):
+        if before is not None:
+            before(i)
+        feeds = train.feeds(src.next_batch())
+        feeds[p.step.lr] = np.asarray(0.01, dtype=p.step.lr.dtype)
+        t0 = time.perf_counter()
+        p.session.run([train.loss, train.train_op], feeds)
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def _measure(programs: dict[str, LoadedSpec], steps: int, progress: Callable[[str], None],
              rounds: int = 2, limits: dict[str, int | None] | None = None,
              blocks: dict[str, tuple[Callable[[int], list[float]], int]] | None = None) -> dict[str, Any]:
@@ -53,21 +71,11 @@ def _measure(programs: dict[str, LoadedSpec], steps: int, progress: Callable[[st
             p.session.run(p.step.init)
         for r in range(rounds):
             for name, (p, src) in built.items():
-                train = p.step.train
-                assert train is not None
                 # Distributed: each device thread's BLAS gets its share of the cores (runtime.blas_limits).
                 limit = max(d.threads for d in p.cluster.devices) if p.cluster is not None else None
-                block = []
                 with threadpool_limits(limits=(limits or {}).get(name, limit), user_api="blas"):
-                    for i in range(steps + 1):
-                        progress(f"{name}: round {r + 1}/{rounds}, step {i}/{steps}")
-                        feeds = train.feeds(src.next_batch())
-                        feeds[p.step.lr] = np.asarray(0.01, dtype=p.step.lr.dtype)
-                        t0 = time.perf_counter()
-                        p.session.run([train.loss, train.train_op], feeds)
-                        if i:
-                            block.append(time.perf_counter() - t0)
-                times[name].append(block)
+                    times[name].append(timed_block(p, src, steps, lambda i: progress(
+                        f"{name}: round {r + 1}/{rounds}, step {i}/{steps}")))
             for name, (run_block, _) in (blocks or {}).items():
                 progress(f"{name}: round {r + 1}/{rounds}")
                 times.setdefault(name, []).append(run_block(steps))
