@@ -442,14 +442,16 @@ def _kernels() -> Any:
         if cuda.threadIdx.x == 0:
             partial[cuda.blockIdx.x] = total
 
-    @cuda.jit
-    def finish_l2(partial: Any, count: Any, out: Any) -> None:
+    @cuda.jit(device=True)
+    def block_sum(partial: Any, off: Any, count: Any) -> Any:
+        """This block's sum of partial[off:off + count] (thread 0's value is it): each thread's
+        strided share, then a fixed tree, so L2Loss's finish and MultiL2Loss's give the same bits."""
         s = cuda.shared.array(THREADS, nb_float32)
         tid = cuda.threadIdx.x
         acc = ZERO32
         i = tid
         while i < count:
-            acc = acc + partial[i]
+            acc = acc + partial[off + i]
             i += THREADS
         s[tid] = acc
         width = THREADS // 2
@@ -458,8 +460,13 @@ def _kernels() -> Any:
             if tid < width:
                 s[tid] = s[tid] + s[tid + width]
             width //= 2
-        if tid == 0:
-            out[0] = mul(s[0], HALF)
+        return s[0]
+
+    @cuda.jit
+    def finish_l2(partial: Any, count: Any, out: Any) -> None:
+        total = block_sum(partial, 0, count)
+        if cuda.threadIdx.x == 0:
+            out[0] = mul(total, HALF)
 
 
     # ---------------------------------------------------------------- MultiL2Loss
@@ -504,30 +511,15 @@ def _kernels() -> Any:
     # adds (left to right, each sum rounded to the dtype by its store into `out`).
     @cuda.jit
     def multi_finish_l2(partial: Any, offs: Any, cnts: Any, n: Any, halves: Any, out: Any) -> None:
-        s = cuda.shared.array(THREADS, nb_float32)
-        tid = cuda.threadIdx.x
         for k in range(n):
-            off = offs[k]
-            count = cnts[k]
-            acc = ZERO32
-            i = tid
-            while i < count:
-                acc = acc + partial[off + i]
-                i += THREADS
-            s[tid] = acc
-            width = THREADS // 2
-            while width > 0:
-                cuda.syncthreads()
-                if tid < width:
-                    s[tid] = s[tid] + s[tid + width]
-                width //= 2
-            if tid == 0:
-                halves[k] = mul(s[0], HALF)
+            total = block_sum(partial, offs[k], cnts[k])
+            if cuda.threadIdx.x == 0:
+                halves[k] = mul(total, HALF)
                 if k == 0:
                     out[0] = halves[0]
                 else:
                     out[0] = f32(out[0]) + f32(halves[k])
-            cuda.syncthreads()  # s is the next tensor's
+            cuda.syncthreads()  # block_sum's shared array is the next tensor's
 
     return SimpleNamespace(dropout=dropout, bump=bump, lstm_cell=lstm_cell, lstm_cell_grad=lstm_cell_grad, sgd=sgd,
                            momentum=momentum, adam=adam, multi_sgd=multi_sgd,
