@@ -110,17 +110,20 @@ def test_a_variable_the_launch_cannot_take_runs_its_own_kernel(simulator, rng):
 
 
 # ---------------------------------------------------------------------------------- whole steps
-def cnn_graph(optimizer, clip=None, guard=True):
-    """A small Inception-like net: two branches of convolutions with biases, joined, then a dense
-    layer: many variables, several shapes."""
+def cnn_graph(optimizer, clip=None, guard=True, penalty=None, bias=0.0):
+    """A small Inception-like net: two branches of convolutions with biases (initialised to `bias`),
+    joined, then a dense layer: many variables, several shapes. `penalty` adds an L2 penalty on
+    every variable: "add_n" of their L2Loss nodes, or a chain of Adds ("adds")."""
     g = fc.Graph(seed=7)
     with g.as_default():
         x = fc.placeholder("float32", (None, 8, 8, 3), name="x")
         y = fc.placeholder("int32", (None,), name="y")
+        params = []
 
         def conv(h, cin, cout, size, name):
             w = fc.variable(fc.truncated_normal((size, size, cin, cout), stddev=0.2), name=f"{name}/kernel")
-            b = fc.variable(np.zeros(cout, np.float32), name=f"{name}/bias")
+            b = fc.variable(np.full(cout, bias, np.float32), name=f"{name}/bias")
+            params.extend([w, b])
             return fc.relu(fc.conv2d(h, w, strides=1, padding="SAME") + b)
 
         h = conv(x, 3, 4, 3, "stem")
@@ -128,8 +131,19 @@ def cnn_graph(optimizer, clip=None, guard=True):
         h = fc.concat(branches, axis=3)
         h = fc.reshape(fc.reduce_mean(h, axis=[1, 2]), (-1, 12))
         w = fc.variable(fc.truncated_normal((12, 5), stddev=0.3), name="dense/kernel")
-        b = fc.variable(np.zeros(5, np.float32), name="dense/bias")
-        loss = fc.reduce_mean(fc.sparse_softmax_cross_entropy(fc.matmul(h, w) + b, y), name="loss")
+        b = fc.variable(np.full(5, bias, np.float32), name="dense/bias")
+        params.extend([w, b])
+        loss = fc.reduce_mean(fc.sparse_softmax_cross_entropy(fc.matmul(h, w) + b, y),
+                              name="loss" if penalty is None else "ce")
+        if penalty is not None:
+            l2s = [fc.l2_loss(p) for p in params]
+            if penalty == "add_n":
+                reg = fc.add_n(l2s, name="l2_penalty")
+            else:
+                reg = l2s[0]
+                for t in l2s[1:]:
+                    reg = reg + t
+            loss = fc.add(loss, reg * 1e-2, name="loss")
         train = optimizer.minimize(loss, clip_norm=clip)
         if guard:
             check = fc.check_numerics(loss, message="the step's loss", name="loss_guard")

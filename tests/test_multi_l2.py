@@ -19,6 +19,7 @@ from flowctl.kernels.cuda import jit  # noqa: E402
 from flowctl.kernels.cuda import kernels as cuda_kernels  # noqa: E402
 from flowctl.kernels.ledger import Ledger  # noqa: E402
 from flowctl.kernels.registry import KERNELS, override_array_module  # noqa: E402
+from test_multi_apply import cnn_graph as multi_apply_net, data, run_steps as multi_apply_steps  # noqa: E402
 
 SIM = jit.simulated_module()
 
@@ -184,60 +185,17 @@ def test_only_a_gpu_plan_fuses_and_the_switch_turns_it_off(simulator, monkeypatc
 
 # ---------------------------------------------------------------------------------- whole steps
 def cnn_graph(clip=None, penalty=None):
-    """tests/test_multi_apply.py's small Inception-like net (16 variables), with gradient clipping
-    and/or an L2 penalty on its kernels and biases (an AddN of L2Loss nodes, or a chain of Adds)."""
-    g = fc.Graph(seed=7)
-    with g.as_default():
-        x = fc.placeholder("float32", (None, 8, 8, 3), name="x")
-        y = fc.placeholder("int32", (None,), name="y")
-        params = []
-
-        def conv(h, cin, cout, size, name):
-            w = fc.variable(fc.truncated_normal((size, size, cin, cout), stddev=0.2), name=f"{name}/kernel")
-            b = fc.variable(np.full(cout, 0.1, np.float32), name=f"{name}/bias")
-            params.extend([w, b])
-            return fc.relu(fc.conv2d(h, w, strides=1, padding="SAME") + b)
-
-        h = conv(x, 3, 4, 3, "stem")
-        branches = [conv(conv(h, 4, 4, 1, f"b{i}/reduce"), 4, 4, 3, f"b{i}/conv") for i in range(3)]
-        h = fc.concat(branches, axis=3)
-        h = fc.reshape(fc.reduce_mean(h, axis=[1, 2]), (-1, 12))
-        w = fc.variable(fc.truncated_normal((12, 5), stddev=0.3), name="dense/kernel")
-        b = fc.variable(np.full(5, 0.1, np.float32), name="dense/bias")
-        params.extend([w, b])
-        loss = fc.reduce_mean(fc.sparse_softmax_cross_entropy(fc.matmul(h, w) + b, y), name="ce")
-        if penalty is not None:
-            l2s = [fc.l2_loss(p) for p in params]
-            if penalty == "add_n":
-                reg = fc.add_n(l2s, name="l2_penalty")
-            else:
-                reg = l2s[0]
-                for t in l2s[1:]:
-                    reg = reg + t
-            loss = fc.add(loss, reg * 1e-2, name="loss")
-        train = Momentum(0.05, 0.9).minimize(loss, clip_norm=clip)
-        init = fc.global_variables_initializer()
-    return g, x, y, loss, train, init
-
-
-def data(rng, n):
-    return [(rng.standard_normal((3, 8, 8, 3)).astype(np.float32), rng.integers(0, 5, 3).astype(np.int32))
-            for _ in range(n)]
+    """tests/test_multi_apply.py's small Inception-like net (16 variables, biases from 0.1), under
+    momentum, with gradient clipping and/or an L2 penalty on its kernels and biases (an AddN of
+    L2Loss nodes, or a chain of Adds)."""
+    return multi_apply_net(Momentum(0.05, 0.9), clip, guard=False, penalty=penalty, bias=0.1)
 
 
 def run_steps(g, x, y, loss, train, init, batches, device="cpu:0", led=None):
-    """(losses, variables, per-step ledger counts, the plan's op names)"""
-    sess = fc.Session(g, device=device, store=fc.ContainerStore(), capture=led is not None)
-    sess.run(init)
-    out, counts = [], []
-    for a, b in batches:
-        if led is not None:
-            led.reset_counts()
-        out.append(float(sess.run([loss, train], {x: a, y: b})[0]))
-        if led is not None:
-            counts.append(dict(led.counts))
-    plan = sess.plan_for([loss, train], {x: batches[0][0], y: batches[0][1]})
-    return out, sess.variable_values(), counts, [n.op for n in plan.nodes]
+    """(losses, variables, per-step ledger counts, the plan's op names); captured on the ledger"""
+    out, values, counts, plan = multi_apply_steps(g, x, y, loss, train, init, batches, device, led,
+                                                  capture=led is not None)
+    return out, values, counts, [n.op for n in plan.nodes]
 
 
 # clip 0.05: the norm (~0.4) is over it, so every update is scaled by clip / norm and the norm's
