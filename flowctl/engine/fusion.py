@@ -30,6 +30,7 @@ from typing import Iterable, Mapping
 
 from flowctl.engine.frames import ROOT, assign_frames, has_control_flow, switch_reach
 from flowctl.engine.graph import Graph, Node, parse_ref
+from flowctl.engine.multi_l2 import is_l2_sum
 from flowctl.engine.ops.fused import FUSED_OP, FusedProgram, FusedStep
 from flowctl.engine.opdef import ELEMENTWISE, get_op
 from flowctl.engine.passes import fix_references
@@ -50,11 +51,6 @@ def fusable(node: Node) -> bool:
             and has_kernel(node.op, "cpu") and has_kernel(node.op, "gpu"))
 
 
-def _sums_l2(graph: Graph, node: Node) -> bool:
-    """An AddN or Add with an L2Loss among its inputs: left to the GPU plan's MultiL2Loss (module doc)."""
-    return node.op in ("AddN", "Add") and any(graph.nodes[parse_ref(r)[0]].op == "L2Loss" for r in node.inputs)
-
-
 def _where(node: Node, placement: Mapping[str, str]) -> tuple[str, tuple[str, ...], str | None, str | None]:
     return node.device, tuple(sorted(node.colocate_with)), placement.get(node.name), node.assigned_device
 
@@ -73,7 +69,7 @@ def _trees(graph: Graph, keep: set[str], placement: Mapping[str, str]) -> list[l
             users[parse_ref(ref)[0]].add(node.name)
         ctrl_users.update(node.control_inputs)
     candidates = {n for n, node in graph.nodes.items() if fusable(node) and n not in branches
-                  and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT) and not _sums_l2(graph, node)}
+                  and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT) and not is_l2_sum(graph, node)}
     taken: set[str] = set()
     trees: list[list[str]] = []
     for root in reversed(graph.topo_order()):  # consumers first: each tree grows from its bottom

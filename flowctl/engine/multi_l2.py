@@ -62,6 +62,12 @@ def fuse_l2_sums(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
     return _rewrite(graph, sums)
 
 
+def is_l2_sum(graph: Graph, node: Node) -> bool:
+    """Whether `node` may be (part of) a sum this pass fuses: an AddN or Add reading an L2Loss.
+    The fusion pass (`training.fuse`, engine/fusion.py) leaves such nodes to this one."""
+    return node.op in ("AddN", "Add") and any(graph.nodes[parse_ref(r)[0]].op == "L2Loss" for r in node.inputs)
+
+
 def _term(graph: Graph, ref: str, root: Node, need: set[str], keep: set[str], readers: dict[str, int],
           taken: set[str], op: str) -> Node | None:
     """The node behind `ref` where it is an `op` the sum may absorb: run by the plan, not fetched,
