@@ -256,3 +256,28 @@ training: {optimizer: {type: adam}, batch_size: 3}""")
     assert done.capture == {"captured": True, "reason": None, "captured_steps": 6, "eager_steps": 2}
     assert resumed.capture["captured"] and resumed.capture["captured_steps"] == 2
     assert json.loads((tmp_path / "full" / "run.json").read_text())["capture"]["captured"] is True
+
+
+CONV_BF16 = CONV.replace("training: {", "training: {precision: bf16, ")
+
+
+def test_bf16_on_a_gpu_is_captured_in_bfloat16_arrays():
+    """bf16 on a GPU: the layers' products are bfloat16 arrays (the ledger's GEMM takes them as
+    cuBLAS does: float32 accumulation, one rounding), the step is captured with nothing on the
+    host, and the captured run is the uncaptured run bit for bit."""
+    eager = Run(CONV_BF16, 2, capture=False, ledger=Ledger())
+    captured_ledger = Ledger()
+    captured = Run(CONV_BF16, 2, capture=True, ledger=captured_ledger)
+    products = [n for n in eager.sess.graph.nodes.values() if n.op in ("MatMul", "Conv2D")]
+    assert products and all(n.outputs[0].dtype == "bfloat16" for n in products)
+    losses_e = [eager.step() for _ in range(5)]
+    losses_c, counts = [], []
+    for _ in range(5):
+        captured_ledger.reset_counts()
+        losses_c.append(captured.step())
+        counts.append(dict(captured_ledger.counts))
+    assert losses_c == losses_e and len(set(losses_e)) > 1
+    _same(captured.variables(), eager.variables())
+    assert counts[0]["gemms"] > 0  # the products went through the GEMM, in bfloat16
+    for c in counts[3:]:
+        assert c["launches"] == 0 and c["allocations"] == 0 and c["graph_launches"] == 1, c

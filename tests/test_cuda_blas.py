@@ -96,3 +96,21 @@ def test_gemm_on_the_gpu_matches_numpy_at_the_precision_in_use(rng):
             unit = 2.0 ** -11 if blas.fp32_products() == "tf32" else 2.0 ** -24
             err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
             assert err < 4 * unit * np.sqrt(96), (la, lb, err)
+
+
+@pytest.mark.gpu
+def test_a_bfloat16_gemm_on_the_gpu_is_the_float32_product_rounded_once(rng):
+    """cuBLAS on bfloat16 operands (CUDA_R_16BF, float32 compute): within bfloat16's one rounding
+    of the float32 product of the same values (kernels/bf16.py's reference for MatMul)."""
+    import ml_dtypes
+
+    from flowctl.kernels.registry import array_module
+
+    xp = array_module("gpu")
+    a = rng.standard_normal((64, 96)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((96, 48)).astype(ml_dtypes.bfloat16)
+    got = xp.host(xp.matmul(xp.asarray(a), xp.asarray(b)))
+    assert got.dtype == a.dtype
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    err = np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 2.0 ** -8 + 4 * 2.0 ** -24 * np.sqrt(96), err

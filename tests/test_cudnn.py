@@ -132,9 +132,11 @@ def test_missing_frontend_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cd._state, "import_error", "ModuleNotFoundError: No module named 'cudnn'")
     fake_gpu = SimpleNamespace(cupy=object(), simulated=False)
     assert "not importable" in cd.unavailable(fake_gpu)
-    # The factory hands back the generic kernel itself (bound to the same xp and attrs).
+    # The factory hands back the generic kernel (bound to the same xp and attrs; a bfloat16 call
+    # widened to float32 on its way in, kernels/bf16.py).
     fn = cd.conv2d_gpu(fake_gpu, {"strides": (1, 1), "padding": "SAME"})
     assert getattr(fn, "__qualname__", "").startswith("conv2d_kernel")
+    assert getattr(fn, "__wrapped__").__qualname__.startswith("conv2d_kernel")
 
 
 @pytest.mark.parametrize("strides,padding,kshape", [((1, 1), "SAME", (3, 3)), ((2, 2), "VALID", (3, 3)),
@@ -246,7 +248,10 @@ def _rel(a: object, b: object) -> float:
 
 def _tol(k: int, dtype: str = "float32") -> float:
     """Max error relative to the largest value: TF32 rounding (2**-11) grows like sqrt(K) over a
-    K-term sum; both the cuDNN and the generic (cuBLAS TF32) result carry it."""
+    K-term sum; both the cuDNN and the generic (cuBLAS TF32) result carry it. bfloat16 adds its
+    one rounding of each output (2**-9 relative, on both sides): the sums run in float32."""
+    if dtype == "bfloat16":
+        return 2.0 ** -8 + 2.0 ** -11 * math.sqrt(k) * 4
     unit = 2.0 ** -11 if dtype == "float32" else 2.0 ** -10
     return unit * math.sqrt(k) * 4 + 1e-6
 
@@ -267,28 +272,33 @@ CONV_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}")
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_conv_matches_generic(case: tuple, dtype: str) -> None:
+    """cuDNN against the generic kernel (for bfloat16: the generic kernel in float32, rounded --
+    the reference every bfloat16 kernel answers to, kernels/bf16.py)."""
     import cupy as cp
 
+    from flowctl.kernels.bf16 import computed_in_float32
+
     xp = _gpu()
+    ref = computed_in_float32 if dtype == "bfloat16" else (lambda fn: fn)
     x_shape, f_shape, strides, padding = case
     attrs = {"strides": strides, "padding": padding}
     rs = np.random.default_rng(0)
     x = cp.asarray(rs.standard_normal(x_shape).astype(dtype))
     f = cp.asarray((rs.standard_normal(f_shape) / math.sqrt(f_shape[0] * f_shape[1] * f_shape[2])).astype(dtype))
     y = cd.conv2d_gpu(xp, attrs)(x, f)
-    want = gconv.conv2d_kernel(xp, attrs)(x, f)
+    want = ref(gconv.conv2d_kernel(xp, attrs))(x, f)
     assert y.shape == want.shape and y.dtype == want.dtype
     k = f_shape[0] * f_shape[1] * f_shape[2]
     assert _rel(y, want) < _tol(k, dtype)
     dy = cp.asarray(rs.standard_normal(y.shape).astype(dtype))
     dx = cd.conv2d_backprop_input_gpu(xp, attrs)(dy, f, x)
-    want = gconv.conv2d_backprop_input_kernel(xp, attrs)(dy, f, x)
+    want = ref(gconv.conv2d_backprop_input_kernel(xp, attrs))(dy, f, x)
     assert dx.shape == want.shape
     assert _rel(dx, want) < _tol(f_shape[0] * f_shape[1] * f_shape[3], dtype)
     df = cd.conv2d_backprop_filter_gpu(xp, attrs)(x, dy, f)
-    want = gconv.conv2d_backprop_filter_kernel(xp, attrs)(x, dy, f)
+    want = ref(gconv.conv2d_backprop_filter_kernel(xp, attrs))(x, dy, f)
     assert df.shape == want.shape == f.shape
     assert _rel(df, want) < _tol(y.shape[0] * y.shape[1] * y.shape[2], dtype)
     # A second call reuses the graph (and gives the same bits: deterministic engines).

@@ -309,9 +309,10 @@ def test_the_gradient_of_round_bf16_is_the_gradient_rounded(rng):
 
 
 @pytest.mark.parametrize("which", ["mlp", "conv", "lstm_lm"])
-def test_bf16_training_follows_fp32_on_rounded_reads(which, tmp_path):
+def test_bf16_training_follows_fp32_in_bfloat16_arrays(which, tmp_path):
     """bfloat16 keeps 8 significant bits (~4e-3 relative per rounding): four steps stay within 3%
-    of fp32. Every trainable variable is read through a RoundBF16 and nothing is float16."""
+    of fp32. Every trainable variable is read through a Cast to bfloat16, the layers' products
+    are bfloat16 arrays, nothing is float16, and the master variables stay float32."""
     runs = {}
     for p in ("fp32", "bf16"):
         t = _train(_load(which, p), tmp_path / p, 4)
@@ -322,10 +323,36 @@ def test_bf16_training_follows_fp32_on_rounded_reads(which, tmp_path):
     g = t.program.step.graph
     users = g.consumers()
     for v in t.program.step.model.trainable_variables():
-        assert "RoundBF16" in {g.nodes[c].op for c in users[v.node]}, v.node
+        assert {(g.nodes[c].op, g.nodes[c].attrs.get("dtype")) for c in users[v.node]} >= {("Cast", "bfloat16")}, v.node
+    products = [n for n in g.nodes.values() if n.op in ("MatMul", "Conv2D", "LSTMBlock")]
+    assert products and all(n.outputs[0].dtype == "bfloat16" for n in products)
     assert not any(n.op == "Cast" and n.attrs["dtype"] == "float16" for n in g.nodes.values())
     assert t.program.step.loss_scale is None
     assert all(v.dtype == np.float32 for v in t.session.variable_values().values() if v.dtype.kind == "f")
+
+
+def test_bf16_is_the_same_with_the_fusion_pass_on(tmp_path):
+    """The fusion pass leaves nodes on bfloat16 alone (a fused program would keep its
+    intermediates in float32, not round them as the ops do): fused and unfused runs agree bitwise."""
+    plain = _train(_load("lstm_lm", "bf16"), tmp_path / "plain", 3)
+    fused = _train(_load("lstm_lm", "bf16", ["training.fuse=true"]), tmp_path / "fused", 3)
+    g = fused.program.step.graph
+    assert any(n.op == "FusedElementwise" for n in g.nodes.values())  # the float32 parts still fuse
+    assert not any(n.op == "FusedElementwise" and "bfloat16" in n.attrs["program"] for n in g.nodes.values())
+    assert [r["loss"] for r in _records(tmp_path / "plain")] == [r["loss"] for r in _records(tmp_path / "fused")]
+    va, vb = plain.session.variable_values(), fused.session.variable_values()
+    assert all(va[k].tobytes() == vb[k].tobytes() for k in va)
+
+
+def test_bf16_resume_is_exact(tmp_path):
+    """4 steps straight equal 2 + resume + 2, bitwise, with bfloat16 arrays in the step."""
+    straight = _train(_load("conv", "bf16"), tmp_path / "a", 4).session.variable_values()
+    _train(_load("conv", "bf16"), tmp_path / "b", 2)
+    resumed = _train(_load("conv", "bf16"), tmp_path / "b", 4, resume=True).session.variable_values()
+    assert [r["loss"] for r in _records(tmp_path / "a")] == [r["loss"] for r in _records(tmp_path / "b")]
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert straight[k].tobytes() == resumed[k].tobytes(), k
 
 
 # ---------------------------------------------------------------------------- the spec
@@ -407,3 +434,16 @@ def test_fp16_trains_on_cupy_as_on_numpy(tmp_path):
         losses[dev] = [(r["loss"], r["skipped"]) for r in _records(tmp_path / dev.replace(":", ""))]
     assert [s for _, s in losses["gpu:0"]] == [s for _, s in losses["cpu:0"]]
     np.testing.assert_allclose([v for v, _ in losses["gpu:0"]], [v for v, _ in losses["cpu:0"]], rtol=5e-3)
+
+
+@pytest.mark.gpu
+def test_bf16_trains_on_cupy_in_bfloat16_arrays_as_on_numpy(tmp_path):
+    """bf16 on a GPU: cupy holds the bfloat16 arrays, cuBLAS takes them as they are; the losses
+    follow the CPU's (both round each op's output to bfloat16; the sums differ in order)."""
+    losses = {}
+    for dev in ("cpu:0", "gpu:0"):
+        loaded = load_text(MLP + f"devices: [{dev}]\n", filename="mlp.yaml", overrides=["training.precision=bf16"])
+        t = _train(loaded, tmp_path / dev.replace(":", ""), 6)
+        assert t.session.variable_values()["h/kernel"].dtype == np.float32
+        losses[dev] = [r["loss"] for r in _records(tmp_path / dev.replace(":", ""))]
+    np.testing.assert_allclose(losses["gpu:0"], losses["cpu:0"], rtol=2e-2)

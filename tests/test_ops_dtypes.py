@@ -18,11 +18,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import flowctl as fc
-from flowctl.engine.dtypes import DTYPES
+from flowctl.engine.dtypes import DTYPES, FLOATS
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, make_ref
 from flowctl.engine.ops.api import make1
@@ -161,7 +162,7 @@ NON_NEGATIVE = {("Pow", 1)}
 def _as(value: np.ndarray, dtype: str) -> np.ndarray:
     """A float64 template value in `dtype`, keeping the integers varied and within range (a NaN
     becomes 0 outside the floats)."""
-    if dtype not in ("float16", "float32", "float64"):
+    if dtype not in FLOATS:
         value = np.nan_to_num(value, nan=0.0, posinf=100.0, neginf=-100.0)
     if dtype == "bool":
         return value > 0
@@ -228,6 +229,59 @@ def test_dtypes_and_shapes_match_inference_with_optimizer_off_and_on(op):
             assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), \
                 f"{where}: optimizer changed values {a!r} -> {b!r}"
     assert accepted, f"{op} accepts no dtype at all, not even its template's"
+
+
+BF16_OPS = sorted(op for op in TEMPLATES if _variant(op, "bfloat16") is not None)
+
+
+def test_most_ops_take_bfloat16():
+    # Everything float16 takes (the ops that refuse bfloat16 would have to say why here).
+    refused = [op for op in TEMPLATES if _variant(op, "float16") is not None and op not in BF16_OPS]
+    assert not refused, f"ops that take float16 but refuse bfloat16: {refused}"
+
+
+@pytest.mark.parametrize("op", BF16_OPS)
+def test_bfloat16_is_the_float32_kernel_rounded(op):
+    """An op on bfloat16 gives what it gives on the same values in float32, its bfloat16 outputs
+    rounded to nearest even (kernels/bf16.py): through the executor, with the optimizer on."""
+    g16, n16 = _variant(op, "bfloat16")
+    # The float32 twin: the bfloat16 graph's inputs, widened (exactly), and its attributes.
+    attrs, ins = TEMPLATES[op]
+    spec = OPS[op].attrs
+    wide_attrs = {k: ("float32" if spec[k][0] == "dtype" and v == "bfloat16" else
+                      v.astype(np.float32) if spec[k][0] == "tensor" and v.dtype.name == "bfloat16" else v)
+                  for k, v in n16.attrs.items() if k in attrs}
+    g32 = Graph(seed=1)
+    with g32.as_default():
+        consts = []
+        for r in n16.inputs:
+            v = g16.nodes[r.split(":")[0]].attrs["value"]
+            consts.append(fc.constant(v.astype(np.float32) if v.dtype.name == "bfloat16" else v))
+        n32 = g32.add_node(op, consts, wide_attrs, name="op")
+    refs16 = [make_ref(n16.name, p) for p in range(len(n16.outputs))]
+    refs32 = [make_ref(n32.name, p) for p in range(len(n32.outputs))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = fc.Session(g16, store=fc.ContainerStore(), optimize=True).run(refs16)
+        want = fc.Session(g32, store=fc.ContainerStore()).run(refs32)
+    for port, (a, b, spec16) in enumerate(zip(got, want, n16.outputs)):
+        if spec16.dtype == "bfloat16":
+            b = np.asarray(b).astype(ml_dtypes.bfloat16)
+        assert a.dtype == b.dtype, f"{op} output {port}: {a.dtype} against {b.dtype}"
+        assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), \
+            f"{op} output {port}: {a!r} against the float32 kernel's {b!r} rounded"
+
+
+def test_bfloat16_arithmetic_is_not_numpys_per_element_loops():
+    """The rule above is not what ml_dtypes' loops give: a sum of bfloat16 values accumulated in
+    bfloat16 loses the small terms that the float32 sum keeps (and np.matmul hands back float32)."""
+    x = np.array([256.0] + [1.0] * 64, np.float32)
+    g = Graph()
+    with g.as_default():
+        s = fc.reduce_sum(fc.constant(x.astype(ml_dtypes.bfloat16)))
+    got = fc.Session(g, store=fc.ContainerStore()).run(s)
+    assert got.dtype.name == "bfloat16" and float(got) == 320.0
+    assert float(x.astype(ml_dtypes.bfloat16).sum()) == 256.0  # bfloat16 accumulation: 256 + 1 rounds to 256
 
 
 def test_the_attribute_types_are_what_the_template_rewriting_knows():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import flowctl as fc
+from flowctl.engine.dtypes import FLOATS
 from flowctl.engine.gradcheck import check_gradients
 from flowctl.engine.gradcheck import run_graph as run
 from flowctl.engine.opdef import get_op
@@ -226,7 +227,7 @@ def _identity(op: str, dtype: str):
         return np.nan
     if dtype == "bool":
         return op == "Min"  # all() of nothing is True, any() of nothing is False
-    if dtype.startswith("float"):
+    if dtype in FLOATS:
         return -np.inf if op == "Max" else np.inf
     info = np.iinfo(dtype)
     return info.min if op == "Max" else info.max

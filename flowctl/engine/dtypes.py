@@ -1,14 +1,19 @@
-"""Dtype names as they appear in graphs and GraphDef JSON, mapped to numpy dtypes."""
+"""Dtype names as they appear in graphs and GraphDef JSON, mapped to numpy dtypes.
+
+bfloat16 is ml_dtypes' numpy dtype (the one cupy's arrays take too): a float32's sign, exponent and
+upper 7 mantissa bits. numpy sees it as kind "V", so ask `is_float` here, never `dtype.kind`."""
 from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from flowctl.engine.errors import GraphError
 
 DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype("float16"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype("float32"),
     "float64": np.dtype("float64"),
     "int8": np.dtype("int8"),
@@ -23,7 +28,8 @@ DTYPES: dict[str, np.dtype] = {
 # differentiated, folded or sent off the process; not among the tensor dtypes above.
 VARIANT = "variant"
 _ALL: dict[str, np.dtype] = {**DTYPES, VARIANT: np.dtype(object)}
-FLOATS = frozenset({"float16", "float32", "float64"})
+FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+BFLOAT16 = DTYPES["bfloat16"]
 INTS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16"})
 
 

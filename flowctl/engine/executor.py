@@ -58,7 +58,7 @@ from flowctl.engine.frame_executor import FrameTables, run_frames
 from flowctl.engine.frames import has_control_flow
 from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.ledger import Ledger
-from flowctl.engine.opdef import COLLECTIVE, COMMUNICATION, resident
+from flowctl.engine.opdef import COLLECTIVE, COMMUNICATION, CONTROL, STATE, resident
 from flowctl.kernels.registry import array_module, bind, bind_into, check_finite
 
 if TYPE_CHECKING:
@@ -183,6 +183,16 @@ def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
     return need
 
 
+def _output_dtypes(node: Node) -> list[str] | None:
+    """The node's output dtypes, which tell the registry to run a node on bfloat16 in float32
+    (kernels/bf16.py); None for the ops that keep or move values whatever their dtype (state,
+    resources, asynchronous transfers, control flow), which see their arrays as they are."""
+    d = node.opdef
+    if d.resource or d.ref_inputs or d.is_async or d.group in (STATE, CONTROL):
+        return None
+    return [s.dtype for s in node.outputs]
+
+
 def _input_specs(graph: Graph, node: Node) -> list[Any] | None:
     """The node's inputs' inferred specs, for the kernel registry's variant rules (None where the
     graph cannot say: the reference kernel is then bound)."""
@@ -284,7 +294,7 @@ class Plan:
             if g is not None:
                 attrs["_guard"] = g
         try:
-            return bind(node.op, self.device_type, attrs, _input_specs(graph, node))
+            return bind(node.op, self.device_type, attrs, _input_specs(graph, node), _output_dtypes(node))
         except KeyError:
             raise GraphError(f"node '{node.name}' ({node.op}) has no kernel for device {self.device}") from None
 
@@ -325,7 +335,8 @@ class Plan:
                 cands.append((pos, s))
             if not cands:
                 continue
-            fn = bind_into(node.op, self.device_type, self._attrs(node, resources), _input_specs(graph, node))
+            fn = bind_into(node.op, self.device_type, self._attrs(node, resources), _input_specs(graph, node),
+                           _output_dtypes(node))
             if fn is not None:
                 self.forward[i], self.into[i] = cands, fn
         if any(self.forward):

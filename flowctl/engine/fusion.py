@@ -51,6 +51,13 @@ def fusable(node: Node) -> bool:
             and has_kernel(node.op, "cpu") and has_kernel(node.op, "gpu"))
 
 
+def _bfloat16(graph: Graph, node: Node) -> bool:
+    """A node on bfloat16 computes in float32 and rounds what it stores (kernels/bf16.py); a fused
+    program would keep its intermediates in float32 and change those bits, so it stays unfused."""
+    return (any(s.dtype == "bfloat16" for s in node.outputs)
+            or any(graph.tensor(r).dtype == "bfloat16" for r in node.inputs))
+
+
 def _where(node: Node, placement: Mapping[str, str]) -> tuple[str, tuple[str, ...], str | None, str | None]:
     return node.device, tuple(sorted(node.colocate_with)), placement.get(node.name), node.assigned_device
 
@@ -69,7 +76,8 @@ def _trees(graph: Graph, keep: set[str], placement: Mapping[str, str]) -> list[l
             users[parse_ref(ref)[0]].add(node.name)
         ctrl_users.update(node.control_inputs)
     candidates = {n for n, node in graph.nodes.items() if fusable(node) and n not in branches
-                  and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT) and not is_l2_sum(graph, node)}
+                  and (frames is None or frames.exec_frame.get(n, ROOT) == ROOT) and not is_l2_sum(graph, node)
+                  and not _bfloat16(graph, node)}
     taken: set[str] = set()
     trees: list[list[str]] = []
     for root in reversed(graph.topo_order()):  # consumers first: each tree grows from its bottom

@@ -217,7 +217,7 @@ def receive(value: Any, on_host: bool, xp: Any, done: Callable[[Any, "BaseExcept
 def check_finite(x: Any) -> None:
     """Raise FloatingPointError when a float array holds NaN or Inf (CheckNumerics, §6 lesson 5)."""
     xp = np if isinstance(x, np.ndarray) else (cupy_or_none() if type(x).__module__.startswith("cupy") else None)
-    if xp is None or x.dtype.kind != "f" or bool(xp.isfinite(x).all()):
+    if xp is None or (x.dtype.kind != "f" and x.dtype.name != "bfloat16") or bool(xp.isfinite(x).all()):
         return
     n_nan = int(xp.isnan(x).sum())
     n_inf = int(xp.isinf(x).sum())

@@ -583,22 +583,22 @@ class Ledger(types.ModuleType):
         if k != k2:
             raise ValueError(f"gemm: shapes {a.shape} and {b.shape} do not align")
         dtype = str(a.dtype)
-        if str(b.dtype) != dtype or dtype not in ("float32", "float64", "float16"):
+        if str(b.dtype) != dtype or dtype not in ("float32", "float64", "float16", "bfloat16"):
             raise TypeError(f"gemm: operands of {a.dtype} and {b.dtype}")
         pa, pb = self._operand(a, "gemm"), self._operand(b, "gemm")
         if out is None:
             out = self._x_empty((m, n), a.dtype)
         po = self._operand(out, "gemm")
-        al, be = po.dtype.type(alpha), po.dtype.type(beta)
+        wide = dtype == "bfloat16"  # cuBLAS computes bfloat16 in float32 and rounds once: so here
+        al, be = (np.float32(alpha), np.float32(beta)) if wide else (po.dtype.type(alpha), po.dtype.type(beta))
 
         def call() -> None:
-            r = np.matmul(pa, pb)
+            r = np.matmul(pa.astype(np.float32), pb.astype(np.float32)) if wide else np.matmul(pa, pb)
             if alpha != 1.0:
                 r *= al
-            if beta == 0:
-                po[...] = r
-            else:
-                po[...] = r + po * be
+            if beta != 0:
+                r = r + (po.astype(np.float32) if wide else po) * be
+            po[...] = r.astype(po.dtype) if wide else r
 
         call()
         self.counts["gemms"] += 1

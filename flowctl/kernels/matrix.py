@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from flowctl.kernels import bf16
 from flowctl.kernels.registry import kernel
 
 Fn = Callable[..., Any]
+
+# A GPU's xp.matmul is cuBLAS's GEMM (cuda/xp.py), which takes bfloat16 operands as they are:
+# float32 accumulation, one rounding. On the CPU, numpy's bfloat16 matmul hands back float32,
+# so there the product is widened (kernels/bf16.py).
+bf16.native("MatMul", ["gpu"])
+bf16.native("BatchMatMul", ["gpu"])
 
 
 @kernel("MatMul")

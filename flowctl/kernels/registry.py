@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from flowctl.kernels import bf16
 from flowctl.kernels.backend import (DEAD, Ready, StepGuard, array_module, check_finite, cupy_or_none,
                                      gpu_count, gpu_properties, on_gpu, override_array_module, to_host,
                                      use_gpu)
@@ -139,9 +140,12 @@ def into(op: str, device_types: Iterable[str] = DEVICE_TYPES) -> Callable[[Kerne
 
 
 def bind_into(op: str, device_type: str, attrs: dict[str, Any],
-              ins: Sequence[Any] | None = None) -> Callable[..., Any] | None:
+              ins: Sequence[Any] | None = None, outs: Sequence[str] | None = None) -> Callable[..., Any] | None:
     """The step-time in-place variant of one node's kernel (INTO), or None where it has none. With
-    the node's input specs: that of the variant `bind` takes, if it takes one (None if it has none)."""
+    the node's input specs: that of the variant `bind` takes, if it takes one (None if it has none).
+    A node `bind` runs in float32 for bfloat16 (see `bind`) has none."""
+    if outs is not None and bf16.touches(attrs, ins, outs):
+        return None
     v = chosen(op, device_type, attrs, ins)
     factory = INTO.get((op, device_type)) if v is None else v.into
     return None if factory is None else factory(array_module(device_type), attrs)
@@ -155,11 +159,30 @@ def device_types_for(op: str) -> tuple[str, ...]:
     return tuple(t for t in DEVICE_TYPES if (op, t) in KERNELS)
 
 
-def bind(op: str, device_type: str, attrs: dict[str, Any], ins: Sequence[Any] | None = None) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class _Spec:
+    dtype: str
+    shape: Any
+
+
+def bind(op: str, device_type: str, attrs: dict[str, Any], ins: Sequence[Any] | None = None,
+         outs: Sequence[str] | None = None) -> Callable[..., Any]:
     """The step-time callable for one node: the factory applied to the device's array module. With
-    the node's input specs, a variant whose rule holds stands in for the reference kernel."""
+    the node's input specs, a variant whose rule holds stands in for the reference kernel.
+
+    With its output dtypes (`outs`), a node that touches bfloat16 computes in float32 (kernels/
+    bf16.py): the kernel (or the variant whose rule holds for float32) on widened inputs, its
+    bfloat16 outputs rounded -- unless its kernel takes bfloat16 as it is (`bf16.native`). Without
+    `outs` (state, resource and asynchronous ops) the kernel sees the arrays as they are."""
     factory = KERNELS.get((op, device_type))
     if factory is None:
         raise KeyError(f"no {device_type} kernel for op {op}")
+    xp = array_module(device_type)
+    if outs is not None and bf16.touches(attrs, ins, outs):
+        if (op, device_type) in bf16.NATIVE and not _reference_only["on"]:
+            return factory(xp, attrs)
+        wide = None if ins is None else [_Spec("float32" if s.dtype == bf16.NAME else s.dtype, s.shape) for s in ins]
+        v = chosen(op, device_type, bf16.widened_attrs(attrs), wide)
+        return bf16.widened(factory if v is None else v.factory, xp, attrs, outs)
     v = chosen(op, device_type, attrs, ins)
-    return (factory if v is None else v.factory)(array_module(device_type), attrs)
+    return (factory if v is None else v.factory)(xp, attrs)

@@ -7,8 +7,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from flowctl.kernels import bf16
 from flowctl.kernels.backend import cupy_or_none
 from flowctl.kernels.registry import kernel
+
+bf16.native("Const", ("cpu", "gpu"))  # its value, whatever its dtype
+bf16.native("Placeholder", ("cpu", "gpu"))
 
 
 @kernel("Const")

@@ -59,8 +59,9 @@ class BuiltModel:
 
 
 # training.precision -> the dtype the layers compute in (the variables keep the model's dtype).
-# bf16 is emulated: float32 values rounded to bfloat16 (RoundBF16) where fp16 would cast.
-COMPUTE_DTYPES = {"fp16": "float16", "bf16": "float32"}
+# bfloat16 arrays are ml_dtypes' (numpy and cupy); each op on them computes in float32 and rounds
+# what it stores (kernels/bf16.py), as a GPU's bfloat16 products do.
+COMPUTE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 class _Builder:
@@ -68,8 +69,8 @@ class _Builder:
 
     Mixed precision: `dtype` is the compute dtype, `var_dtype` the master variables'. A trainable
     weight a layer asks for comes back lowered (`lower`): a Cast of its float32 Variable to float16
-    (the Cast's gradient casts back, so the Variable gets a float32 gradient), or for bf16 its
-    value rounded to bfloat16; batch norm runs in float32 on float32 statistics, its output lowered."""
+    or bfloat16 (the Cast's gradient casts back, so the Variable gets a float32 gradient); batch
+    norm runs in float32 on float32 statistics, its output lowered."""
 
     def __init__(self, graph: Graph, training: bool, dtype: str, precision: str = "fp32") -> None:
         self.graph = graph
@@ -104,9 +105,7 @@ class _Builder:
         return self._give(w, c)
 
     def lower(self, t: Tensor, name: str) -> Tensor:
-        """`t` as the layers compute with it: cast to float16, or rounded to bfloat16."""
-        if self.precision == "bf16":
-            return fc.round_bf16(t, name=f"{name}/bf16")
+        """`t` as the layers compute with it: cast to float16 or bfloat16."""
         return fc.cast(t, self.compute, name=f"{name}/{self.compute}")
 
     def master(self, t: Tensor) -> Tensor:
@@ -150,8 +149,8 @@ def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None =
     """Emit the spec's layers into `graph` (a fresh one seeded with `training.seed` by default).
     The built shapes and variables are checked against the layer library's static answers.
     `precision` (default: the spec's `training.precision`): fp16 computes the layers in float16
-    on float32 variables, and the loss in float32; bf16 rounds the weights and inputs the layers
-    read (and batch norm's output) to bfloat16, computing in float32."""
+    on float32 variables, and the loss in float32; bf16 the same in bfloat16 (without loss scaling:
+    bfloat16 has float32's range)."""
     g = graph if graph is not None else Graph(seed=loaded.spec.training.seed)
     model = BuiltModel(g, loaded, training)
     precision = loaded.spec.training.precision if precision is None else precision

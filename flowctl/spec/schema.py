@@ -439,8 +439,8 @@ class TrainingSpec(Strict):
                                           "math, optimizer updates): the same values, fewer kernels and bytes")
     precision: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32", description="compute precision: fp16 and bf16 keep float32 master variables; fp16 computes the "
-                            "layers in float16 with dynamic loss scaling, bf16 rounds what the layers read to "
-                            "bfloat16 (emulated in float32)")
+                            "layers in float16 with dynamic loss scaling, bf16 in bfloat16 (each op computing in "
+                            "float32 and rounding what it stores, as GPU tensor cores do)")
     loss_scale: LossScale = Field(default_factory=lambda: LossScale.model_validate({}),
                                   description="fp16's dynamic loss scaling")
     allow_tf32: bool = Field(True, description="float32 products on a GPU (matmuls, convolutions) as TF32 "

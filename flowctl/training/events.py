@@ -48,7 +48,7 @@ class StepEvent:
 # flowctl dtype -> TensorFlow's DataType number (tensorflow/core/framework/types.proto; tensorboardX's
 # copy of the enum stops before DT_VARIANT = 21, which TensorBoard's own knows).
 _DT = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "int64": 9, "bool": 10,
-       "uint16": 17, "float16": 19, "variant": 21}
+       "bfloat16": 14, "uint16": 17, "float16": 19, "variant": 21}
 _CONTENT_LIMIT = 1024  # constants up to this many bytes carry their values; larger ones their shape only
 
 

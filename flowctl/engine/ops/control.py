@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from flowctl.engine.dtypes import is_float
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import graph_of, make, make1, make_op
@@ -23,7 +24,7 @@ def _same(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
 
 
 def _float_same(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
-    if ins[0].dtype not in ("float16", "float32", "float64"):
+    if not is_float(ins[0].dtype):
         raise InferError(f"CheckNumerics needs a float input, got {ins[0].dtype}")
     return [ins[0]]
 

@@ -98,6 +98,7 @@ import os
 import threading
 from typing import Any, Callable
 
+from flowctl.kernels import bf16
 from flowctl.kernels import conv as _conv
 from flowctl.kernels import nn as _nn
 from flowctl.kernels.registry import fp32_products, kernel
@@ -513,9 +514,15 @@ def _conv_factory(op: str, xp: Any, generic: Fn, body: Callable[[], Fn]) -> Fn:
     return body()
 
 
+# cuDNN takes bfloat16 tensors as they are (tensor cores, float32 accumulation, one rounding); the
+# generic kernel it falls back on computes a bfloat16 call in float32 (kernels/bf16.py).
+for _op in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"):
+    bf16.native(_op, ["gpu"])
+
+
 @kernel("Conv2D", ["gpu"])
 def conv2d_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    generic = _conv.conv2d_kernel(xp, attrs)
+    generic = bf16.computed_in_float32(_conv.conv2d_kernel(xp, attrs))
     strides, padding = tuple(attrs["strides"]), attrs["padding"]
 
     def run(x: Any, f: Any) -> Any:
@@ -527,7 +534,7 @@ def conv2d_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 @kernel("Conv2DBackpropInput", ["gpu"])
 def conv2d_backprop_input_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    generic = _conv.conv2d_backprop_input_kernel(xp, attrs)
+    generic = bf16.computed_in_float32(_conv.conv2d_backprop_input_kernel(xp, attrs))
     strides, padding = tuple(attrs["strides"]), attrs["padding"]
 
     def run(dy: Any, f: Any, like_x: Any) -> Any:
@@ -543,7 +550,7 @@ def conv2d_backprop_input_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 @kernel("Conv2DBackpropFilter", ["gpu"])
 def conv2d_backprop_filter_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    generic = _conv.conv2d_backprop_filter_kernel(xp, attrs)
+    generic = bf16.computed_in_float32(_conv.conv2d_backprop_filter_kernel(xp, attrs))
     strides, padding = tuple(attrs["strides"]), attrs["padding"]
 
     def run(x: Any, dy: Any, like_f: Any) -> Any:

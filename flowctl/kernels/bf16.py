@@ -1,0 +1,101 @@
+"""bfloat16 kernels: stored in bfloat16, computed in float32.
+
+A node whose inputs or outputs are bfloat16 runs its float32 kernel: its bfloat16 inputs widened
+to float32 (exact: a bfloat16 is a float32 with its low 16 mantissa bits zero), its dtype and
+tensor attributes read as float32, and the outputs it declares bfloat16 rounded to the nearest
+bfloat16 (ties to even). That is how a GPU computes with bfloat16 -- tensor-core products and
+cuDNN accumulate in float32 and round once on the way out -- and it makes every op's bfloat16
+result a rule over its float32 reference rather than whatever numpy's per-element bfloat16 loops
+(ml_dtypes) would do (sums accumulated in bfloat16, matmul handing back float32, einsum refusing).
+
+Kernels that take bfloat16 arrays as they are (cuBLAS and cuDNN products on a GPU, which round
+once too) say so with `native`; the rule above stays their reference (`reference_kernels()`
+turns them off, as it does variants). State, resource and asynchronous ops are the executor's to
+leave alone: they keep and move values, whatever their dtype.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["BF16", "NATIVE", "computed_in_float32", "native", "narrow", "touches", "widen", "widened", "widened_attrs"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NAME = "bfloat16"
+# (op, device type) kernels that take bfloat16 arrays as they are and return them.
+NATIVE: set[tuple[str, str]] = set()
+
+
+def native(op: str, device_types: Iterable[str]) -> None:
+    """Say that `op`'s kernels on these device types take bfloat16 arrays as they are."""
+    NATIVE.update((op, t) for t in device_types)
+
+
+def widen(x: Any) -> Any:
+    """A bfloat16 array as float32 (exact); anything else as it is."""
+    return x.astype(np.float32) if getattr(x, "dtype", None) == BF16 else x
+
+
+def narrow(x: Any) -> Any:
+    """A float32 array rounded to the nearest bfloat16 (ties to even; NaN stays NaN, overflow is
+    Inf); a value of another dtype as it is (an op may declare bfloat16 for an output its float32
+    kernel already hands back as bfloat16, a Const's value, say)."""
+    return x.astype(BF16) if getattr(x, "dtype", None) == np.float32 else x
+
+
+def computed_in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A one-output kernel that, handed bfloat16 arrays, runs in float32 and rounds: the fallback
+    of a native kernel that cannot serve a call itself. It carries `fn`'s name (functools.wraps)."""
+    @functools.wraps(fn)
+    def run(*xs: Any) -> Any:
+        if any(getattr(x, "dtype", None) == BF16 for x in xs):
+            return narrow(fn(*map(widen, xs)))
+        return fn(*xs)
+
+    return run
+
+
+def touches(attrs: dict[str, Any], ins: Sequence[Any] | None, outs: Sequence[str]) -> bool:
+    """Whether a node reads, makes or is told of bfloat16 (its dtype attribute, a bfloat16 Const)."""
+    return (NAME in outs or any(getattr(s, "dtype", None) == NAME for s in ins or ())
+            or any(_is_bf16_attr(v) for k, v in attrs.items() if not k.startswith("_")))
+
+
+def _is_bf16_attr(v: Any) -> bool:
+    if isinstance(v, str):
+        return v == NAME
+    return getattr(v, "dtype", None) == BF16
+
+
+def widened_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The node's attributes as its float32 kernel reads them."""
+    out = {}
+    for k, v in attrs.items():
+        if not k.startswith("_") and isinstance(v, str) and v == NAME:
+            v = "float32"
+        elif not k.startswith("_") and getattr(v, "dtype", None) == BF16:
+            v = v.astype(np.float32)
+        out[k] = v
+    return out
+
+
+def widened(factory: Callable[[Any, dict[str, Any]], Callable[..., Any]], xp: Any, attrs: dict[str, Any],
+            outs: Sequence[str]) -> Callable[..., Any]:
+    """The step-time callable of `factory` computing in float32 for a node that touches bfloat16:
+    bfloat16 inputs widened, bfloat16 attributes read as float32, the outputs declared bfloat16
+    rounded. `outs`: the node's output dtypes."""
+    fn = factory(xp, widened_attrs(attrs))
+    low = tuple(d == NAME for d in outs)
+    if len(outs) == 1:
+        if low[0]:
+            return lambda *xs: narrow(fn(*map(widen, xs)))
+        return lambda *xs: fn(*map(widen, xs))
+
+    def run(*xs: Any) -> Any:
+        ys = fn(*map(widen, xs))
+        return tuple(narrow(y) if lo else y for y, lo in zip(ys, low))
+
+    return run
