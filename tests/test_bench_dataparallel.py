@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,22 @@ def test_dataparallel_measures_each_row_and_bench_scaling_reads_it(tmp_path: Pat
     assert r["ratios"]["allreduce_vs_one_process"] == pytest.approx(
         r["two_workers"]["allreduce"]["examples_per_s"] / r["one_process"]["examples_per_s"])
     assert r["links"]["allreduce"]["bandwidth_Bps"] > 0 and r["link_rates"]["64_MiB"]["GBps"] > 0
+    # Ray's own processes (raylet, GCS, the two idle actors at least) were found and use some CPU
+    assert r["ray_idle"]["processes"] >= 4 and 0 < r["ray_idle"]["ms_per_s"] < 1000 * r["cores"]
     path = tmp_path / "dataparallel-cpu.json"
     path.write_text(json.dumps(r))
     measured = read_measured(path)
     assert measured is not None and measured.two_workers.keys() == {"allreduce", "parameter_device"}
     assert os.environ.get("RAY_ADDRESS") is None
+
+
+def test_cpu_seconds_reads_a_process_s_own_time_and_none_for_a_gone_one():
+    from flowctl.bench.dataparallel import _cpu_seconds
+
+    before = _cpu_seconds(os.getpid())
+    t = time.process_time()
+    while time.process_time() - t < 0.2:
+        pass
+    after = _cpu_seconds(os.getpid())
+    assert before is not None and after is not None and 0.1 < after - before < 5
+    assert _cpu_seconds(2 ** 22 + 12345) is None  # above the kernel's largest pid

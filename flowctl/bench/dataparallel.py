@@ -16,7 +16,10 @@ threads (threadpoolctl; the workers set theirs from their device's share of the 
 Each row is opened once, then the rows are timed in blocks, in turn, `rounds` times (one untimed
 step, then `steps` timed ones per block); examples/s from the median step, with the rounds' range.
 First, in the same sitting, the link between two workers (`bench.ray.links`: 4 MiB and 64 MiB
-crossings), which `bench scaling` takes as each scheme's measured link.
+crossings), which `bench scaling` takes as each scheme's measured link, and what Ray's own
+processes take of the cores while two actors sit idle (`ray_idle`: the raylet, the GCS, the log
+monitor and the actors' Ray threads; no exchange could get that back on a machine whose cores the
+workers fill).
 """
 from __future__ import annotations
 
@@ -68,6 +71,56 @@ def _companion(conn: Any, text: str, batch: int, threads: int) -> None:
                 conn.send(timed_block(p, src, steps))
     finally:
         p.close()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time from /proc (None once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _ray_pids(temp_dir: str, extra: list[int]) -> list[int]:
+    """Ray's processes of this session (their command lines name its directory), and `extra`."""
+    pids = set(extra)
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if temp_dir.encode() in (d / "cmdline").read_bytes():
+                    pids.add(int(d.name))
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+def ray_idle(temp_dir: str, seconds: float = 5.0) -> dict[str, float]:
+    """CPU that Ray's processes take per second with two idle actors (this driver excluded)."""
+    import time
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def pid(self) -> int:
+            return os.getpid()
+
+    actors = [Idle.remote() for _ in range(2)]
+    try:
+        pids = _ray_pids(temp_dir, ray.get([a.pid.remote() for a in actors]))
+        time.sleep(1.0)
+        before = {p: _cpu_seconds(p) for p in pids}
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        after = {p: _cpu_seconds(p) for p in pids}
+        wall = time.perf_counter() - t0
+    finally:
+        for a in actors:
+            ray.kill(a)
+    used = sum(after[p] - before[p] for p in pids if before[p] is not None and after[p] is not None)
+    cores = os.cpu_count() or 1
+    return {"ms_per_s": 1e3 * used / wall, "share_of_cores": used / wall / cores, "processes": len(pids)}
 
 
 class _TwoProcesses:
@@ -142,6 +195,8 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
         from flowctl.bench.ray import links
 
         rates = links(repeat=5)["link_rates"]
+        say("Ray's own processes, two actors idle")
+        idle = ray_idle(tmp)
         pair = _TwoProcesses(text, batch, threads)
         # Ray rows: the limit is the master's only (each worker sets its own from its device).
         measured = _measure({name: loaded for name, (loaded, _) in rows.items()}, steps, say, rounds,
@@ -162,7 +217,7 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
         "model": str(yaml.safe_load(text).get("name", "lstm_lm")), "batch": batch, "threads": threads,
         "cores": cores, "steps": steps, "rounds": rounds,
         "one_process": one, "one_process_all_threads": all_cores, "two_processes": ceiling, "two_workers": two_rows,
-        "links": {s: dict(link) for s in two_rows}, "link_rates": rates,
+        "links": {s: dict(link) for s in two_rows}, "link_rates": rates, "ray_idle": idle,
         "ratios": {f"{s}_vs_one_process": two_rows[s]["examples_per_s"] / one["examples_per_s"]
                    for s in two_rows} | {f"{s}_vs_all_threads": two_rows[s]["examples_per_s"] /
                                          all_cores["examples_per_s"] for s in two_rows}

@@ -338,6 +338,10 @@ def _render_dataparallel(console: Console, r: dict[str, Any]) -> None:
         ceiling = r["two_processes"]["examples_per_s"]
         console.print("  of the ceiling: " + ", ".join(
             f"{s} {r['two_workers'][s]['examples_per_s'] / ceiling:.0%}" for s in ("allreduce", "parameter_device")))
+    if "ray_idle" in r:
+        idle = r["ray_idle"]
+        console.print(f"  Ray's own processes with two idle actors: {idle['ms_per_s']:.0f} ms of CPU per second, "
+                      f"{idle['share_of_cores']:.1%} of the cores")
 
 
 def _render_ratios(console: Console, r: dict[str, Any]) -> None:
