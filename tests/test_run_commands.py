@@ -267,3 +267,27 @@ def test_nmt_with_attention_exports_to_onnx_and_computes_the_runs_logits(tmp_pat
     m = open_run(run)
     want = m.session.run(m.evaluator.logits, {m.evaluator.model.inputs[k]: v for k, v in feed.items()})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_onnx_export_of_a_bf16_run_is_its_float32_graph_and_runs_in_onnxruntime(tmp_path):
+    """A bf16 run's ONNX file computes in float32 on the run's float32 master weights (onnxruntime's
+    CPU provider has no bfloat16 kernels): it runs there and gives flowctl's float32 logits."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+
+    run = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", str(ROOT / "specs" / "demo.yaml"), "--run-dir", str(run), "--steps", "20",
+                                 "--set", "training.precision=bf16"])
+    assert r.exit_code == 0, r.output
+    o = _json(["export", str(run), "--out", str(tmp_path / "o"), "--format", "onnx"])
+    model = onnx.load(o["file"])
+    assert not any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for n in model.graph.node for a in n.attribute)
+    x = np.random.default_rng(5).standard_normal((7, 16)).astype(np.float32)
+    (got,) = ort.InferenceSession(o["file"]).run(None, {model.graph.input[0].name: x})
+    fp32 = open_run(run, precision="fp32")
+    want = fp32.session.run(fp32.evaluator.logits, {fp32.evaluator.model.inputs["features"]: x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    bf16 = open_run(run)  # the run's own graph computes in bfloat16: close to, not equal to, float32
+    low = bf16.session.run(bf16.evaluator.logits, {bf16.evaluator.model.inputs["features"]: x})
+    assert not np.array_equal(np.asarray(low, np.float32), want)
+    np.testing.assert_allclose(np.asarray(low, np.float32), want, rtol=0.1, atol=0.1)

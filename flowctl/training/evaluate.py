@@ -40,16 +40,17 @@ class Scores:
 class Evaluator:
     def __init__(self, loaded: LoadedSpec, store: ContainerStore, device: str,
                  metrics: Sequence[str] | None = None, tokenizer: ByteBPE | None = None,
-                 table: TableEncoding | None = None) -> None:
+                 table: TableEncoding | None = None, precision: str | None = None) -> None:
         """`tokenizer`: the run's byte-level BPE, for a text source that asks for one; `table`: the
-        run's table encoding, for a table source."""
+        run's table encoding, for a table source; `precision`: another than the spec's (the float32
+        master variables are the same either way)."""
         if loaded.loss is None:
             raise SpecError("the spec names no loss layer (model.loss), so there is nothing to evaluate")
         self.loaded = loaded
         self.metrics = list(metrics or loaded.spec.training.metrics)
         self.tokenizer = tokenizer
         self.table = table
-        self.model: BuiltModel = build_model(loaded, training=False)
+        self.model: BuiltModel = build_model(loaded, training=False, precision=precision)
         assert self.model.loss is not None
         loss_layer = loaded.layers[loaded.loss]
         self.logits: fc.Tensor | None = None

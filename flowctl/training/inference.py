@@ -55,15 +55,17 @@ class RunModel:
         return self.evaluator.session
 
 
-def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = None) -> RunModel:
+def open_run(run_dir: Path, checkpoint: str | None = None, data: str | None = None,
+             precision: str | None = None) -> RunModel:
     """The run in `run_dir` forward only, on the host, with the weights of `checkpoint` (a step
     number, `best`, or None for the newest valid one). `data`: another file to read instead of the
-    spec's (arrays or a text corpus)."""
+    spec's (arrays or a text corpus); `precision`: the graph in another than the spec's
+    `training.precision` (its variables are float32 in every one)."""
     run = RunDir(run_dir)
     loaded, _ = load_run_spec(run)
     split = override_data(loaded, data, held=True) if data else "validation"
     evaluator = Evaluator(loaded, fc.ContainerStore(), "cpu:0", tokenizer=run_tokenizer(loaded, run),
-                          table=run_table(loaded, run))
+                          table=run_table(loaded, run), precision=precision)
     found = _checkpoint(run, checkpoint)
     wanted = {n.name for n in evaluator.graph.nodes.values() if n.op == "Variable"}
     missing = sorted(wanted - set(found.tensors))
@@ -329,12 +331,16 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------- export
 def export_run(run_dir: Path, out: Path, checkpoint: str | None = None, fmt: str = "flowctl") -> dict[str, Any]:
     """Write the run's inference graph, weights and signature to `out` (`fmt` "onnx": the graph
-    from the inputs to the logits as `out/model.onnx`, checked by onnx.checker)."""
+    from the inputs to the logits as `out/model.onnx`, checked by onnx.checker). An ONNX file is
+    the float32 graph whatever the run's `training.precision`: its variables are float32 masters,
+    and runtimes' CPU providers lack most bfloat16 and float16 kernels (onnxruntime has no
+    bfloat16 Relu), so a mixed-precision graph would often not run; the flowctl format keeps the
+    run's own precision."""
     from safetensors.numpy import save
 
-    m = open_run(run_dir, checkpoint)
     if fmt == "onnx":
-        return _export_onnx(m, out)
+        return _export_onnx(open_run(run_dir, checkpoint, precision="fp32"), out)
+    m = open_run(run_dir, checkpoint)
     model = m.evaluator.model
     logits = _logits_of(m) if m.evaluator.logits is not None else None
     outputs = {"logits": logits.name} if logits is not None else {}
