@@ -65,3 +65,20 @@ def test_cpu_seconds_reads_a_process_s_own_time_and_none_for_a_gone_one():
     after = _cpu_seconds(os.getpid())
     assert before is not None and after is not None and 0.1 < after - before < 5
     assert _cpu_seconds(2 ** 22 + 12345) is None  # above the kernel's largest pid
+
+
+def test_a_companion_that_dies_is_one_line():
+    """The two_processes row's companion dying mid-sitting stops the bench with a FlowctlError
+    naming it and its exit code, not a bare EOFError or BrokenPipeError from its pipe."""
+    from flowctl.bench.dataparallel import _TwoProcesses
+    from flowctl.engine.errors import FlowctlError
+
+    pair = _TwoProcesses(SPEC, 16, 1)
+    try:
+        assert len(pair.block(1)) == 2  # both sides ran their step
+        pair.proc.kill()
+        pair.proc.join(10)
+        with pytest.raises(FlowctlError, match=r"companion failed: it exited \(exit code -9\)"):
+            pair.block(1)
+    finally:
+        pair.close()

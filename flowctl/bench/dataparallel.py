@@ -33,6 +33,7 @@ from typing import Any, Callable
 import yaml
 
 from flowctl.bench.strategies import _measure, timed_block
+from flowctl.engine.errors import FlowctlError
 from flowctl.spec.loader import load_text
 
 LSTM_LM = Path(__file__).resolve().parents[2] / "specs" / "lstm_lm.yaml"
@@ -63,12 +64,20 @@ def _companion(conn: Any, text: str, batch: int, threads: int) -> None:
     each time it is told to (the number of steps), answering with its step times; None ends it."""
     from threadpoolctl import threadpool_limits
 
-    p, src = _opened(text, batch)
+    try:
+        p, src = _opened(text, batch)
+    except Exception as e:  # noqa: BLE001 -- said by the bench, in one line
+        conn.send(f"{type(e).__name__}: {e}")
+        return
     try:
         conn.send("ready")
         with threadpool_limits(limits=threads, user_api="blas"):
             while (steps := conn.recv()) is not None:
-                conn.send(timed_block(p, src, steps))
+                try:
+                    conn.send(timed_block(p, src, steps))
+                except Exception as e:  # noqa: BLE001
+                    conn.send(f"{type(e).__name__}: {e}")
+                    return
     finally:
         p.close()
 
@@ -140,12 +149,30 @@ class _TwoProcesses:
 
         if self.local is None:
             self.local = _opened(self.text, self.batch)
-            if not self.conn.poll(300) or self.conn.recv() != "ready":
-                raise RuntimeError("bench dataparallel: the companion process did not start")
-        self.conn.send(steps)
+            said = self._answer(300)
+            if said != "ready":
+                raise FlowctlError(f"bench dataparallel: the two_processes row's companion did not start: {said}")
+        try:
+            self.conn.send(steps)
+        except OSError:  # a broken pipe: the companion is gone
+            raise FlowctlError(f"bench dataparallel: the two_processes row's companion failed: {self._answer(0)}") \
+                from None
         with threadpool_limits(limits=self.threads, user_api="blas"):
             mine = timed_block(*self.local, steps)
-        return mine + self.conn.recv()
+        theirs = self._answer(None)
+        if not isinstance(theirs, list):
+            raise FlowctlError(f"bench dataparallel: the two_processes row's companion failed: {theirs}")
+        return mine + theirs
+
+    def _answer(self, timeout: float | None) -> Any:
+        """The companion's next message, or why there is none (it exited, or said nothing in time)."""
+        try:
+            if timeout is not None and not self.conn.poll(timeout) and self.proc.is_alive():
+                return f"no answer in {timeout:.0f} s"
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(5)
+            return f"it exited (exit code {self.proc.exitcode})"
 
     def close(self) -> None:
         if self.proc.is_alive():
