@@ -356,6 +356,39 @@ def test_gpu_batch_norm_matches_generic(shape: tuple, activation: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_gpu_batch_norm_on_bfloat16_matches_the_widened_reference(activation: str) -> None:
+    """bf16 training's batch norm: bfloat16 x, y, dy, dx through cuDNN beside float32 parameters
+    and statistics, against the generic kernel in float32 with y and dx rounded (kernels/bf16.py)."""
+    import cupy as cp
+
+    from flowctl.kernels.bf16 import computed_in_float32
+
+    xp = _gpu()
+    attrs = {"epsilon": 1e-3, "activation": activation}
+    rs = np.random.default_rng(4)
+    shape = (8, 7, 7, 32)
+    x = cp.asarray((rs.standard_normal(shape) * 2 + 0.5).astype("bfloat16"))
+    scale = cp.asarray(rs.uniform(0.5, 1.5, 32).astype(np.float32))
+    offset = cp.asarray(rs.standard_normal(32).astype(np.float32))
+    got = cd.fused_batch_norm_gpu(xp, attrs)(x, scale, offset)
+    ref = computed_in_float32(gnn.fused_batch_norm(xp, attrs), (True, False, False))
+    want = ref(x, scale, offset)
+    assert [str(a.dtype) for a in got] == ["bfloat16", "float32", "float32"]
+    for name, a, b, tol in zip(("y", "mean", "var"), got, want, (2.0 ** -7, 2e-5, 2e-5)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) < tol, name
+    dy = cp.asarray(rs.standard_normal(shape).astype("bfloat16"))
+    extra = (got[0],) if activation == "relu" else ()
+    grads = cd.fused_batch_norm_grad_gpu(xp, attrs)(dy, x, scale, got[1], got[2], *extra)
+    gref = computed_in_float32(gnn.fused_batch_norm_grad(xp, attrs), (True, False, False))
+    want = gref(dy, x, scale, got[1], got[2], *extra)
+    assert [str(a.dtype) for a in grads] == ["bfloat16", "float32", "float32"]
+    for name, a, b in zip(("dx", "dscale", "doffset"), grads, want):
+        assert _rel(a, b) < 2.0 ** -7, name
+
+
+@pytest.mark.gpu
 def test_gpu_batch_norm_with_stat_grads_falls_back() -> None:
     import cupy as cp
 

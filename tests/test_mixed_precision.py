@@ -326,6 +326,9 @@ def test_bf16_training_follows_fp32_in_bfloat16_arrays(which, tmp_path):
         assert {(g.nodes[c].op, g.nodes[c].attrs.get("dtype")) for c in users[v.node]} >= {("Cast", "bfloat16")}, v.node
     products = [n for n in g.nodes.values() if n.op in ("MatMul", "Conv2D", "LSTMBlock")]
     assert products and all(n.outputs[0].dtype == "bfloat16" for n in products)
+    norms = [n for n in g.nodes.values() if n.op == "FusedBatchNorm"]
+    assert bool(norms) == (which == "conv")  # batch norm reads bfloat16 x, float32 parameters
+    assert all([g.tensor(r).dtype for r in n.inputs] == ["bfloat16", "float32", "float32"] for n in norms)
     assert not any(n.op == "Cast" and n.attrs["dtype"] == "float16" for n in g.nodes.values())
     assert t.program.step.loss_scale is None
     assert all(v.dtype == np.float32 for v in t.session.variable_values().values() if v.dtype.kind == "f")
@@ -342,6 +345,35 @@ def test_bf16_is_the_same_with_the_fusion_pass_on(tmp_path):
     assert [r["loss"] for r in _records(tmp_path / "plain")] == [r["loss"] for r in _records(tmp_path / "fused")]
     va, vb = plain.session.variable_values(), fused.session.variable_values()
     assert all(va[k].tobytes() == vb[k].tobytes() for k in va)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_bf16_batch_norm_reads_bfloat16_with_the_bits_of_casts_around_a_float32_one(activation):
+    """Batch norm on a bfloat16 x with float32 parameters: y, the statistics and every gradient
+    are bitwise those of Cast(x, float32) -> the float32 batch norm -> Cast(y, bfloat16)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((4, 3, 3, 5)).astype(ml_dtypes.bfloat16)
+    sv, ov = rng.standard_normal(5).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    wv = rng.standard_normal((4, 3, 3, 5)).astype(ml_dtypes.bfloat16)
+    outs = {}
+    for direct in (True, False):
+        g = fc.Graph()
+        with g.as_default():
+            x, scale, offset = fc.constant(xv), fc.constant(sv), fc.constant(ov)
+            w = fc.constant(wv)
+            x_in = x if direct else fc.cast(x, "float32")
+            y, mean, var = fc.fused_batch_norm(x_in, scale, offset, activation=activation)
+            if not direct:
+                y = fc.cast(y, "bfloat16")
+            assert (y.dtype, mean.dtype, var.dtype) == ("bfloat16", "float32", "float32")
+            loss = fc.reduce_sum(fc.cast(y * w, "float32"))
+            grads = fc.gradients(loss, [x, scale, offset])
+            outs[direct] = fc.Session(g).run([y, mean, var, *grads])
+    for a, b, what in zip(outs[True], outs[False], ["y", "mean", "var", "dx", "dscale", "doffset"]):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), what
+    assert outs[True][3].dtype.name == "bfloat16" and outs[True][4].dtype == np.float32
 
 
 def test_bf16_resume_is_exact(tmp_path):

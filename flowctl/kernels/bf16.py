@@ -46,14 +46,18 @@ def narrow(x: Any) -> Any:
     return x.astype(BF16) if getattr(x, "dtype", None) == np.float32 else x
 
 
-def computed_in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A one-output kernel that, handed bfloat16 arrays, runs in float32 and rounds: the fallback
-    of a native kernel that cannot serve a call itself. It carries `fn`'s name (functools.wraps)."""
+def computed_in_float32(fn: Callable[..., Any], low: Sequence[bool] | None = None) -> Callable[..., Any]:
+    """A kernel that, handed bfloat16 arrays, runs in float32 and rounds its output (or, with
+    `low`, the outputs it flags: batch norm's statistics stay float32): the fallback of a native
+    kernel that cannot serve a call itself. It carries `fn`'s name (functools.wraps)."""
     @functools.wraps(fn)
     def run(*xs: Any) -> Any:
-        if any(getattr(x, "dtype", None) == BF16 for x in xs):
-            return narrow(fn(*map(widen, xs)))
-        return fn(*xs)
+        if not any(getattr(x, "dtype", None) == BF16 for x in xs):
+            return fn(*xs)
+        ys = fn(*map(widen, xs))
+        if low is None:
+            return narrow(ys)
+        return tuple(narrow(y) if lo else y for y, lo in zip(ys, low))
 
     return run
 

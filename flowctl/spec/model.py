@@ -114,8 +114,13 @@ class _Builder:
     def batch_norm(self, x: Tensor, gamma: Tensor | None, beta: Tensor, mean: Tensor, var: Tensor,
                    epsilon: float, momentum: float, activation: str = "none") -> Tensor:
         low = self.precision != "fp32"
+        # A bfloat16 x goes into training's batch norm as it is, beside float32 parameters and
+        # statistics (its kernel widens x and rounds y: the bits of a Cast up, a float32 batch
+        # norm and a Cast down, with neither Cast's pass over x); float16 and inference's
+        # ChannelAffine take a float32 copy.
+        direct = self.precision == "bf16" and self.training
         if low:  # batch statistics and their moving averages in float32
-            if x.dtype != self.var_dtype:
+            if x.dtype != self.var_dtype and not direct:
                 x = fc.cast(x, self.var_dtype, name="bn/to_master")
             gamma = None if gamma is None else self.master(gamma)
             beta = self.master(beta)
@@ -125,7 +130,7 @@ class _Builder:
         y, updates = fc.batch_norm(x, scale, beta, mean, var, training=self.training, momentum=momentum,
                                    epsilon=epsilon, activation=activation, name="bn")
         self.updates.extend(updates)
-        return self.lower(y, "bn/output") if low else y
+        return self.lower(y, "bn/output") if low and not direct else y
 
 
 def _initial_value(w: Weight, dtype: str) -> Tensor:

@@ -83,11 +83,13 @@ def _xent_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Tenso
     return [TensorSpec((merge_dim(n, dy.shape[0]), c), m.dtype)]
 
 
-def _channels(x: TensorSpec, vec: TensorSpec, what: str) -> int | None:
-    """The channel count shared by x's last axis and a per-channel vector."""
+def _channels(x: TensorSpec, vec: TensorSpec, what: str, wide: bool = False) -> int | None:
+    """The channel count shared by x's last axis and a per-channel vector. `wide`: a bfloat16 x
+    may come with float32 vectors (batch norm's parameters and statistics stay float32)."""
     if len(x.shape) < 1:
         raise InferError(f"x must have at least one axis (channels last), got {x.shape}")
-    _same_dtype(x, vec)
+    if not (wide and x.dtype == "bfloat16" and vec.dtype == "float32"):
+        _same_dtype(x, vec)
     if len(vec.shape) != 1 or not dims_equal(vec.shape[0], x.shape[-1]):
         raise InferError(f"{what} must be ({x.shape[-1]},) to match x's last axis, got {vec.shape}")
     return merge_dim(x.shape[-1], vec.shape[0])
@@ -132,8 +134,9 @@ def _bn_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     _float(x, "x")
     if len(x.shape) < 2:
         raise InferError(f"x must be (N, C) or NHWC, got shape {x.shape}")
-    c = merge_dim(_channels(x, scale, "scale"), _channels(x, offset, "offset"))
-    vec = TensorSpec((c,), x.dtype)
+    c = merge_dim(_channels(x, scale, "scale", wide=True), _channels(x, offset, "offset", wide=True))
+    _same_dtype(scale, offset)
+    vec = TensorSpec((c,), scale.dtype)  # the statistics in the parameters' dtype
     return [TensorSpec(tuple(x.shape[:-1]) + (c,), x.dtype), vec, vec]
 
 
@@ -150,8 +153,9 @@ def _bn_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorS
         if not all(dims_equal(a, b) for a, b in zip(ins[5].shape, x.shape)) or len(ins[5].shape) != len(x.shape):
             raise InferError(f"y must be shaped like x {x.shape}, got {ins[5].shape}")
     for v in ins[2:5] + ins[5 + fused:]:
-        _channels(x, v, "per-channel inputs")
-    vec = TensorSpec((x.shape[-1],), x.dtype)
+        _channels(x, v, "per-channel inputs", wide=True)
+        _same_dtype(v, scale)
+    vec = TensorSpec((x.shape[-1],), scale.dtype)
     return [x, vec, vec]
 
 

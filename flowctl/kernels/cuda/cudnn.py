@@ -516,7 +516,9 @@ def _conv_factory(op: str, xp: Any, generic: Fn, body: Callable[[], Fn]) -> Fn:
 
 # cuDNN takes bfloat16 tensors as they are (tensor cores, float32 accumulation, one rounding); the
 # generic kernel it falls back on computes a bfloat16 call in float32 (kernels/bf16.py).
-for _op in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"):
+# Batch norm likewise reads and writes bfloat16 x, y, dy and dx with float32 parameters and
+# statistics (the precision's rule: ops/nn.py).
+for _op in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "FusedBatchNorm", "FusedBatchNormGrad"):
     bf16.native(_op, ["gpu"])
 
 
@@ -699,7 +701,7 @@ def _f32(xp: Any, v: Any) -> Any:
 
 @kernel("FusedBatchNorm", ["gpu"])
 def fused_batch_norm_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    generic = _nn.fused_batch_norm(xp, attrs)
+    generic = bf16.computed_in_float32(_nn.fused_batch_norm(xp, attrs), (True, False, False))
     why = unavailable(xp)
     if why is not None:
         _fallback("FusedBatchNorm", why, _expected(why))
@@ -733,8 +735,8 @@ def fused_batch_norm_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         if relu and not plan.info["relu_in_graph"]:
             xp.maximum(y, 0, out=y)
         var = k.var(inv_var, xp.float32(eps))
-        if dtype != "float32":
-            mean, var = mean.astype(dtype), var.astype(dtype)
+        if str(scale.dtype) != "float32":  # the statistics in the parameters' dtype (float16 ones)
+            mean, var = mean.astype(scale.dtype), var.astype(scale.dtype)
         return y, mean, var
 
     return run
@@ -742,7 +744,7 @@ def fused_batch_norm_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 @kernel("FusedBatchNormGrad", ["gpu"])
 def fused_batch_norm_grad_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
-    generic = _nn.fused_batch_norm_grad(xp, attrs)
+    generic = bf16.computed_in_float32(_nn.fused_batch_norm_grad(xp, attrs), (True, False, False))
     why = unavailable(xp)
     if why is not None:
         _fallback("FusedBatchNormGrad", why, _expected(why))
@@ -786,8 +788,8 @@ def fused_batch_norm_grad_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
                     dx=dx.data.ptr, dscale=dscale.data.ptr, dbias=dbias.data.ptr)
         if not _execute("FusedBatchNormGrad", key, plan, cp, ptrs):
             return generic(dy, x, scale, mean, var, *rest)
-        if dtype != "float32":
-            dscale, dbias = dscale.astype(dtype), dbias.astype(dtype)
+        if str(scale.dtype) != "float32":
+            dscale, dbias = dscale.astype(scale.dtype), dbias.astype(scale.dtype)
         return dx, dscale, dbias
 
     return run
