@@ -21,12 +21,23 @@ from typing import Any, Callable, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BF16", "NATIVE", "computed_in_float32", "native", "narrow", "touches", "widen", "widened", "widened_attrs"]
+__all__ = ["BF16", "EXACT", "NATIVE", "computed_in_float32", "native", "narrow", "touches", "widen", "widened", "widened_attrs"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NAME = "bfloat16"
 # (op, device type) kernels that take bfloat16 arrays as they are and return them.
 NATIVE: set[tuple[str, str]] = set()
+
+
+# Kernels that move or pick values and compute none (each output element is an input element, its
+# negation, or a constant): on bfloat16 they give the very bits the rule above would, so they take
+# bfloat16 arrays as they are and skip the widening and rounding passes (a CNN's concatenations,
+# pools, ReLUs and their gradients move bfloat16, half float32's bytes). tests/test_ops_dtypes.py
+# holds each to the rule, bit for bit.
+EXACT = ("Abs", "Concat", "ExpandDims", "Gather", "GatherND", "Identity", "Maximum", "MaxPool", "Minimum", "Neg",
+         "OnesLike", "Pad", "PadGrad", "Rank", "Relu", "ReluGrad", "Reshape", "ReshapeLike", "Select", "Shape",
+         "Slice", "SliceGrad", "Split", "SplitLike", "Squeeze", "Stack", "StopGradient", "Tile", "Transpose",
+         "TransposeCopy", "Unstack", "ZerosLike")
 
 
 def native(op: str, device_types: Iterable[str]) -> None:
@@ -103,3 +114,7 @@ def widened(factory: Callable[[Any, dict[str, Any]], Callable[..., Any]], xp: An
         return tuple(narrow(y) if lo else y for y, lo in zip(ys, low))
 
     return run
+
+
+for _op in EXACT:
+    native(_op, ("cpu", "gpu"))
