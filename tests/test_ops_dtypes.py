@@ -272,6 +272,45 @@ def test_bfloat16_is_the_float32_kernel_rounded(op):
             f"{op} output {port}: {a!r} against the float32 kernel's {b!r} rounded"
 
 
+BF16_NATIVE_CASES = ["Add", "Sub", "Mul", "Square", "Sqrt", "AddN", "Maximum", "Relu"]
+
+
+@pytest.mark.parametrize("op", BF16_NATIVE_CASES)
+def test_bfloat16_arithmetic_taken_as_it_is_rounds_as_the_rule_on_many_values(op, device="cpu:0"):
+    """The kernels that take bfloat16 as it is (bf16.ROUNDED_ONCE, AddN's float32 sum, two of
+    bf16.EXACT) against the rule itself (`reference_kernels()` turns them off): 200,000 values over
+    60 binades, where a float32 result that is not a bfloat16 is common, bit for bit."""
+    from flowctl.kernels.registry import reference_kernels
+
+    rng = np.random.default_rng(11)
+
+    def values() -> np.ndarray:
+        v = rng.standard_normal(200_000) * np.exp2(rng.integers(-30, 30, 200_000))
+        return (np.abs(v) if op == "Sqrt" else v).astype(ml_dtypes.bfloat16)
+
+    a, b, c = values(), values(), values()
+    g = Graph()
+    with g.as_default():
+        ca, cb, cc = fc.constant(a), fc.constant(b), fc.constant(c)
+        y = {"Add": lambda: ca + cb, "Sub": lambda: ca - cb, "Mul": lambda: ca * cb,
+             "Square": lambda: fc.square(ca), "Sqrt": lambda: fc.sqrt(ca),
+             "AddN": lambda: fc.add_n([ca, cb, cc]), "Maximum": lambda: fc.maximum(ca, cb),
+             "Relu": lambda: fc.relu(ca)}[op]()
+    assert g.nodes[y.node].op == op
+    got = fc.Session(g, store=fc.ContainerStore(), device=device).run(y)
+    with reference_kernels():
+        want = fc.Session(g, store=fc.ContainerStore(), device=device).run(y)
+    assert got.dtype == want.dtype == a.dtype
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", BF16_NATIVE_CASES)
+def test_bfloat16_taken_as_it_is_on_the_gpu_rounds_as_the_rule(op):
+    """The same on cupy's bfloat16 arrays (its loops compute in float32 and round once)."""
+    test_bfloat16_arithmetic_taken_as_it_is_rounds_as_the_rule_on_many_values(op, device="gpu:0")
+
+
 def test_bfloat16_arithmetic_is_not_numpys_per_element_loops():
     """The rule above is not what ml_dtypes' loops give: a sum of bfloat16 values accumulated in
     bfloat16 loses the small terms that the float32 sum keeps (and np.matmul hands back float32)."""

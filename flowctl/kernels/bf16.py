@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BF16", "EXACT", "NATIVE", "computed_in_float32", "native", "narrow", "touches", "widen", "widened", "widened_attrs"]
+__all__ = ["BF16", "EXACT", "NATIVE", "ROUNDED_ONCE", "SUMMED", "computed_in_float32", "native", "narrow", "touches", "widen", "widened", "widened_attrs"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NAME = "bfloat16"
@@ -34,10 +34,17 @@ NATIVE: set[tuple[str, str]] = set()
 # bfloat16 arrays as they are and skip the widening and rounding passes (a CNN's concatenations,
 # pools, ReLUs and their gradients move bfloat16, half float32's bytes). tests/test_ops_dtypes.py
 # holds each to the rule, bit for bit.
-EXACT = ("Abs", "Concat", "ExpandDims", "Gather", "GatherND", "Identity", "Maximum", "MaxPool", "Minimum", "Neg",
-         "OnesLike", "Pad", "PadGrad", "Rank", "Relu", "ReluGrad", "Reshape", "ReshapeLike", "Select", "Shape",
-         "Slice", "SliceGrad", "Split", "SplitLike", "Squeeze", "Stack", "StopGradient", "Tile", "Transpose",
-         "TransposeCopy", "Unstack", "ZerosLike")
+EXACT = ("Abs", "Ceil", "Concat", "Equal", "ExpandDims", "Floor", "Gather", "GatherND", "Greater", "GreaterEqual",
+         "Identity", "IsInf", "IsNaN", "Less", "LessEqual", "Maximum", "MaxPool", "Minimum", "Neg", "OnesLike", "Pad",
+         "PadGrad", "Rank", "Relu", "ReluGrad", "Reshape", "ReshapeLike", "Round", "Select", "Shape", "Sign", "Slice",
+         "SliceGrad", "Split", "SplitLike", "Squeeze", "Stack", "StopGradient", "Tile", "Transpose", "TransposeCopy",
+         "Unstack", "ZerosLike")
+# One correctly rounded float32 operation per element (numpy's and cupy's bfloat16 loops compute in
+# float32 and round to bfloat16, as the rule does: the same two roundings, so the same bits).
+ROUNDED_ONCE = ("Add", "Mul", "Sqrt", "Square", "Sub")
+# AddN sums bfloat16 inputs into one float32 buffer in the rule's order and rounds once
+# (kernels/elementwise.py): a CNN's gradients that meet where a tensor fed several branches.
+SUMMED = ("AddN",)
 
 
 def native(op: str, device_types: Iterable[str]) -> None:
@@ -116,5 +123,5 @@ def widened(factory: Callable[[Any, dict[str, Any]], Callable[..., Any]], xp: An
     return run
 
 
-for _op in EXACT:
+for _op in EXACT + ROUNDED_ONCE + SUMMED:
     native(_op, ("cpu", "gpu"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from flowctl.kernels import bf16
 from flowctl.kernels.registry import into, kernel
 
 Fn = Callable[..., Any]
@@ -244,6 +245,11 @@ def add_n(xp: Any, attrs: dict[str, Any]) -> Fn:
     def run(*xs: Any) -> Any:
         if len(xs) == 1:
             return xs[0]
+        if xs[0].dtype == bf16.BF16:  # summed in float32 and rounded once: the rule's bits, one
+            out = xs[0].astype(xp.float32)  # float32 buffer instead of one per input
+            for x in xs[1:]:
+                out += x
+            return bf16.narrow(out)
         out = xs[0] + xs[1]  # a fresh buffer, so the rest can accumulate in place
         for x in xs[2:]:
             out += x
