@@ -23,13 +23,13 @@ BATCH = {"inception_v3_b32": 2, "inception_v3_b8": 2}
 PHASES = ("warm-up", "rehearsal", "capture", "replay")
 
 
-def count_step(row: Row, steps: int = 5) -> dict[str, Any]:
-    """Counts per phase of `row`'s training step on the ledger."""
+def count_step(row: Row, steps: int = 5, precision: str = "fp32") -> dict[str, Any]:
+    """Counts per phase of `row`'s training step on the ledger, at `training.precision`."""
     from flowctl.kernels.ledger import Ledger
     from flowctl.kernels.registry import override_array_module
 
     ledger = Ledger(run_kernels=False)
-    loaded = _load(row)
+    loaded = _load(row, () if precision == "fp32" else (f"training.precision={precision}",))
     arrays = _batch(loaded, row.batch)
     counts = []
     with override_array_module("gpu", ledger):
@@ -42,12 +42,16 @@ def count_step(row: Row, steps: int = 5) -> dict[str, Any]:
     plan = max(report["plans"], key=lambda p: p["captured_steps"] + p["eager_steps"])
     keys = ("launches", "custom", "syncs", "h2d", "allocations", "graph_launches")
     phases = {name: {k: counts[i].get(k, 0) for k in keys} for i, name in enumerate(PHASES)}
-    return {"batch": row.batch, "nodes": len(step.session.plan_for(step.fetch, step.feeds).nodes),
+    return {"batch": row.batch, "precision": precision,
+            "nodes": len(step.session.plan_for(step.fetch, step.feeds).nodes),
             "captured": plan["captured"], "reason": plan["reason"], "graph_nodes": plan["graph_nodes"],
             "phases": phases}
 
 
-def launches_suite(rows: Sequence[str] | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def launches_suite(rows: Sequence[str] | None = None, progress: Callable[[str], None] | None = None,
+                   precision: str = "fp32") -> dict[str, Any]:
+    """`precision`: the rows' `training.precision` (bf16 and fp16 count the casts and, for a
+    bfloat16 op whose kernel does not take bfloat16 as it is, the widening and rounding around it)."""
     say = progress or (lambda _m: None)
     out: dict[str, Any] = {"rows": {}}
     for name in rows or ("lstm_lm", "inception_v3_b32"):
@@ -56,5 +60,5 @@ def launches_suite(rows: Sequence[str] | None = None, progress: Callable[[str], 
         row = ROWS[name]
         row = replace(row, batch=BATCH.get(name, row.batch))
         say(f"{name}: counting a captured step's launches on the ledger")
-        out["rows"][name] = count_step(row)
+        out["rows"][name] = count_step(row, precision=precision)
     return out

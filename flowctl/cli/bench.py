@@ -50,7 +50,7 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "l
               help="peers: threads for both frameworks (default: all CPUs). dataparallel: the one process's "
                    "threads (default 1; each Ray worker gets its device's share of the cores).")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
-              help="peers: flowctl's training.precision, PyTorch's autocast type.")
+              help="peers: flowctl's training.precision, PyTorch's autocast type; launches: the rows' precision.")
 @click.option("--reference-kernels", is_flag=True,
               help="peers: also time flowctl with its reference kernels only (no compiled variants), in the "
                    "same rounds: what the compiled kernels are worth.")
@@ -102,7 +102,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
 
         picked = [r.strip() for r in rows.split(",") if r.strip()] if rows else None
         with err.status("counting") as status:
-            results = launches_suite(picked, progress=lambda m: status.update(m))
+            results = launches_suite(picked, progress=lambda m: status.update(m), precision=precision)
         render = _render_launches
     elif target == "fusion":
         from flowctl.bench.fusion import fusion_benchmark
@@ -203,7 +203,7 @@ def _render_launches(console: Console, r: dict[str, Any]) -> None:
     for name, row in r["rows"].items():
         what = (f"captured: {row['graph_nodes']:,} kernels in the graph" if row["captured"]
                 else f"not captured: {row['reason']}")
-        console.print(f"  {name} (batch {row['batch']}, {row['nodes']:,} nodes): {what}")
+        console.print(f"  {name} (batch {row['batch']}, {row.get('precision', 'fp32')}, {row['nodes']:,} nodes): {what}")
 
 
 def _render_peers(console: Console, r: dict[str, Any]) -> None:
