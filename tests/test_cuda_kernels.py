@@ -15,6 +15,7 @@ from flowctl.kernels.cuda import jit, philox  # noqa: E402
 from flowctl.kernels.registry import KERNELS, StepGuard  # noqa: E402
 
 SIM = jit.simulated_module()
+cuda = None  # numba.cuda, for the test kernels defined below (set where they are made)
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +180,75 @@ def test_lstm_cell_float16():
     assert dz.dtype == dcp.dtype == np.float16
     np.testing.assert_allclose(dz.astype("float32"), rz, rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(dcp.astype("float32"), rcp, rtol=2e-3, atol=2e-3)
+
+
+def test_bfloat16_bit_patterns_convert_as_ml_dtypes_does():
+    """cuda/bfloat16.py's device conversions against ml_dtypes: widening every 5th bfloat16 pattern
+    (all classes: normal, subnormal, zeros, infinities), and rounding float32 values of every kind
+    (random bit patterns, exact ties between two bfloat16 values, subnormals, overflow)."""
+    import ml_dtypes
+
+    from flowctl.kernels.cuda import bfloat16
+
+    global cuda  # a module global: the simulator swaps its own module in for those while a kernel runs
+    cuda = jit.numba_cuda()
+    d = bfloat16.device_functions()
+    widen, narrow = d.widen, d.narrow
+
+    @cuda.jit
+    def to_bits(src, out):
+        i = cuda.grid(1)
+        if i < src.size:
+            out[i] = narrow(src[i])
+
+    @cuda.jit
+    def from_bits(src, out):
+        i = cuda.grid(1)
+        if i < src.size:
+            out[i] = widen(src[i])
+
+    bf = np.dtype(ml_dtypes.bfloat16)
+    pats = np.concatenate([np.arange(0, 2 ** 16, 5), [0x0000, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x7F7F]])
+    pats = pats.astype(np.uint16)
+    pats = pats[~np.isnan(pats.view(bf).astype(np.float32))]
+    wide = np.zeros(pats.size, np.float32)
+    from_bits[(pats.size + 31) // 32, 32](pats, wide)
+    np.testing.assert_array_equal(wide.view(np.uint32), pats.view(bf).astype(np.float32).view(np.uint32))
+
+    rng = np.random.default_rng(0)
+    some = rng.integers(0, 2 ** 16, 300).astype(np.uint16).view(bf).astype(np.float32)
+    x = np.concatenate([rng.integers(0, 2 ** 32, 1500, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        (some.view(np.uint32) | np.uint32(0x8000)).view(np.float32),  # halfway: ties
+                        np.float32([0.0, -0.0, np.inf, -np.inf, 3.3895314e38, 3.4e38, -3.39e38, 1e-40, -1e-40,
+                                    1.1754942e-38, 1e-45, 2.0 ** -133, 2.0 ** -134, 3 * 2.0 ** -134])])
+    x = x[~np.isnan(x)].astype(np.float32)
+    bits = np.zeros(x.size, np.uint16)
+    to_bits[(x.size + 31) // 32, 32](x, bits)
+    np.testing.assert_array_equal(bits, x.astype(bf).view(np.uint16))
+
+
+def test_lstm_cell_bfloat16_is_the_float32_kernel_rounded():
+    """The cell and its gradient on bfloat16 (as bit patterns, one launch each): bitwise the float32
+    kernels on the widened inputs with each output rounded (kernels/bf16.py's rule)."""
+    import ml_dtypes
+
+    bf = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(5)
+    b, u = 5, 12
+    xw, hw, cp = (rand(rng, *shape).astype(bf) for shape in ((b, 4 * u), (b, 4 * u), (b, u)))
+    low = gpu("LSTMBlockCell", {"forget_bias": 1.0})(xw, hw, cp)
+    ref = gpu("LSTMBlockCell", {"forget_bias": 1.0})(*(a.astype(np.float32) for a in (xw, hw, cp)))
+    for g, w in zip(low, ref):
+        assert g.dtype == bf and g.tobytes() == w.astype(bf).tobytes()
+    h, c, act = low
+    dh, dc = rand(rng, b, u).astype(bf), rand(rng, b, u).astype(bf)
+    dz, dcp = gpu("LSTMBlockCellGrad", {})(dh, dc, act, c, cp)
+    rz, rcp = gpu("LSTMBlockCellGrad", {})(*(a.astype(np.float32) for a in (dh, dc, act, c, cp)))
+    assert dz.dtype == dcp.dtype == bf
+    assert dz.tobytes() == rz.astype(bf).tobytes() and dcp.tobytes() == rcp.astype(bf).tobytes()
+    first = gpu("LSTMBlockCellGrad", {})(dh, dc, act, c)  # the first step: no c_prev
+    assert first.tobytes() == gpu("LSTMBlockCellGrad", {})(
+        *(a.astype(np.float32) for a in (dh, dc, act, c))).astype(bf).tobytes()
 
 
 # ---------------------------------------------------------------------------------- updates

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from flowctl.kernels.cuda import philox
+from flowctl.kernels import bf16
+from flowctl.kernels.cuda import bfloat16, philox
 from flowctl.kernels.cuda.jit import blocks, numba_cuda, simulated
 from flowctl.kernels.recurrent import lstm_block_cell, lstm_block_cell_grad
 from flowctl.kernels.registry import StepGuard, kernel
@@ -118,65 +119,83 @@ def _kernels() -> Any:
         t = f32(math.tanh(mul(v, HALF)))
         return mul(t, HALF) + HALF
 
-    @cuda.jit
-    def lstm_cell(xw: Any, hw: Any, has_hw: Any, c_prev: Any, has_c: Any, forget_bias: Any, add_bias: Any,
-                  h: Any, c: Any, act: Any, rows: Any, units: Any) -> None:
-        t = cuda.grid(1)
-        if t >= rows * units:
-            return
-        b = t // units
-        j = t - b * units
-        ai = f32(xw[b, j])
-        af = f32(xw[b, units + j])
-        ag = f32(xw[b, 2 * units + j])
-        ao = f32(xw[b, 3 * units + j])
-        if has_hw:
-            ai = ai + f32(hw[b, j])
-            af = af + f32(hw[b, units + j])
-            ag = ag + f32(hw[b, 2 * units + j])
-            ao = ao + f32(hw[b, 3 * units + j])
-        if add_bias:
-            af = af + forget_bias
-        # Each gate stored, then read back: in float16 the cell then uses the rounded gates, as
-        # the gradient (which reads `act`) will.
-        act[b, j] = sigmoid(ai)
-        act[b, units + j] = sigmoid(af)
-        act[b, 2 * units + j] = f32(math.tanh(ag))
-        act[b, 3 * units + j] = sigmoid(ao)
-        gi = f32(act[b, j])
-        gf = f32(act[b, units + j])
-        gg = f32(act[b, 2 * units + j])
-        go = f32(act[b, 3 * units + j])
-        cv = mul(gi, gg)
-        if has_c:
-            cv = cv + mul(gf, f32(c_prev[b, j]))
-        c[b, j] = cv
-        cv = f32(c[b, j])
-        h[b, j] = mul(f32(math.tanh(cv)), go)
+    # The cell and its gradient over arrays read with `ld`, written with `st`; `kept(arr, b, j, v)`: what
+    # the cell goes on with after storing v (read back: float16's rounded gates, as the gradient reads).
+    def cell_kernels(ld: Any, st: Any, kept: Any) -> tuple[Any, Any]:
+        @cuda.jit
+        def lstm_cell(xw: Any, hw: Any, has_hw: Any, c_prev: Any, has_c: Any, forget_bias: Any, add_bias: Any,
+                      h: Any, c: Any, act: Any, rows: Any, units: Any) -> None:
+            t = cuda.grid(1)
+            if t >= rows * units:
+                return
+            b = t // units
+            j = t - b * units
+            ai = ld(xw, b, j)
+            af = ld(xw, b, units + j)
+            ag = ld(xw, b, 2 * units + j)
+            ao = ld(xw, b, 3 * units + j)
+            if has_hw:
+                ai = ai + ld(hw, b, j)
+                af = af + ld(hw, b, units + j)
+                ag = ag + ld(hw, b, 2 * units + j)
+                ao = ao + ld(hw, b, 3 * units + j)
+            if add_bias:
+                af = af + forget_bias
+            si, sf, tg, so = sigmoid(ai), sigmoid(af), f32(math.tanh(ag)), sigmoid(ao)
+            st(act, b, j, si)
+            st(act, b, units + j, sf)
+            st(act, b, 2 * units + j, tg)
+            st(act, b, 3 * units + j, so)
+            gi, gf = kept(act, b, j, si), kept(act, b, units + j, sf)
+            gg, go = kept(act, b, 2 * units + j, tg), kept(act, b, 3 * units + j, so)
+            cv = mul(gi, gg)
+            if has_c:
+                cv = cv + mul(gf, ld(c_prev, b, j))
+            st(c, b, j, cv)
+            cv = kept(c, b, j, cv)
+            st(h, b, j, mul(f32(math.tanh(cv)), go))
 
-    @cuda.jit
-    def lstm_cell_grad(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any, has_c: Any, dz: Any, dc_prev: Any,
-                       rows: Any, units: Any) -> None:
-        t = cuda.grid(1)
-        if t >= rows * units:
-            return
-        b = t // units
-        j = t - b * units
-        gi = f32(act[b, j])
-        gf = f32(act[b, units + j])
-        gg = f32(act[b, 2 * units + j])
-        go = f32(act[b, 3 * units + j])
-        vdh = f32(dh[b, j])
-        tc = f32(math.tanh(f32(c[b, j])))
-        dct = mul(mul(ONE - mul(tc, tc), go), vdh) + f32(dc[b, j])
-        dz[b, 3 * units + j] = mul(mul(vdh, tc), mul(ONE - go, go))
-        dz[b, j] = mul(mul(mul(ONE - gi, gi), gg), dct)
-        dz[b, 2 * units + j] = mul(mul(ONE - mul(gg, gg), gi), dct)
-        if has_c:
-            dz[b, units + j] = mul(mul(mul(ONE - gf, gf), f32(c_prev[b, j])), dct)
-            dc_prev[b, j] = mul(dct, gf)
-        else:
-            dz[b, units + j] = ZERO32
+        @cuda.jit
+        def lstm_cell_grad(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any, has_c: Any, dz: Any, dc_prev: Any,
+                           rows: Any, units: Any) -> None:
+            t = cuda.grid(1)
+            if t >= rows * units:
+                return
+            b = t // units
+            j = t - b * units
+            gi = ld(act, b, j)
+            gf = ld(act, b, units + j)
+            gg = ld(act, b, 2 * units + j)
+            go = ld(act, b, 3 * units + j)
+            vdh = ld(dh, b, j)
+            tc = f32(math.tanh(ld(c, b, j)))
+            dct = mul(mul(ONE - mul(tc, tc), go), vdh) + ld(dc, b, j)
+            st(dz, b, 3 * units + j, mul(mul(vdh, tc), mul(ONE - go, go)))
+            st(dz, b, j, mul(mul(mul(ONE - gi, gi), gg), dct))
+            st(dz, b, 2 * units + j, mul(mul(ONE - mul(gg, gg), gi), dct))
+            if has_c:
+                st(dz, b, units + j, mul(mul(mul(ONE - gf, gf), ld(c_prev, b, j)), dct))
+                st(dc_prev, b, j, mul(dct, gf))
+            else:
+                st(dz, b, units + j, ZERO32)
+
+        return lstm_cell, lstm_cell_grad
+
+    @cuda.jit(device=True)
+    def ld_float(a: Any, b: Any, j: Any) -> Any:
+        return f32(a[b, j])
+
+    @cuda.jit(device=True)
+    def st_float(a: Any, b: Any, j: Any, v: Any) -> None:
+        a[b, j] = v
+
+    @cuda.jit(device=True)
+    def kept_float(a: Any, b: Any, j: Any, v: Any) -> Any:
+        return f32(a[b, j])
+
+    b16 = bfloat16.device_functions()
+    lstm_cell, lstm_cell_grad = cell_kernels(ld_float, st_float, kept_float)
+    lstm_cell_bf16, lstm_cell_grad_bf16 = cell_kernels(b16.ld, b16.st, b16.kept)
 
     # ---------------------------------------------------------------- guarded updates
     # Each update's arithmetic is one device function, shared by the per-variable kernel (a thread
@@ -521,7 +540,8 @@ def _kernels() -> Any:
                     out[0] = f32(out[0]) + f32(halves[k])
             cuda.syncthreads()  # block_sum's shared array is the next tensor's
 
-    return SimpleNamespace(dropout=dropout, bump=bump, lstm_cell=lstm_cell, lstm_cell_grad=lstm_cell_grad, sgd=sgd,
+    return SimpleNamespace(dropout=dropout, bump=bump, lstm_cell=lstm_cell, lstm_cell_grad=lstm_cell_grad,
+                           lstm_cell_bf16=lstm_cell_bf16, lstm_cell_grad_bf16=lstm_cell_grad_bf16, sgd=sgd,
                            momentum=momentum, adam=adam, multi_sgd=multi_sgd,
                            multi_momentum=multi_momentum, multi_adam=multi_adam, assign_arr=assign_arr, assign_val=assign_val, set_flag=set_flag,
                            finite_flag=finite_flag, rank_sort=rank_sort, segment_rows=segment_rows,
@@ -633,6 +653,8 @@ def dropout_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
 
 # -------------------------------------------------------------------------------- LSTM cell
 _LSTM_DTYPES = ("float32", "float16")
+for _op in ("LSTMBlockCell", "LSTMBlockCellGrad"):  # bfloat16 as uint16 bit patterns (cuda/bfloat16.py)
+    bf16.native(_op, ["gpu"])
 
 
 @kernel("LSTMBlockCell", ["gpu"])
@@ -642,7 +664,10 @@ def lstm_block_cell_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     k = _kernels()
 
     def run(xw: Any, hw: Any = None, c_prev: Any = None) -> tuple[Any, Any, Any]:
-        if str(xw.dtype) not in _LSTM_DTYPES or (hw is not None and hw.dtype != xw.dtype) \
+        low = xw.dtype == bf16.BF16
+        if low:
+            xw, hw, c_prev = (None if v is None else v.view(np.uint16) for v in (xw, hw, c_prev))
+        elif str(xw.dtype) not in _LSTM_DTYPES or (hw is not None and hw.dtype != xw.dtype) \
                 or (c_prev is not None and c_prev.dtype != xw.dtype):
             return generic(xw, hw, c_prev)
         rows, units = int(xw.shape[0]), int(xw.shape[1]) // 4
@@ -652,9 +677,9 @@ def lstm_block_cell_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         act = xp.empty(xw.shape, dtype=xw.dtype)
         hw_ = xp.ascontiguousarray(hw) if hw is not None else xw
         cp_ = xp.ascontiguousarray(c_prev) if c_prev is not None else c
-        _launch(xp, k.lstm_cell, rows * units, xw, hw_, hw is not None, cp_, c_prev is not None,
-                np.float32(forget_bias), bool(forget_bias), h, c, act, rows, units)
-        return h, c, act
+        _launch(xp, k.lstm_cell_bf16 if low else k.lstm_cell, rows * units, xw, hw_, hw is not None, cp_,
+                c_prev is not None, np.float32(forget_bias), bool(forget_bias), h, c, act, rows, units)
+        return tuple(v.view(bf16.BF16) for v in (h, c, act)) if low else (h, c, act)
 
     return run
 
@@ -665,16 +690,21 @@ def lstm_block_cell_grad_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     k = _kernels()
 
     def run(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any = None) -> Any:
+        low = act.dtype == bf16.BF16
+        if low:
+            dh, dc, act, c, c_prev = (None if v is None else v.view(np.uint16) for v in (dh, dc, act, c, c_prev))
         dt = act.dtype
-        if str(dt) not in _LSTM_DTYPES or any(v is not None and v.dtype != dt for v in (dh, dc, c, c_prev)):
+        if not low and (str(dt) not in _LSTM_DTYPES or any(v is not None and v.dtype != dt for v in (dh, dc, c, c_prev))):
             return generic(dh, dc, act, c, c_prev)
         rows, units = int(act.shape[0]), int(act.shape[1]) // 4
         dh, dc, act, c = (xp.ascontiguousarray(v) for v in (dh, dc, act, c))
         dz = xp.empty(act.shape, dtype=dt)
         dc_prev = xp.empty((rows, units), dtype=dt) if c_prev is not None else None
         cp_ = xp.ascontiguousarray(c_prev) if c_prev is not None else c
-        _launch(xp, k.lstm_cell_grad, rows * units, dh, dc, act, c, cp_, c_prev is not None, dz,
-                dc_prev if dc_prev is not None else xp.empty((1, 1), dtype=dt), rows, units)
+        _launch(xp, k.lstm_cell_grad_bf16 if low else k.lstm_cell_grad, rows * units, dh, dc, act, c, cp_,
+                c_prev is not None, dz, dc_prev if dc_prev is not None else xp.empty((1, 1), dtype=dt), rows, units)
+        if low:
+            dz, dc_prev = dz.view(bf16.BF16), None if dc_prev is None else dc_prev.view(bf16.BF16)
         return dz if c_prev is None else (dz, dc_prev)
 
     return run
