@@ -1,8 +1,7 @@
 """bfloat16 in our own numba-cuda kernels: arrays passed as their uint16 bit patterns (numba-cuda has
 no bfloat16 array type, and its CUDA simulator no bfloat16 at all), converted in the kernel by
 arithmetic that the simulator runs as it is (math.ldexp and math.frexp, which numba-cuda lowers to
-libdevice's ldexpf and frexpf; ldexp's exponent goes in as `int`, which the simulator's Python math
-needs).
+libdevice's ldexpf and frexpf; ldexp's exponent is an int32 there and a Python int in the simulator).
 
 - `widen(u)`: the float32 a bfloat16 pattern stands for, exactly (normal, subnormal, zeros,
   infinities; a NaN pattern gives a NaN).
@@ -28,10 +27,12 @@ def device_functions() -> Any:
     """numba-cuda device functions `widen(u)` and `narrow(v)` (numba imported on first use)."""
     from types import SimpleNamespace
 
-    from flowctl.kernels.cuda.jit import numba_cuda
+    from flowctl.kernels.cuda.jit import numba_cuda, simulated
 
     cuda = numba_cuda()
     f32, i32, u16 = np.float32, np.int32, np.uint16
+    # ldexp's exponent: an int32 for numba-cuda's ldexpf signature, a Python int for the simulator's math
+    power = int if simulated() else np.int32
     inf, nan, one = f32(np.inf), f32(np.nan), f32(1.0)
 
     @cuda.jit(device=True)
@@ -41,9 +42,9 @@ def device_functions() -> Any:
         if e == 255:
             v = inf if m == 0 else nan
         elif e == 0:
-            v = f32(math.ldexp(f32(m), int(-133)))  # subnormal: m units of 2**-133
+            v = f32(math.ldexp(f32(m), power(-133)))  # subnormal: m units of 2**-133
         else:
-            v = f32(math.ldexp(f32(m + 128), int(e - 134)))  # (1 + m/128) * 2**(e - 127)
+            v = f32(math.ldexp(f32(m + 128), power(e - 134)))  # (1 + m/128) * 2**(e - 127)
         return -v if (u >> 15) & 1 else v
 
     @cuda.jit(device=True)
@@ -75,7 +76,7 @@ def device_functions() -> Any:
             if field >= 255:
                 return u16(sign | 0x7F80)
             return u16(sign | (field << 7) | (q - 128))
-        q = nearest_even(f32(math.ldexp(a, int(133))))  # subnormal units; 128 is the smallest normal
+        q = nearest_even(f32(math.ldexp(a, power(133))))  # subnormal units; 128 is the smallest normal
         return u16(sign | q)
 
     # A kernel's element [b, j] of a uint16 array: read as float32; written rounded; and, once
