@@ -272,7 +272,7 @@ def test_bfloat16_is_the_float32_kernel_rounded(op):
             f"{op} output {port}: {a!r} against the float32 kernel's {b!r} rounded"
 
 
-BF16_NATIVE_CASES = ["Add", "Sub", "Mul", "Square", "Sqrt", "AddN", "Maximum", "Relu"]
+BF16_NATIVE_CASES = ["Add", "Sub", "Mul", "Square", "Sqrt", "AddN", "Maximum", "Relu", "BiasAdd"]
 
 
 @pytest.mark.parametrize("op", BF16_NATIVE_CASES)
@@ -295,7 +295,8 @@ def test_bfloat16_arithmetic_taken_as_it_is_rounds_as_the_rule_on_many_values(op
         y = {"Add": lambda: ca + cb, "Sub": lambda: ca - cb, "Mul": lambda: ca * cb,
              "Square": lambda: fc.square(ca), "Sqrt": lambda: fc.sqrt(ca),
              "AddN": lambda: fc.add_n([ca, cb, cc]), "Maximum": lambda: fc.maximum(ca, cb),
-             "Relu": lambda: fc.relu(ca)}[op]()
+             "Relu": lambda: fc.relu(ca),
+             "BiasAdd": lambda: fc.bias_add(fc.reshape(ca, [-1, 8]), fc.slice_(cb, [0], [8]))}[op]()
     assert g.nodes[y.node].op == op
     got = fc.Session(g, store=fc.ContainerStore(), device=device).run(y)
     with reference_kernels():

@@ -41,7 +41,7 @@ EXACT = ("Abs", "Ceil", "Concat", "Equal", "ExpandDims", "Floor", "Gather", "Gat
          "Unstack", "ZerosLike")
 # One correctly rounded float32 operation per element (numpy's and cupy's bfloat16 loops compute in
 # float32 and round to bfloat16, as the rule does: the same two roundings, so the same bits).
-ROUNDED_ONCE = ("Add", "Mul", "Sqrt", "Square", "Sub")
+ROUNDED_ONCE = ("Add", "BiasAdd", "Mul", "Sqrt", "Square", "Sub")
 # AddN sums bfloat16 inputs into one float32 buffer in the rule's order and rounds once
 # (kernels/elementwise.py): a CNN's gradients that meet where a tensor fed several branches.
 SUMMED = ("AddN",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from flowctl.kernels import bf16
 from flowctl.kernels.registry import kernel
 
 Fn = Callable[..., Any]
@@ -16,6 +17,10 @@ def _sigmoid_(xp: Any, x: Any) -> None:
     xp.tanh(x, out=x)
     x *= 0.5
     x += 0.5
+
+
+# h @ w through the GPU module's cuBLAS GEMM, which takes bfloat16 as it is (as MatMul, matrix.py)
+bf16.native("RecurrentMatMul", ["gpu"])
 
 
 @kernel("RecurrentMatMul")
