@@ -286,3 +286,22 @@ def test_bf16_on_a_gpu_is_captured_in_bfloat16_arrays():
     assert counts[0]["gemms"] > 0  # the products went through the GEMM, in bfloat16
     for c in counts[3:]:
         assert c["launches"] == 0 and c["allocations"] == 0 and c["graph_launches"] == 1, c
+
+
+def test_a_bf16_lstm_step_runs_its_cells_on_bfloat16_and_is_captured():
+    """bf16 lstm: the LSTM cell kernels of ours take the bfloat16 arrays (as bit patterns, in numba's
+    simulator here), the step is captured, and the captured run is the uncaptured run bit for bit."""
+    spec = LM_PLAIN.replace("training: {", "training: {precision: bf16, ")
+    eager = Run(spec, 3, capture=False, ledger=Ledger())
+    led = Ledger()
+    captured = Run(spec, 3, capture=True, ledger=led)
+    cells = {(n.op, n.outputs[0].dtype) for n in eager.sess.graph.nodes.values() if n.op.startswith("LSTMBlockCell")}
+    assert cells == {("LSTMBlockCell", "bfloat16"), ("LSTMBlockCellGrad", "bfloat16")}
+    losses_e = [eager.step() for _ in range(4)]
+    losses_c = []
+    for _ in range(4):
+        led.reset_counts()
+        losses_c.append(captured.step())
+    assert losses_c == losses_e and len(set(losses_e)) > 1
+    _same(captured.variables(), eager.variables())
+    assert (led.counts["launches"], led.counts["allocations"], led.counts["graph_launches"]) == (0, 0, 1)
