@@ -122,23 +122,20 @@ def _kernels() -> Any:
     # The cell and its gradient over arrays read with `ld`, written with `st`; `kept(arr, b, j, v)`: what
     # the cell goes on with after storing v (read back: float16's rounded gates, as the gradient reads).
     def cell_kernels(ld: Any, st: Any, kept: Any) -> tuple[Any, Any]:
+        @cuda.jit(device=True)
+        def gates(a: Any, b: Any, j: Any, units: Any) -> Any:  # the four gates' [b, j] of a [rows, 4 units] array
+            return ld(a, b, j), ld(a, b, units + j), ld(a, b, 2 * units + j), ld(a, b, 3 * units + j)
+
         @cuda.jit
         def lstm_cell(xw: Any, hw: Any, has_hw: Any, c_prev: Any, has_c: Any, forget_bias: Any, add_bias: Any,
                       h: Any, c: Any, act: Any, rows: Any, units: Any) -> None:
-            t = cuda.grid(1)
+            t, b, j = cell_index(units)
             if t >= rows * units:
                 return
-            b = t // units
-            j = t - b * units
-            ai = ld(xw, b, j)
-            af = ld(xw, b, units + j)
-            ag = ld(xw, b, 2 * units + j)
-            ao = ld(xw, b, 3 * units + j)
+            ai, af, ag, ao = gates(xw, b, j, units)
             if has_hw:
-                ai = ai + ld(hw, b, j)
-                af = af + ld(hw, b, units + j)
-                ag = ag + ld(hw, b, 2 * units + j)
-                ao = ao + ld(hw, b, 3 * units + j)
+                hi, hf, hg, ho = gates(hw, b, j, units)
+                ai, af, ag, ao = ai + hi, af + hf, ag + hg, ao + ho
             if add_bias:
                 af = af + forget_bias
             si, sf, tg, so = sigmoid(ai), sigmoid(af), f32(math.tanh(ag)), sigmoid(ao)
@@ -158,15 +155,10 @@ def _kernels() -> Any:
         @cuda.jit
         def lstm_cell_grad(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any, has_c: Any, dz: Any, dc_prev: Any,
                            rows: Any, units: Any) -> None:
-            t = cuda.grid(1)
+            t, b, j = cell_index(units)
             if t >= rows * units:
                 return
-            b = t // units
-            j = t - b * units
-            gi = ld(act, b, j)
-            gf = ld(act, b, units + j)
-            gg = ld(act, b, 2 * units + j)
-            go = ld(act, b, 3 * units + j)
+            gi, gf, gg, go = gates(act, b, j, units)
             vdh = ld(dh, b, j)
             tc = f32(math.tanh(ld(c, b, j)))
             dct = mul(mul(ONE - mul(tc, tc), go), vdh) + ld(dc, b, j)
@@ -180,6 +172,12 @@ def _kernels() -> Any:
                 st(dz, b, units + j, ZERO32)
 
         return lstm_cell, lstm_cell_grad
+
+    @cuda.jit(device=True)
+    def cell_index(units: Any) -> Any:  # (thread, row, unit) of a thread per (row, unit)
+        t = cuda.grid(1)
+        b = t // units
+        return t, b, t - b * units
 
     @cuda.jit(device=True)
     def ld_float(a: Any, b: Any, j: Any) -> Any:
