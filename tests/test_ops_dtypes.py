@@ -305,6 +305,23 @@ def test_bfloat16_arithmetic_taken_as_it_is_rounds_as_the_rule_on_many_values(op
     assert got.tobytes() == want.tobytes()
 
 
+def test_dropout_and_random_draws_on_bfloat16_follow_the_rule():
+    """Ops whose resource is a random state compute, so bfloat16 runs them in float32 too: a dropout
+    at rate 0.3 (scale 1/0.7, not exact in bfloat16) and a uniform draw equal the float32 graph's
+    results rounded, bit for bit."""
+    x = R.standard_normal((40, 30)).astype(ml_dtypes.bfloat16)
+    outs = {}
+    for dtype in ("bfloat16", "float32"):
+        g = Graph(seed=3)
+        with g.as_default():
+            xs = fc.constant(x.astype(dtype))
+            outs[dtype] = fc.Session(g, store=fc.ContainerStore()).run(
+                [fc.dropout(xs, 0.3, seed=4), fc.random_uniform([50], dtype=dtype, seed=5)])
+    for low, wide in zip(outs["bfloat16"], outs["float32"]):
+        assert low.dtype == np.dtype(ml_dtypes.bfloat16)
+        assert low.tobytes() == wide.astype(ml_dtypes.bfloat16).tobytes()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", BF16_NATIVE_CASES)
 def test_bfloat16_taken_as_it_is_on_the_gpu_rounds_as_the_rule(op):

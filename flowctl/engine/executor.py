@@ -186,9 +186,10 @@ def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
 def _output_dtypes(node: Node) -> list[str] | None:
     """The node's output dtypes, which tell the registry to run a node on bfloat16 in float32
     (kernels/bf16.py); None for the ops that keep or move values whatever their dtype (state,
-    resources, asynchronous transfers, control flow), which see their arrays as they are."""
+    queues, asynchronous transfers, control flow), which see their arrays as they are. Ops whose
+    resource is a random state (Dropout, the random draws) compute, so they follow the rule."""
     d = node.opdef
-    if d.resource or d.ref_inputs or d.is_async or d.group in (STATE, CONTROL):
+    if d.ref_inputs or d.is_async or d.group in (STATE, CONTROL):
         return None
     return [s.dtype for s in node.outputs]
 
