@@ -10,8 +10,9 @@ result a rule over its float32 reference rather than whatever numpy's per-elemen
 
 Kernels that take bfloat16 arrays as they are (cuBLAS and cuDNN products on a GPU, which round
 once too) say so with `native`; the rule above stays their reference (`reference_kernels()`
-turns them off, as it does variants). State, resource and asynchronous ops are the executor's to
-leave alone: they keep and move values, whatever their dtype.
+turns them off, as it does variants). State, queue, asynchronous and control ops are the
+executor's to leave alone (executor._output_dtypes): they keep and move values, whatever their
+dtype; ops whose resource is a random state (Dropout, the draws) compute, so the rule holds there.
 """
 from __future__ import annotations
 
