@@ -191,8 +191,13 @@ def _window_gemm(xp: Any, src: Any, wmat: Any, kh: int, kw: int, sh: int, sw: in
     return out
 
 
-# Pieces of one pass below which it runs on the calling thread with BLAS's own threads.
-PARALLEL_PIECES = 16
+# Pieces of one pass below which it runs on the calling thread with BLAS's own threads: a pass of
+# two pieces or more goes to the intra-op threads (one-thread GEMMs, gathers in parallel). Measured,
+# every Inception-v3 convolution at batch 8, 2 threads, forward / input / filter gradient: 591-699 /
+# 620-765 / 610-714 ms with 16 here and pieces of 2048 positions, 500-503 / 512-513 / 510-512 with 2
+# and 768, against 503-504 for same-FLOP GEMMs (an earlier measurement that favoured 16 was taken
+# while OpenBLAS's idle threads still spun for ~0.1 s after each threaded GEMM: see flowctl/__init__.py).
+PARALLEL_PIECES = 2
 PARALLEL_POOL_CHUNKS = 4
 # The filter gradient sums over every piece: its pieces are summed in this many fixed groups (each
 # in order, then the groups in order), whatever the thread count, so the bits never depend on it.
@@ -355,8 +360,10 @@ def conv2d_backprop_filter_kernel(xp: Any, attrs: dict[str, Any]) -> Fn:
 # ~95 with M = 172,872 (147x147 batch 8 at once), whose operand streams from memory. Every
 # Inception-v3 convolution at batch 8, forward and both backprops, one thread: 1.09x the time of
 # same-FLOP GEMMs gathering whole images (the previous kernels), 1.00x with pieces of 512, 1024 or
-# 2048 positions, 1.03x with 4096; 2048 keeps the most rows per GEMM for two threads to share.
-GEMM_ROWS = 2048
+# 2048 positions, 1.03x with 4096. At 2 threads, with the passes of two pieces or more on the
+# intra-op threads (PARALLEL_PIECES): the three passes together 1.05-1.06x the GEMMs' time with 256, 1.03x
+# with 512, 1.01x with 768, 1.09x with 1024, 1.08x with 2048 (one thread: 512 and 2048 equal).
+GEMM_ROWS = 768
 # Pooling is all memory traffic: chunks of at most POOL_ELEMENTS outputs. Measured, batch 8,
 # 3x3 MaxPoolGrad: 35x35x288 stride 1 24 -> 13 ms; 147x147x64 stride 2 54 -> 26 ms.
 POOL_ELEMENTS = 1 << 18

@@ -11,9 +11,10 @@ run, BLAS is one thread per caller so the cores are not asked for twice.
 Measured on a 2-core VM, batch 8, one thread against two: the large passes (Inception-v3's
 147x147 and 73x73 layers, 20-85 pieces each) run 1.1-1.35x faster with two one-thread GEMMs on two
 runs of pieces than with OpenBLAS's two threads on each piece, batch norm's gradient at
-147x147x64 1.36x; a pass of fewer than ~16 pieces ran 0.6x, so it stays on the calling thread
-with BLAS's own threads (`least` in `for_chunks`). The whole Inception-v3 step gained ~4%, about
-the machine's noise. With another process on the machine the difference grows: OpenBLAS's
+147x147x64 1.36x. A pass of one piece stays on the calling thread with BLAS's own threads (`least`
+in `for_chunks`); passes of 2-16 pieces, first measured at 0.6x here, go to the threads too since
+OpenBLAS's idle threads no longer spin beside them (flowctl/__init__.py): Inception-v3's
+convolutions at batch 8 then ran 1.09-1.35x faster per pass (kernels/conv.py, PARALLEL_PIECES). With another process on the machine the difference grows: OpenBLAS's
 threads spin waiting for each other, and one such run took 612 ms for the 147x147 convolution
 that the pieces on two threads did in 83.
 
