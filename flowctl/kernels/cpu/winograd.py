@@ -1,0 +1,361 @@
+"""Winograd convolutions on the CPU: stride-1 3x3 and 5x5 windows with fewer multiplications (Lavin
+and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016).
+
+Along an axis with a window of r taps, F(2, r) computes 2 outputs from a = r + 1 inputs with a
+products instead of 2r: y = A^T [(G g) * (B^T d)], B^T, G and A^T from Toom-Cook at the points 0,
++-1, +-2 and infinity (`transforms`, built exactly, checked against the direct sum by the tests).
+The 2-D window nests the two axes: a 3x3 convolution takes 16 products per 2x2 outputs instead of
+36, a 5x5 36 instead of 100. Per tile of 2x2 outputs the input patch goes through B^T on both axes
+(`gather`, compiled), the a*a transformed planes are multiplied by the transformed filter as a*a
+GEMMs (BLAS), and A^T takes them back to outputs (`scatter`). The gradients are the same steps
+transposed: the input gradient is the forward pass over dy, zero-padded, with the filter flipped;
+the filter gradient multiplies the input's transformed tiles by dy's tiles taken through A
+(`gather_outputs`, scatter's transpose), summed over tiles, then G^T on both axes.
+
+Pieces: tiles in blocks of about BLOCK_BYTES of planes, fixed by the shapes; blocks go to the
+intra-op threads, and the filter gradient sums them in FILTER_GROUPS fixed groups, so the bits never
+depend on the thread count. float32 only: float64 keeps the GEMM kernels and their 1e-12; float32's
+error here is that of the GEMMs' order of magnitude (the tests hold it to 1e-5 of the output's scale).
+
+Measured, 2 threads, batch 8, forward / input gradient / filter gradient, against the im2col + GEMM
+pieces (kernels/conv.py): 73x73x80 -> 192 3x3 57 / 60 / 60 -> 36 / 41 / 39 ms; 35x35x96 -> 96 3x3
+9.6 / 9.9 / 10.3 -> 7.4 / 6.8 / 6.8; 35x35x64 -> 96 3x3 6.5 / 7.1 / 6.9 -> 5.6 / 5.9 / 5.3;
+35x35x48 -> 64 5x5 9.1 / 9.9 / 9.7 -> 8.3 / 8.8 / 8.5. Not taken (MIN_CHANNELS, MIN_SIDE): where
+it measured slower; F(2, 7) for Inception's 1x7 and 7x1 windows measured even with the GEMMs.
+"""
+from __future__ import annotations
+
+import functools
+from fractions import Fraction
+from typing import Any, Callable
+
+import numpy as np
+
+from flowctl.kernels import intra
+from flowctl.kernels.conv import FILTER_GROUPS, window
+from flowctl.kernels.cpu.jit import available, compiled, njit
+from flowctl.kernels.registry import variant
+
+Fn = Callable[..., Any]
+
+# Finite Toom-Cook points for F(2, r) (r of them; infinity is the last): small, so the data
+# transform's entries stay small integers.
+POINTS = {3: (0, 1, -1), 5: (0, 1, -1, 2, -2)}
+OUT_TILE = 2
+WINDOWS = {(3, 3), (5, 5)}
+# Tiles per block: about this many bytes of transformed input and product planes, so a block's
+# planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
+# 2 threads, batch 8, 73x73x80 -> 192 3x3 forward: 36 ms with 1 MiB, 39 with 0.5 or 2, 49 with 12.
+BLOCK_BYTES = 1 << 20
+# Where it is taken (`_applies`): both channel counts at least MIN_CHANNELS and an output at least
+# MIN_SIDE on each side. Below, the transforms and the filter's transform cost more than the
+# products save: measured, 149x149x32 -> 32 3x3 23 -> 30 ms, 8x8x448 -> 384 9 -> 26 ms.
+MIN_CHANNELS = 48
+MIN_SIDE = 16
+
+
+@functools.cache
+def transforms(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(A^T (m x a), G (a x r), B^T (a x a)) in float64 for F(m, r), a = m + r - 1: for inputs d (a)
+    and taps g (r), y_i = sum_j g_j d_(i+j) = (A^T [(G g) * (B^T d)])_i. Built exactly (fractions):
+    the correlation is the transpose of the polynomial product g(x) h(x) evaluated at the points
+    and interpolated back; each row of B^T is scaled to largest entry 1, G's row by the same."""
+    a = m + r - 1
+    pts = [Fraction(p) for p in POINTS[r][:a - 1]]
+    if len(pts) != a - 1:
+        raise ValueError(f"no Winograd points for F({m}, {r})")
+
+    def evaluation(cols: int) -> list[list[Fraction]]:
+        rows = [[p ** j for j in range(cols)] for p in pts]
+        return rows + [[Fraction(int(j == cols - 1)) for j in range(cols)]]  # infinity: the leading coefficient
+
+    vand = evaluation(a)
+    inv = _inverse(vand)  # coefficients of the product from its values
+    bt = [[inv[j][k] for j in range(a)] for k in range(a)]  # (V^-1)^T
+    g = evaluation(r)
+    at = [list(col) for col in zip(*evaluation(m))]
+    for k in range(a):
+        s = max(abs(v) for v in bt[k])
+        bt[k] = [v / s for v in bt[k]]
+        g[k] = [v * s for v in g[k]]
+    as_array = lambda rows: np.array([[float(v) for v in row] for row in rows])  # noqa: E731
+    return as_array(at), as_array(g), as_array(bt)
+
+
+def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
+    n = len(rows)
+    aug = [list(row) + [Fraction(int(i == j)) for j in range(n)] for i, row in enumerate(rows)]
+    for col in range(n):
+        pivot = next(i for i in range(col, n) if aug[i][col] != 0)
+        aug[col], aug[pivot] = aug[pivot], aug[col]
+        lead = aug[col][col]
+        aug[col] = [v / lead for v in aug[col]]
+        for i in range(n):
+            if i != col and aug[i][col] != 0:
+                f = aug[i][col]
+                aug[i] = [v - f * w for v, w in zip(aug[i], aug[col])]
+    return [row[n:] for row in aug]
+
+
+@compiled
+def _kernels() -> Any:
+    @njit
+    def gather(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: int, ph: int, pw: int,
+               bth: Any, btw: Any, v: Any) -> None:
+        """v[k*aw + l, t - t0, :] = (B_h^T patch B_w)[k, l, :] for tiles t0:t1, the patch being the
+        a_h x a_w inputs under tile t (zero outside x: the padding)."""
+        _, h, w, c = x.shape
+        ah, aw = bth.shape[0], btw.shape[0]
+        rows = np.empty((ah, aw, c), x.dtype)
+        per_image = tiles_h * tiles_w
+        for t in range(t0, t1):
+            n, rest = t // per_image, t % per_image
+            r0, c0 = (rest // tiles_w) * mh - ph, (rest % tiles_w) * mw - pw
+            rows[:] = 0
+            for i in range(ah):  # rows[k, j] = sum over i of B_h^T[k, i] x[r0 + i, c0 + j]
+                if not 0 <= r0 + i < h:
+                    continue
+                for j in range(aw):
+                    if not 0 <= c0 + j < w:
+                        continue
+                    src = x[n, r0 + i, c0 + j]
+                    for k in range(ah):
+                        b = bth[k, i]
+                        if b != 0:
+                            dst = rows[k, j]
+                            for ch in range(c):
+                                dst[ch] += b * src[ch]
+            for k in range(ah):
+                for l in range(aw):
+                    out = v[k * aw + l, t - t0]
+                    out[:] = 0
+                    for j in range(aw):
+                        b = btw[l, j]
+                        if b != 0:
+                            src = rows[k, j]
+                            for ch in range(c):
+                                out[ch] += b * src[ch]
+
+    @njit
+    def scatter(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any, y: Any) -> None:
+        """y's outputs under tiles t0:t1 = A_h^T M A_w (outputs past y's edge dropped)."""
+        _, ho, wo, co = y.shape
+        mh, ah = ath.shape
+        mw, aw = atw.shape
+        rows = np.empty((mh, aw, co), y.dtype)
+        per_image = tiles_h * tiles_w
+        for t in range(t0, t1):
+            n, rest = t // per_image, t % per_image
+            r0, c0 = (rest // tiles_w) * mh, (rest % tiles_w) * mw
+            for p in range(mh):
+                for l in range(aw):
+                    for ch in range(co):
+                        rows[p, l, ch] = 0
+                    for k in range(ah):
+                        a = ath[p, k]
+                        if a != 0:
+                            src = m[k * aw + l, t - t0]
+                            for ch in range(co):
+                                rows[p, l, ch] += a * src[ch]
+            for p in range(mh):
+                if r0 + p >= ho:
+                    continue
+                for q in range(mw):
+                    if c0 + q >= wo:
+                        continue
+                    out = y[n, r0 + p, c0 + q]
+                    for ch in range(co):
+                        out[ch] = 0
+                    for l in range(aw):
+                        a = atw[q, l]
+                        if a != 0:
+                            for ch in range(co):
+                                out[ch] += a * rows[p, l, ch]
+
+    @njit
+    def gather_outputs(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any,
+                       dm: Any) -> None:
+        """scatter's transpose: dm[k*aw + l, t - t0, :] = (A_h dY A_w^T)[k, l, :], dY the outputs
+        under tile t (zero past dy's edge)."""
+        _, ho, wo, co = dy.shape
+        mh, ah = ath.shape
+        mw, aw = atw.shape
+        rows = np.empty((ah, mw, co), dy.dtype)
+        per_image = tiles_h * tiles_w
+        for t in range(t0, t1):
+            n, rest = t // per_image, t % per_image
+            r0, c0 = (rest // tiles_w) * mh, (rest % tiles_w) * mw
+            for k in range(ah):
+                for q in range(mw):
+                    for ch in range(co):
+                        rows[k, q, ch] = 0
+                    if c0 + q >= wo:
+                        continue
+                    for p in range(mh):
+                        a = ath[p, k]
+                        if a != 0 and r0 + p < ho:
+                            src = dy[n, r0 + p, c0 + q]
+                            for ch in range(co):
+                                rows[k, q, ch] += a * src[ch]
+            for k in range(ah):
+                for l in range(aw):
+                    out = dm[k * aw + l, t - t0]
+                    for ch in range(co):
+                        out[ch] = 0
+                    for q in range(mw):
+                        a = atw[q, l]
+                        if a != 0:
+                            for ch in range(co):
+                                out[ch] += a * rows[k, q, ch]
+
+    return gather, scatter, gather_outputs
+
+
+class _Plan:
+    """The tiling of one stride-1 window pass: the output (N, Ho, Wo) in tiles of mh x mw, the
+    input read from (-ph, -pw), and the tiles in blocks."""
+
+    def __init__(self, n: int, ho: int, wo: int, kh: int, kw: int, ph: int, pw: int, c: int, co: int,
+                 itemsize: int) -> None:
+        self.mh = self.mw = OUT_TILE
+        self.ath, self.gh, self.bth = transforms(self.mh, kh)
+        self.atw, self.gw, self.btw = transforms(self.mw, kw)
+        self.points = self.bth.shape[0] * self.btw.shape[0]
+        self.tiles_h, self.tiles_w = -(-ho // self.mh), -(-wo // self.mw)
+        self.ph, self.pw = ph, pw
+        self.tiles = n * self.tiles_h * self.tiles_w
+        per_tile = self.points * (c + co) * itemsize
+        count = max(1, -(-self.tiles * per_tile // BLOCK_BYTES))
+        count += count % 2 if count > 1 else 0  # an even count shares out evenly over two threads
+        size = -(-self.tiles // count)
+        self.blocks = [(t, min(self.tiles, t + size)) for t in range(0, self.tiles, size)]
+
+    def matrices(self, dtype: Any) -> tuple[Any, ...]:
+        return tuple(np.ascontiguousarray(m, dtype=dtype) for m in (self.bth, self.btw, self.ath, self.atw))
+
+    def filter(self, f: Any) -> Any:
+        """G_h f G_w^T per (c, co), in float64 rounded once: (points, C, Co)."""
+        kh, kw, c, co = f.shape
+        rows = (self.gh @ f.astype(np.float64).reshape(kh, -1)).reshape(-1, kw, c * co)  # (ah, kw, C*Co)
+        return np.ascontiguousarray(np.matmul(self.gw, rows).reshape(self.points, c, co), dtype=f.dtype)
+
+    def filter_back(self, du: Any, f_shape: tuple, dtype: Any) -> Any:
+        """The transpose of `filter`: G_h^T dU G_w, in float64 rounded once."""
+        kh, kw, c, co = f_shape
+        ah, aw = self.bth.shape[0], self.btw.shape[0]
+        rows = np.matmul(self.gw.T, du.astype(np.float64).reshape(ah, aw, c * co))  # (ah, kw, C*Co)
+        return (self.gh.T @ rows.reshape(ah, -1)).reshape(kh, kw, c, co).astype(dtype)
+
+
+def _forward(x: Any, u: Any, plan: _Plan, y: Any) -> Any:
+    """y = the window pass of x (implicitly zero-padded by plan.ph, plan.pw) with the transformed
+    filter u, block by block on the intra-op threads."""
+    gather, scatter, _ = _kernels()
+    bth, btw, ath, atw = plan.matrices(x.dtype)
+    c, co = u.shape[1], u.shape[2]
+
+    def part(run: range) -> None:
+        most = max(t1 - t0 for t0, t1 in plan.blocks[run.start:run.stop])
+        v = np.empty((plan.points, most, c), x.dtype)
+        m = np.empty((plan.points, most, co), x.dtype)
+        for t0, t1 in plan.blocks[run.start:run.stop]:
+            k = t1 - t0
+            gather(x, t0, t1, plan.tiles_h, plan.tiles_w, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
+            np.matmul(v[:, :k], u, out=m[:, :k])
+            scatter(m, t0, t1, plan.tiles_h, plan.tiles_w, ath, atw, y)
+
+    intra.for_chunks(len(plan.blocks), part, least=2)
+    return y
+
+
+def conv2d_forward(x: Any, f: Any, padding: str) -> Any:
+    kh, kw, c, co = f.shape
+    n, h, w, _ = x.shape
+    ho, ph = window(h, kh, 1, padding)
+    wo, pw = window(w, kw, 1, padding)
+    plan = _Plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
+    return _forward(x, plan.filter(f), plan, np.empty((n, ho, wo, co), x.dtype))
+
+
+def conv2d_backprop_input(dy: Any, f: Any, x_shape: tuple, padding: str) -> Any:
+    """The forward pass over dy zero-padded by (k-1-p) before, with the filter flipped and its
+    channels swapped: every input position sees each output that read it."""
+    kh, kw, c, co = f.shape
+    n, h, w = dy.shape[0], int(x_shape[1]), int(x_shape[2])
+    ph, pw = window(h, kh, 1, padding)[1], window(w, kw, 1, padding)[1]
+    plan = _Plan(n, h, w, kh, kw, kh - 1 - ph, kw - 1 - pw, co, c, dy.dtype.itemsize)
+    flipped = np.ascontiguousarray(f[::-1, ::-1].transpose(0, 1, 3, 2))
+    return _forward(np.ascontiguousarray(dy), plan.filter(flipped), plan, np.empty((n, h, w, c), dy.dtype))
+
+
+def conv2d_backprop_filter(x: Any, dy: Any, f_shape: tuple, padding: str) -> Any:
+    """sum over tiles of (B^T x B)^T (A dY A^T) per point, in FILTER_GROUPS fixed groups of blocks,
+    then G^T on both axes."""
+    kh, kw, c, co = (int(d) for d in f_shape)
+    n, h, w, _ = x.shape
+    ho, ph = window(h, kh, 1, padding)
+    wo, pw = window(w, kw, 1, padding)
+    plan = _Plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
+    gather, _, gather_outputs = _kernels()
+    bth, btw, ath, atw = plan.matrices(x.dtype)
+    dy = np.ascontiguousarray(dy)
+
+    def group(run: range) -> Any:
+        mine = plan.blocks[run.start:run.stop]
+        most = max(t1 - t0 for t0, t1 in mine)
+        v = np.empty((plan.points, most, c), x.dtype)
+        dm = np.empty((plan.points, most, co), x.dtype)
+        total = part = None
+        for t0, t1 in mine:
+            k = t1 - t0
+            gather(x, t0, t1, plan.tiles_h, plan.tiles_w, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
+            gather_outputs(dy, t0, t1, plan.tiles_h, plan.tiles_w, ath, atw, dm)
+            if total is None:
+                total = np.matmul(v[:, :k].transpose(0, 2, 1), dm[:, :k])
+            else:
+                part = np.matmul(v[:, :k].transpose(0, 2, 1), dm[:, :k], out=part)
+                total += part
+        return total
+
+    sums = intra.for_chunks(len(plan.blocks), group, FILTER_GROUPS, least=2)
+    du = sums[0]
+    for more in sums[1:]:
+        du += more
+    return plan.filter_back(du, (kh, kw, c, co), x.dtype)
+
+
+def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable[[dict[str, Any], Any], bool]:
+    """Rule: numba present, stride 1, float32 NHWC inputs at `positions`, a window in WINDOWS with at
+    least MIN_CHANNELS channels on both sides (the filter input's shape), and the image the tiles
+    cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
+    def rule(attrs: dict[str, Any], ins: Any) -> bool:
+        if not available() or tuple(attrs.get("strides", (0, 0))) != (1, 1):
+            return False
+        try:
+            if not all(ins[i].dtype == "float32" and len(ins[i].shape) == 4 for i in positions):
+                return False
+            kh, kw, c, co = ins[filter_at].shape
+            h, w = ins[tiled].shape[1:3]
+            return ((int(kh), int(kw)) in WINDOWS and min(int(c), int(co)) >= MIN_CHANNELS
+                    and min(int(h), int(w)) >= MIN_SIDE)
+        except (IndexError, TypeError, ValueError):
+            return False
+    return rule
+
+
+@variant("Conv2D", "cpu", "winograd", _applies((0, 1), 1, 0))
+def conv2d_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
+    padding = attrs["padding"]
+    return lambda x, f: conv2d_forward(x, f, padding)
+
+
+@variant("Conv2DBackpropInput", "cpu", "winograd", _applies((0, 1), 1, 2))
+def conv2d_backprop_input_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
+    padding = attrs["padding"]
+    return lambda dy, f, like_x: conv2d_backprop_input(dy, f, like_x.shape, padding)
+
+
+@variant("Conv2DBackpropFilter", "cpu", "winograd", _applies((0, 1), 2, 1))
+def conv2d_backprop_filter_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
+    padding = attrs["padding"]
+    return lambda x, dy, like_f: conv2d_backprop_filter(x, dy, like_f.shape, padding)

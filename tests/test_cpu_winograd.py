@@ -1,0 +1,110 @@
+"""The Winograd convolutions (flowctl/kernels/cpu/winograd.py) against the direct ones: the Toom-Cook
+transforms exact in float64, the three passes in float32 within 1e-5 of the output's scale of the
+float64 reference (and of the float32 reference kernel), the same bits whatever the intra-op thread
+count, and the registry's rule taking them only where they apply."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from flowctl.engine.shapes import TensorSpec  # noqa: E402
+from flowctl.kernels import intra  # noqa: E402
+from flowctl.kernels.cpu import winograd  # noqa: E402
+from flowctl.kernels.registry import KERNELS, bind, chosen, reference_kernels  # noqa: E402
+
+TOL = 1e-5
+
+
+def _specs(*arrays: np.ndarray) -> list[TensorSpec]:
+    return [TensorSpec(tuple(a.shape), str(a.dtype)) for a in arrays]
+
+
+def _close(fast: np.ndarray, ref: np.ndarray) -> None:
+    assert fast.shape == ref.shape and fast.dtype == np.float32
+    scale = float(np.max(np.abs(ref)))
+    np.testing.assert_allclose(fast, ref, rtol=TOL, atol=TOL * scale)
+
+
+@pytest.mark.parametrize("r", [3, 5])
+def test_the_transforms_compute_the_correlation_exactly(r: int) -> None:
+    at, g, bt = winograd.transforms(2, r)
+    assert at.shape == (2, r + 1) and g.shape == (r + 1, r) and bt.shape == (r + 1, r + 1)
+    assert np.max(np.abs(bt)) == 1.0  # the data transform's rows scaled to largest entry 1
+    rng = np.random.default_rng(r)
+    for _ in range(20):
+        taps, d = rng.standard_normal(r), rng.standard_normal(r + 1)
+        direct = np.array([taps @ d[i:i + r] for i in range(2)])
+        np.testing.assert_allclose(at @ ((g @ taps) * (bt @ d)), direct, rtol=1e-12, atol=1e-12)
+
+
+# (x shape, filter shape, padding): odd sizes (a last tile half outside the output), both paddings,
+# more than one block of tiles, and a batch of one.
+CASES = [((2, 19, 17, 48, ), (3, 3, 48, 56), "SAME"), ((1, 21, 18, 50), (3, 3, 50, 48), "VALID"),
+         ((2, 20, 23, 48), (5, 5, 48, 52), "SAME"), ((1, 22, 21, 64), (5, 5, 64, 48), "VALID"),
+         ((3, 35, 35, 64), (3, 3, 64, 96), "SAME")]
+
+
+@pytest.mark.parametrize("x_shape,f_shape,padding", CASES)
+def test_the_three_passes_match_the_direct_convolution(x_shape, f_shape, padding) -> None:
+    rng = np.random.default_rng(sum(x_shape) + sum(f_shape))
+    x = rng.standard_normal(x_shape).astype("float32")
+    f = (rng.standard_normal(f_shape) / np.sqrt(np.prod(f_shape[:3]))).astype("float32")
+    attrs = {"strides": (1, 1), "padding": padding}
+    ref = {op: KERNELS[(op, "cpu")](np, dict(attrs)) for op in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter")}
+    y64 = ref["Conv2D"](x.astype("float64"), f.astype("float64"))
+    dy = rng.standard_normal(y64.shape).astype("float32")
+
+    fast = {}
+    for op, ins in (("Conv2D", (x, f)), ("Conv2DBackpropInput", (dy, f, x)), ("Conv2DBackpropFilter", (x, dy, f))):
+        v = chosen(op, "cpu", attrs, _specs(*ins))
+        assert v is not None and v.name == "winograd", op
+        fast[op] = bind(op, "cpu", dict(attrs), _specs(*ins))(*ins)
+
+    _close(fast["Conv2D"], y64)
+    _close(fast["Conv2D"], ref["Conv2D"](x, f))
+    dx64 = ref["Conv2DBackpropInput"](dy.astype("float64"), f.astype("float64"), x)
+    _close(fast["Conv2DBackpropInput"], dx64)
+    dw64 = ref["Conv2DBackpropFilter"](x.astype("float64"), dy.astype("float64"), f)
+    _close(fast["Conv2DBackpropFilter"], dw64)
+    # and the gradients are those of sum(y * dy): a finite difference along one direction of f
+    step = rng.standard_normal(f_shape)
+    eps = 1e-6
+    plus = ref["Conv2D"](x.astype("float64"), f + eps * step)
+    minus = ref["Conv2D"](x.astype("float64"), f - eps * step)
+    slope = float(np.sum((plus - minus) * dy) / (2 * eps))
+    assert abs(float(np.sum(fast["Conv2DBackpropFilter"].astype("float64") * step)) - slope) <= 1e-4 * abs(slope) + 1e-3
+
+
+def test_the_bits_do_not_depend_on_the_thread_count() -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 35, 35, 64)).astype("float32")  # many blocks of tiles
+    f = rng.standard_normal((3, 3, 64, 96)).astype("float32")
+    dy = rng.standard_normal((4, 35, 35, 96)).astype("float32")
+    runs = []
+    for threads in (1, 2, 3):
+        with intra.fixed(threads):
+            runs.append((winograd.conv2d_forward(x, f, "SAME"), winograd.conv2d_backprop_input(dy, f, x.shape, "SAME"),
+                         winograd.conv2d_backprop_filter(x, dy, f.shape, "SAME")))
+    assert len(winograd._Plan(4, 35, 35, 3, 3, 1, 1, 64, 96, 4).blocks) > 4
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_rule_takes_winograd_only_where_it_applies() -> None:
+    def picked(x_shape, f_shape, strides=(1, 1), dtype="float32"):
+        x, f = np.zeros(x_shape, dtype), np.zeros(f_shape, dtype)
+        v = chosen("Conv2D", "cpu", {"strides": strides, "padding": "SAME"}, _specs(x, f))
+        return v.name if v is not None else None
+
+    assert picked((8, 35, 35, 64), (3, 3, 64, 96)) == "winograd"
+    assert picked((8, 35, 35, 48), (5, 5, 48, 64)) == "winograd"
+    assert picked((8, 35, 35, 64), (3, 3, 64, 96), strides=(2, 2)) is None  # strided
+    assert picked((8, 35, 35, 64), (3, 3, 64, 96), dtype="float64") is None  # float64 keeps the GEMMs
+    assert picked((8, 149, 149, 32), (3, 3, 32, 32)) is None  # too few channels
+    assert picked((8, 8, 8, 448), (3, 3, 448, 384)) is None  # too small an image
+    assert picked((8, 17, 17, 128), (1, 7, 128, 128)) is None  # a window it does not take
+    with reference_kernels():
+        assert picked((8, 35, 35, 64), (3, 3, 64, 96)) is None
