@@ -27,22 +27,23 @@ def _close(fast: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(fast, ref, rtol=TOL, atol=TOL * scale)
 
 
-@pytest.mark.parametrize("r", [3, 5])
-def test_the_transforms_compute_the_correlation_exactly(r: int) -> None:
-    at, g, bt = winograd.transforms(2, r)
-    assert at.shape == (2, r + 1) and g.shape == (r + 1, r) and bt.shape == (r + 1, r + 1)
-    assert np.max(np.abs(bt)) == 1.0  # the data transform's rows scaled to largest entry 1
-    rng = np.random.default_rng(r)
+@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (2, 5)])
+def test_the_transforms_compute_the_correlation_exactly(m: int, r: int) -> None:
+    at, g, bt = winograd.transforms(m, r)
+    a = m + r - 1
+    assert at.shape == (m, a) and g.shape == (a, r) and bt.shape == (a, a)
+    assert np.allclose(np.max(np.abs(bt), axis=1), 1.0)  # the data transform's rows scaled to largest entry 1
+    rng = np.random.default_rng(m * 10 + r)
     for _ in range(20):
-        taps, d = rng.standard_normal(r), rng.standard_normal(r + 1)
-        direct = np.array([taps @ d[i:i + r] for i in range(2)])
+        taps, d = rng.standard_normal(r), rng.standard_normal(a)
+        direct = np.array([taps @ d[i:i + r] for i in range(m)])
         np.testing.assert_allclose(at @ ((g @ taps) * (bt @ d)), direct, rtol=1e-12, atol=1e-12)
 
 
 # (x shape, filter shape, padding): odd sizes (a last tile half outside the output), both paddings,
 # more than one block of tiles, and a batch of one.
-CASES = [((2, 19, 17, 48, ), (3, 3, 48, 56), "SAME"), ((1, 21, 18, 50), (3, 3, 50, 48), "VALID"),
-         ((2, 20, 23, 48), (5, 5, 48, 52), "SAME"), ((1, 22, 21, 64), (5, 5, 64, 48), "VALID"),
+CASES = [((2, 19, 17, 48), (3, 3, 48, 64), "SAME"), ((1, 22, 18, 32), (3, 3, 32, 64), "SAME"), ((1, 21, 18, 70), (3, 3, 70, 48), "VALID"),
+         ((2, 20, 23, 48), (5, 5, 48, 64), "SAME"), ((1, 22, 21, 64), (5, 5, 64, 48), "VALID"),
          ((3, 35, 35, 64), (3, 3, 64, 96), "SAME")]
 
 
@@ -103,7 +104,9 @@ def test_the_rule_takes_winograd_only_where_it_applies() -> None:
     assert picked((8, 35, 35, 48), (5, 5, 48, 64)) == "winograd"
     assert picked((8, 35, 35, 64), (3, 3, 64, 96), strides=(2, 2)) is None  # strided
     assert picked((8, 35, 35, 64), (3, 3, 64, 96), dtype="float64") is None  # float64 keeps the GEMMs
+    assert picked((8, 147, 147, 32), (3, 3, 32, 64)) == "winograd"
     assert picked((8, 149, 149, 32), (3, 3, 32, 32)) is None  # too few channels
+    assert picked((8, 35, 35, 24), (3, 3, 24, 96)) is None
     assert picked((8, 8, 8, 448), (3, 3, 448, 384)) is None  # too small an image
     assert picked((8, 17, 17, 128), (1, 7, 128, 128)) is None  # a window it does not take
     with reference_kernels():
@@ -120,7 +123,7 @@ model:
   layers:
     - {name: image, type: input, shape: [18, 18, 3]}
     - {name: conv1, type: conv2d, filters: 48, kernel: 3, inputs: [image]}
-    - {name: conv2, type: conv2d, filters: 56, kernel: 3}
+    - {name: conv2, type: conv2d, filters: 64, kernel: 3}
     - {name: conv3, type: conv2d, filters: 48, kernel: 5}
     - {name: pool, type: global_avg_pool}
     - {name: logits, type: dense, units: 10}

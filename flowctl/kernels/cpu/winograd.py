@@ -1,27 +1,30 @@
 """Winograd convolutions on the CPU: stride-1 3x3 and 5x5 windows with fewer multiplications (Lavin
 and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016).
 
-Along an axis with a window of r taps, F(2, r) computes 2 outputs from a = r + 1 inputs with a
-products instead of 2r: y = A^T [(G g) * (B^T d)], B^T, G and A^T from Toom-Cook at the points 0,
-+-1, +-2 and infinity (`transforms`, built exactly, checked against the direct sum by the tests).
-The 2-D window nests the two axes: a 3x3 convolution takes 16 products per 2x2 outputs instead of
-36, a 5x5 36 instead of 100. Per tile of 2x2 outputs the input patch goes through B^T on both axes
-(`gather`, compiled), the a*a transformed planes are multiplied by the transformed filter as a*a
-GEMMs (BLAS), and A^T takes them back to outputs (`scatter`). The gradients are the same steps
-transposed: the input gradient is the forward pass over dy, zero-padded, with the filter flipped;
-the filter gradient multiplies the input's transformed tiles by dy's tiles taken through A
-(`gather_outputs`, scatter's transpose), summed over tiles, then G^T on both axes.
+Along an axis with a window of r taps, F(m, r) computes m outputs from a = m + r - 1 inputs with
+a products instead of m*r: y = A^T [(G g) * (B^T d)], B^T, G and A^T from Toom-Cook at the points
+0, +-1, 1/2, -2 and infinity (`transforms`, built exactly, checked against the direct sum by the
+tests). The 2-D window nests the two axes: a 3x3 convolution runs F(4x4, 3x3), 36 products per 4x4
+outputs instead of 144; a 5x5 F(2x2, 5x5), 36 per 2x2 instead of 100. Per tile of outputs the
+input patch goes through B^T on both axes (`gather`, compiled), the a*a transformed planes are
+multiplied by the transformed filter as a*a GEMMs (BLAS), and A^T takes them back to outputs
+(`scatter`). The gradients are the same steps transposed: the input gradient is the forward pass
+over dy, zero-padded, with the filter flipped; the filter gradient multiplies the input's
+transformed tiles by dy's tiles taken through A (`gather_outputs`, scatter's transpose), summed
+over tiles, then G^T on both axes.
 
 Pieces: tiles in blocks of about BLOCK_BYTES of planes, fixed by the shapes; blocks go to the
 intra-op threads, and the filter gradient sums them in FILTER_GROUPS fixed groups, so the bits never
-depend on the thread count. float32 only: float64 keeps the GEMM kernels and their 1e-12; float32's
-error here is that of the GEMMs' order of magnitude (the tests hold it to 1e-5 of the output's scale).
+depend on the thread count. float32 only: float64 keeps the GEMM kernels and their 1e-12. float32's
+error here is a few times the GEMMs' (measured on Inception-v3's layers: at most 4.3e-6 of the
+output's scale against the float64 reference, the GEMMs 8e-7; the tests hold it to 1e-5).
 
 Measured, 2 threads, batch 8, forward / input gradient / filter gradient, against the im2col + GEMM
-pieces (kernels/conv.py): 73x73x80 -> 192 3x3 57 / 60 / 60 -> 36 / 41 / 39 ms; 35x35x96 -> 96 3x3
-9.6 / 9.9 / 10.3 -> 7.4 / 6.8 / 6.8; 35x35x64 -> 96 3x3 6.5 / 7.1 / 6.9 -> 5.6 / 5.9 / 5.3;
-35x35x48 -> 64 5x5 9.1 / 9.9 / 9.7 -> 8.3 / 8.8 / 8.5. Not taken (MIN_CHANNELS, MIN_SIDE): where
-it measured slower; F(2, 7) for Inception's 1x7 and 7x1 windows measured even with the GEMMs.
+pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 35x35x96 -> 96 3x3
+9.0 / 10.2 / 9.3 -> 4.4 / 4.5 / 5.4; 35x35x64 -> 96 3x3 6.1 / 6.6 / 6.3 -> 3.2 / 3.3 / 3.7;
+147x147x32 -> 64 3x3 42 / 43 / 42 -> 36 / 33 / 36; 35x35x48 -> 64 5x5 8.7 / 9.2 / 9.0 -> 7.8 / 7.4 /
+8.5. Not taken (MIN_CHANNELS, MIN_WIDER, MIN_SIDE): where it measured slower; F(2, 7) for
+Inception's 1x7 and 7x1 windows measured even with the GEMMs; F(2x2, 3x3) 1.4x slower than F(4x4, 3x3).
 """
 from __future__ import annotations
 
@@ -40,17 +43,23 @@ Fn = Callable[..., Any]
 
 # Finite Toom-Cook points for F(2, r) (r of them; infinity is the last): small, so the data
 # transform's entries stay small integers.
-POINTS = {3: (0, 1, -1), 5: (0, 1, -1, 2, -2)}
-OUT_TILE = 2
+# Finite Toom-Cook points, the first a - 1 of them (infinity is the last). With 1/2 and -2 rather
+# than +-2, F(4, 3)'s float32 error fell from up to 1.3e-5 of the output's scale to 4.3e-6
+# (73x73x80 -> 192, input gradient), F(2, 5)'s from 6e-6 to 2.4e-6.
+POINTS = (0, 1, -1, Fraction(1, 2), -2)
+# Outputs per tile along an axis, by window size: F(4, 3) and F(2, 5), both at a = 6 points.
+OUT_TILE = {3: 4, 5: 2}
 WINDOWS = {(3, 3), (5, 5)}
 # Tiles per block: about this many bytes of transformed input and product planes, so a block's
 # planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
 # 2 threads, batch 8, 73x73x80 -> 192 3x3 forward: 36 ms with 1 MiB, 39 with 0.5 or 2, 49 with 12.
 BLOCK_BYTES = 1 << 20
-# Where it is taken (`_applies`): both channel counts at least MIN_CHANNELS and an output at least
-# MIN_SIDE on each side. Below, the transforms and the filter's transform cost more than the
-# products save: measured, 149x149x32 -> 32 3x3 23 -> 30 ms, 8x8x448 -> 384 9 -> 26 ms.
-MIN_CHANNELS = 48
+# Where it is taken (`_applies`): both channel counts at least MIN_CHANNELS, one at least
+# MIN_WIDER, and an image at least MIN_SIDE on each side. Below, the transforms and the filter's
+# transform cost more than the products save: measured, 149x149x32 -> 32 3x3 forward 23 -> 27 ms,
+# 8x8x448 -> 384 9 -> 18 ms.
+MIN_CHANNELS = 32
+MIN_WIDER = 64
 MIN_SIDE = 16
 
 
@@ -61,7 +70,7 @@ def transforms(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     the correlation is the transpose of the polynomial product g(x) h(x) evaluated at the points
     and interpolated back; each row of B^T is scaled to largest entry 1, G's row by the same."""
     a = m + r - 1
-    pts = [Fraction(p) for p in POINTS[r][:a - 1]]
+    pts = [Fraction(p) for p in POINTS[:a - 1]]
     if len(pts) != a - 1:
         raise ValueError(f"no Winograd points for F({m}, {r})")
 
@@ -217,7 +226,7 @@ class _Plan:
 
     def __init__(self, n: int, ho: int, wo: int, kh: int, kw: int, ph: int, pw: int, c: int, co: int,
                  itemsize: int) -> None:
-        self.mh = self.mw = OUT_TILE
+        self.mh, self.mw = OUT_TILE[kh], OUT_TILE[kw]
         self.ath, self.gh, self.bth = transforms(self.mh, kh)
         self.atw, self.gw, self.btw = transforms(self.mw, kw)
         self.points = self.bth.shape[0] * self.btw.shape[0]
@@ -326,8 +335,8 @@ def conv2d_backprop_filter(x: Any, dy: Any, f_shape: tuple, padding: str) -> Any
 
 def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable[[dict[str, Any], Any], bool]:
     """Rule: numba present, stride 1, float32 NHWC inputs at `positions`, a window in WINDOWS with at
-    least MIN_CHANNELS channels on both sides (the filter input's shape), and the image the tiles
-    cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
+    least MIN_CHANNELS channels on both sides and MIN_WIDER on one (the filter input's shape), and
+    the image the tiles cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
     def rule(attrs: dict[str, Any], ins: Any) -> bool:
         if not available() or tuple(attrs.get("strides", (0, 0))) != (1, 1):
             return False
@@ -337,7 +346,7 @@ def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable
             kh, kw, c, co = ins[filter_at].shape
             h, w = ins[tiled].shape[1:3]
             return ((int(kh), int(kw)) in WINDOWS and min(int(c), int(co)) >= MIN_CHANNELS
-                    and min(int(h), int(w)) >= MIN_SIDE)
+                    and max(int(c), int(co)) >= MIN_WIDER and min(int(h), int(w)) >= MIN_SIDE)
         except (IndexError, TypeError, ValueError):
             return False
     return rule
