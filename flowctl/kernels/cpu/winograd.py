@@ -36,13 +36,11 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.conv import FILTER_GROUPS, window
-from flowctl.kernels.cpu.jit import available, compiled, njit
+from flowctl.kernels.cpu.jit import compiled, floats_nhwc, njit
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
 
-# Finite Toom-Cook points for F(2, r) (r of them; infinity is the last): small, so the data
-# transform's entries stay small integers.
 # Finite Toom-Cook points, the first a - 1 of them (infinity is the last). With 1/2 and -2 rather
 # than +-2, F(4, 3)'s float32 error fell from up to 1.3e-5 of the output's scale to 4.3e-6
 # (73x73x80 -> 192, input gradient), F(2, 5)'s from 6e-6 to 2.4e-6.
@@ -109,6 +107,12 @@ def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
 @compiled
 def _kernels() -> Any:
     @njit
+    def origin(t: int, tiles_h: int, tiles_w: int, mh: int, mw: int) -> tuple[int, int, int]:
+        """(image, first output row, first output column) of tile t (tiles image by image, row-major)."""
+        n, rest = t // (tiles_h * tiles_w), t % (tiles_h * tiles_w)
+        return n, (rest // tiles_w) * mh, (rest % tiles_w) * mw
+
+    @njit
     def gather(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: int, ph: int, pw: int,
                bth: Any, btw: Any, v: Any) -> None:
         """v[k*aw + l, t - t0, :] = (B_h^T patch B_w)[k, l, :] for tiles t0:t1, the patch being the
@@ -116,10 +120,9 @@ def _kernels() -> Any:
         _, h, w, c = x.shape
         ah, aw = bth.shape[0], btw.shape[0]
         rows = np.empty((ah, aw, c), x.dtype)
-        per_image = tiles_h * tiles_w
         for t in range(t0, t1):
-            n, rest = t // per_image, t % per_image
-            r0, c0 = (rest // tiles_w) * mh - ph, (rest % tiles_w) * mw - pw
+            n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
+            r0, c0 = r0 - ph, c0 - pw
             rows[:] = 0
             for i in range(ah):  # rows[k, j] = sum over i of B_h^T[k, i] x[r0 + i, c0 + j]
                 if not 0 <= r0 + i < h:
@@ -152,10 +155,8 @@ def _kernels() -> Any:
         mh, ah = ath.shape
         mw, aw = atw.shape
         rows = np.empty((mh, aw, co), y.dtype)
-        per_image = tiles_h * tiles_w
         for t in range(t0, t1):
-            n, rest = t // per_image, t % per_image
-            r0, c0 = (rest // tiles_w) * mh, (rest % tiles_w) * mw
+            n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
             for p in range(mh):
                 for l in range(aw):
                     for ch in range(co):
@@ -190,10 +191,8 @@ def _kernels() -> Any:
         mh, ah = ath.shape
         mw, aw = atw.shape
         rows = np.empty((ah, mw, co), dy.dtype)
-        per_image = tiles_h * tiles_w
         for t in range(t0, t1):
-            n, rest = t // per_image, t % per_image
-            r0, c0 = (rest // tiles_w) * mh, (rest % tiles_w) * mw
+            n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
             for k in range(ah):
                 for q in range(mw):
                     for ch in range(co):
@@ -222,7 +221,7 @@ def _kernels() -> Any:
 
 class _Plan:
     """The tiling of one stride-1 window pass: the output (N, Ho, Wo) in tiles of mh x mw, the
-    input read from (-ph, -pw), and the tiles in blocks."""
+    input read from (-ph, -pw), and the tiles in blocks. Built once per shape (`_plan`)."""
 
     def __init__(self, n: int, ho: int, wo: int, kh: int, kw: int, ph: int, pw: int, c: int, co: int,
                  itemsize: int) -> None:
@@ -238,9 +237,9 @@ class _Plan:
         count += count % 2 if count > 1 else 0  # an even count shares out evenly over two threads
         size = -(-self.tiles // count)
         self.blocks = [(t, min(self.tiles, t + size)) for t in range(0, self.tiles, size)]
-
-    def matrices(self, dtype: Any) -> tuple[Any, ...]:
-        return tuple(np.ascontiguousarray(m, dtype=dtype) for m in (self.bth, self.btw, self.ath, self.atw))
+        # the transforms the compiled kernels take, in the arrays' dtype (float32: see `_applies`)
+        self.matrices = tuple(np.ascontiguousarray(m, dtype=np.float32)
+                              for m in (self.bth, self.btw, self.ath, self.atw))
 
     def filter(self, f: Any) -> Any:
         """G_h f G_w^T per (c, co), in float64 rounded once: (points, C, Co)."""
@@ -256,11 +255,16 @@ class _Plan:
         return (self.gh.T @ rows.reshape(ah, -1)).reshape(kh, kw, c, co).astype(dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(n: int, ho: int, wo: int, kh: int, kw: int, ph: int, pw: int, c: int, co: int, itemsize: int) -> _Plan:
+    return _Plan(n, ho, wo, kh, kw, ph, pw, c, co, itemsize)
+
+
 def _forward(x: Any, u: Any, plan: _Plan, y: Any) -> Any:
     """y = the window pass of x (implicitly zero-padded by plan.ph, plan.pw) with the transformed
     filter u, block by block on the intra-op threads."""
     gather, scatter, _ = _kernels()
-    bth, btw, ath, atw = plan.matrices(x.dtype)
+    bth, btw, ath, atw = plan.matrices
     c, co = u.shape[1], u.shape[2]
 
     def part(run: range) -> None:
@@ -282,7 +286,7 @@ def conv2d_forward(x: Any, f: Any, padding: str) -> Any:
     n, h, w, _ = x.shape
     ho, ph = window(h, kh, 1, padding)
     wo, pw = window(w, kw, 1, padding)
-    plan = _Plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
+    plan = _plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
     return _forward(x, plan.filter(f), plan, np.empty((n, ho, wo, co), x.dtype))
 
 
@@ -292,7 +296,7 @@ def conv2d_backprop_input(dy: Any, f: Any, x_shape: tuple, padding: str) -> Any:
     kh, kw, c, co = f.shape
     n, h, w = dy.shape[0], int(x_shape[1]), int(x_shape[2])
     ph, pw = window(h, kh, 1, padding)[1], window(w, kw, 1, padding)[1]
-    plan = _Plan(n, h, w, kh, kw, kh - 1 - ph, kw - 1 - pw, co, c, dy.dtype.itemsize)
+    plan = _plan(n, h, w, kh, kw, kh - 1 - ph, kw - 1 - pw, co, c, dy.dtype.itemsize)
     flipped = np.ascontiguousarray(f[::-1, ::-1].transpose(0, 1, 3, 2))
     return _forward(np.ascontiguousarray(dy), plan.filter(flipped), plan, np.empty((n, h, w, c), dy.dtype))
 
@@ -304,9 +308,9 @@ def conv2d_backprop_filter(x: Any, dy: Any, f_shape: tuple, padding: str) -> Any
     n, h, w, _ = x.shape
     ho, ph = window(h, kh, 1, padding)
     wo, pw = window(w, kw, 1, padding)
-    plan = _Plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
+    plan = _plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
     gather, _, gather_outputs = _kernels()
-    bth, btw, ath, atw = plan.matrices(x.dtype)
+    bth, btw, ath, atw = plan.matrices
     dy = np.ascontiguousarray(dy)
 
     def group(run: range) -> Any:
@@ -338,10 +342,10 @@ def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable
     least MIN_CHANNELS channels on both sides and MIN_WIDER on one (the filter input's shape), and
     the image the tiles cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
     def rule(attrs: dict[str, Any], ins: Any) -> bool:
-        if not available() or tuple(attrs.get("strides", (0, 0))) != (1, 1):
+        if tuple(attrs.get("strides", (0, 0))) != (1, 1) or not floats_nhwc(ins, positions):
             return False
         try:
-            if not all(ins[i].dtype == "float32" and len(ins[i].shape) == 4 for i in positions):
+            if ins[positions[0]].dtype != "float32":
                 return False
             kh, kw, c, co = ins[filter_at].shape
             h, w = ins[tiled].shape[1:3]
