@@ -13,13 +13,15 @@ threads (threadpoolctl; the workers set theirs from their device's share of the 
     started for the sitting), nothing exchanged: the ceiling two workers on this machine could
     reach, its cores, caches and memory shared, with no communication and no Ray at all. Its
     step is the median of both processes' steps, its examples those of both.
-Each row is opened once, then the rows are timed in blocks, in turn, `rounds` times (one untimed
-step, then `steps` timed ones per block); examples/s from the median step, with the rounds' range.
-First, in the same sitting, the link between two workers (`bench.ray.links`: 4 MiB and 64 MiB
-crossings), which `bench scaling` takes as each scheme's measured link, and what Ray's own
-processes take of the cores while two actors sit idle (`ray_idle`: the raylet, the GCS, the log
-monitor and the actors' Ray threads; no exchange could get that back on a machine whose cores the
-workers fill).
+The one-process rows are opened once and run with no Ray process on the machine (one process
+has none); each Ray row runs every block in a Ray of its own with only its two workers (`_RayRow`:
+started, opened, warmed, timed, shut down), as a user's run has it. The rows are timed in blocks,
+in turn, `rounds` times (untimed steps, then `steps` timed ones per block); examples/s from the
+median step, with the rounds' range. First, in the same sitting, the link between two workers
+(`bench.ray.links`: 4 MiB and 64 MiB crossings), which `bench scaling` takes as each scheme's
+measured link, and what Ray's own processes take of the cores while two actors sit idle
+(`ray_idle`: the raylet, the GCS, the log monitor and the actors' Ray threads; no exchange could
+get that back on a machine whose cores the workers fill).
 """
 from __future__ import annotations
 
@@ -187,6 +189,48 @@ class _TwoProcesses:
             self.local[0].close()
 
 
+class _RayRow:
+    """A Ray row's blocks: each in a Ray of its own, as a user's run has it -- Ray started, the
+    program opened on its two workers, `WARM` untimed steps, the timed block, then all of it shut
+    down -- so no other row's actors idle beside it and no Ray process idles beside the one-process
+    rows (their idle share was measured at 1.9-2.4% of the two cores, and the rows' ratios moved
+    by as much)."""
+
+    WARM = 3  # untimed steps: the first steps fault in the object store's fresh pages
+
+    def __init__(self, loaded: Any, temp_dir: str) -> None:
+        self.loaded, self.temp_dir = loaded, temp_dir
+
+    def block(self, steps: int) -> list[float]:
+        import ray
+        from threadpoolctl import threadpool_limits
+
+        from flowctl.training.inputs import make_sources
+        from flowctl.training.program import open_program
+
+        _ray_up(self.temp_dir)
+        p = None
+        try:
+            p = open_program(self.loaded)
+            src = make_sources(self.loaded, 1, p.step.batch)[0]
+            p.session.run(p.step.init)
+            with threadpool_limits(limits=1, user_api="blas"):  # the master's; each worker sets its own
+                timed_block(p, src, self.WARM - 1)
+                return timed_block(p, src, steps)
+        finally:
+            if p is not None:
+                p.close()
+            ray.shutdown()
+
+
+def _ray_up(temp_dir: str) -> None:
+    import ray
+
+    # 4 logical CPUs: room for a row's two one-core workers and `ray_idle`'s two actors
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
+             object_store_memory=OBJECT_STORE)
+
+
 def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, spec: Path | None = None,
                            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The measured rows (module doc) and their ratios: each scheme over one process at `threads`
@@ -206,33 +250,34 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
                      parallelism={"strategy": "sync_data_parallel", "reduce": reduce})
 
     rows = {"one_process": (_spec(text, batch), threads),
-            "one_process_all_threads": (_spec(text, batch), cores),
-            "allreduce": (two("allreduce"), None),
-            "parameter_device": (two("parameter_device"), None)}
+            "one_process_all_threads": (_spec(text, batch), cores)}
+    if ray.is_initialized():
+        raise FlowctlError("bench dataparallel starts and stops Ray itself, once per Ray block: "
+                           "run it where Ray is not initialised")
     tmp = tempfile.mkdtemp(prefix="fcdp", dir="/tmp")
-    started = not ray.is_initialized()
-    if started:  # both Ray rows stay open: 4 logical CPUs for their 4 one-core workers
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp,
-                 object_store_memory=OBJECT_STORE)
     pair: _TwoProcesses | None = None
     try:
         # The link first, on a quiet Ray: after the rows it measured 2.1-2.3 GB/s for 64 MiB where
         # alone it gives 5.8-5.95 (the rows' workers were still going away).
-        say("the link between two workers (4 MiB and 64 MiB crossings)")
-        from flowctl.bench.ray import links
+        _ray_up(tmp)
+        try:
+            say("the link between two workers (4 MiB and 64 MiB crossings)")
+            from flowctl.bench.ray import links
 
-        rates = links(repeat=5)["link_rates"]
-        say("Ray's own processes, two actors idle")
-        idle = ray_idle(tmp)
+            rates = links(repeat=5)["link_rates"]
+            say("Ray's own processes, two actors idle")
+            idle = ray_idle(tmp)
+        finally:
+            ray.shutdown()
         pair = _TwoProcesses(text, batch, threads)
-        # Ray rows: the limit is the master's only (each worker sets its own from its device).
+        blocks = {"two_processes": (pair.block, 2 * batch)}
+        blocks |= {s: (_RayRow(two(s), tmp).block, 2 * batch) for s in ("allreduce", "parameter_device")}
         measured = _measure({name: loaded for name, (loaded, _) in rows.items()}, steps, say, rounds,
-                            limits={name: limit or 1 for name, (_, limit) in rows.items()},
-                            blocks={"two_processes": (pair.block, 2 * batch)})
+                            limits={name: limit for name, (_, limit) in rows.items()}, blocks=blocks)
     finally:
         if pair is not None:
             pair.close()
-        if started:
+        if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
