@@ -78,6 +78,45 @@ def test_the_three_passes_match_the_direct_convolution(x_shape, f_shape, padding
     assert abs(float(np.sum(fast["Conv2DBackpropFilter"].astype("float64") * step)) - slope) <= 1e-4 * abs(slope) + 1e-3
 
 
+@pytest.mark.parametrize("k,shape", [(3, (2, 19, 21, 32)), (5, (2, 18, 17, 48)), (3, (1, 16, 16, 16))])
+def test_the_written_out_transforms_give_the_general_loops_bits(k: int, shape: tuple) -> None:
+    """The straight-line path (interior tiles, channels a multiple of LANES) and the general loops
+    (edge tiles, other channel counts) sum the same terms in the same order: the same bits, tile by
+    tile, for all three transforms. One extra zero channel sends every tile the general way."""
+    gather, scatter, gather_outputs = winograd._kernels()
+    n, h, w, c = shape
+    assert winograd.fast_path(6, c) and not winograd.fast_path(6, c + 1)
+    rng = np.random.default_rng(k * 100 + c)
+    plan = winograd._plan(n, h, w, k, k, k // 2, k // 2, c, c, 4)
+    bth, btw, ath, atw = plan.matrices
+    tiles = (plan.tiles_h, plan.tiles_w)
+
+    def wider(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, np.zeros(a.shape[:-1] + (1,), a.dtype)], axis=-1)
+
+    x = rng.standard_normal(shape).astype("float32")
+    m = rng.standard_normal((plan.points, plan.tiles, c)).astype("float32")
+    outs = []
+    for xx, mm in ((x, m), (wider(x), wider(m))):
+        cc = xx.shape[-1]
+        v = np.zeros((plan.points, plan.tiles, cc), "float32")
+        gather(xx, 0, plan.tiles, *tiles, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
+        y = np.zeros((n, h, w, cc), "float32")
+        scatter(mm, 0, plan.tiles, *tiles, ath, atw, y)
+        dm = np.zeros((plan.points, plan.tiles, cc), "float32")
+        gather_outputs(xx, 0, plan.tiles, *tiles, ath, atw, dm)
+        outs.append([a[..., :c] for a in (v, y, dm)])
+    for fast, general in zip(*outs):
+        assert np.abs(fast).max() > 0
+        np.testing.assert_array_equal(fast, general)
+    # and the general loops are the matrices: B^T P B of an interior tile, in float64
+    t = plan.tiles_w + 1  # second row, second column: inside for these sizes
+    r0, c0 = plan.mh - plan.ph, plan.mw - plan.pw
+    patch = x[0, r0:r0 + 6, c0:c0 + 6].astype("float64")
+    want = np.einsum("ki,ijc,lj->klc", plan.bth, patch, plan.btw).reshape(plan.points, c)
+    np.testing.assert_allclose(outs[0][0][:, t], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_the_bits_do_not_depend_on_the_thread_count() -> None:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((4, 35, 35, 64)).astype("float32")  # many blocks of tiles

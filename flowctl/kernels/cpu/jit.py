@@ -28,11 +28,17 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def njit(fn: Callable[..., Any]) -> Any:
-    """fn compiled as every kernel here is: cached, without the GIL, exact arithmetic."""
+def njit(fn: Callable[..., Any] | None = None, *, inline: bool = False) -> Any:
+    """fn compiled as every kernel here is: cached, without the GIL, exact arithmetic. `inline`
+    (as `@njit(inline=True)`): a helper numba inlines into its callers at the IR level, so the
+    caller's loops see its arithmetic (vectorised with theirs) instead of a call."""
     import numba  # type: ignore[import-untyped]
 
-    return numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")(fn)
+    def build(f: Callable[..., Any]) -> Any:
+        return numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy",
+                          inline="always" if inline else "never")(f)
+
+    return build if fn is None else build(fn)
 
 
 def compiled(builder: Callable[[], Any]) -> Callable[[], Any]:
