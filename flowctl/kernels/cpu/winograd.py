@@ -45,7 +45,7 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.conv import FILTER_GROUPS, window
-from flowctl.kernels.cpu.jit import compiled, floats_nhwc, njit
+from flowctl.kernels.cpu.jit import compiled, floats_nhwc
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
@@ -113,7 +113,7 @@ def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
     return [row[n:] for row in aug]
 
 
-# Channels per vector block of the compiled transforms' fast path (one 512-bit register of float32).
+# Channels per vector block of the compiled transforms' fast path (winograd_jit.LANES, kept equal by a test).
 LANES = 16
 
 
@@ -126,238 +126,10 @@ def fast_path(a: int, c: int) -> bool:
 
 @compiled
 def _kernels() -> Any:
-    # The six-point transforms written out (zeros skipped, +-1 as additions), their constants
-    # float32 as the matrices' are: B^T (6 -> 6, one matrix for F(4, 3) and F(2, 5): same points),
-    # A^T (6 -> 4 or 6 -> 2) and A (4 or 2 -> 6). Each sums its terms in column order, as the general
-    # loops below do, so both paths give the same bits; tests check each against `transforms`.
-    f32 = np.float32
-    h, q3, p2, p4, e8, two, four, eight = f32(0.5), f32(0.75), f32(0.2), f32(0.4), f32(0.125), f32(2), f32(4), f32(8)
-    qu = f32(0.25)
+    """(gather, scatter, gather_outputs), compiled (kernels/cpu/winograd_jit.py)."""
+    from flowctl.kernels.cpu import winograd_jit as jit
 
-    @njit(inline=True)
-    def bt6(d0: Any, d1: Any, d2: Any, d3: Any, d4: Any, d5: Any) -> tuple:
-        return (h * d0 - q3 * d1 - d2 + q3 * d3 + h * d4,
-                -p4 * d1 + p2 * d2 + d3 + p4 * d4,
-                -p4 * d1 + d2 - p2 * d3 - p4 * d4,
-                d1 + h * d2 - d3 - h * d4,
-                h * d1 - d2 - h * d3 + d4,
-                h * d1 - q3 * d2 - d3 + q3 * d4 + h * d5)
-
-    @njit(inline=True)
-    def at4(m0: Any, m1: Any, m2: Any, m3: Any, m4: Any, m5: Any) -> tuple:
-        return (m0 + m1 + m2 + m3 + m4, m1 - m2 + h * m3 - two * m4,
-                m1 + m2 + qu * m3 + four * m4, m1 - m2 + e8 * m3 - eight * m4 + m5)
-
-    @njit(inline=True)
-    def at2(m0: Any, m1: Any, m2: Any, m3: Any, m4: Any, m5: Any) -> tuple:
-        return m0 + m1 + m2 + m3 + m4, m1 - m2 + h * m3 - two * m4 + m5
-
-    @njit(inline=True)
-    def a4(d0: Any, d1: Any, d2: Any, d3: Any) -> tuple:
-        return (d0, d0 + d1 + d2 + d3, d0 - d1 + d2 - d3, d0 + h * d1 + qu * d2 + e8 * d3,
-                d0 - two * d1 + four * d2 - eight * d3, d3)
-
-    @njit(inline=True)
-    def a2(d0: Any, d1: Any) -> tuple:
-        return d0, d0 + d1, d0 - d1, d0 + h * d1, d0 - two * d1, d1
-
-    @njit
-    def origin(t: int, tiles_h: int, tiles_w: int, mh: int, mw: int) -> tuple[int, int, int]:
-        """(image, first output row, first output column) of tile t (tiles image by image, row-major)."""
-        n, rest = t // (tiles_h * tiles_w), t % (tiles_h * tiles_w)
-        return n, (rest // tiles_w) * mh, (rest % tiles_w) * mw
-
-    # The straight-line paths work on LANES channels at a time in small buffers (a: in, b: out,
-    # s: between the two axes), so that every access is at a fixed offset and the lanes vectorise.
-    @njit(inline=True)
-    def input_block(a: Any, s: Any, b: Any) -> None:
-        """b[k*6 + l] = (B^T P B)[k, l] for the 6x6 patch P in a (row-major)."""
-        for j in range(6):
-            for q in range(LANES):
-                o = bt6(a[j, q], a[6 + j, q], a[12 + j, q], a[18 + j, q], a[24 + j, q], a[30 + j, q])
-                s[j, q], s[6 + j, q], s[12 + j, q], s[18 + j, q], s[24 + j, q], s[30 + j, q] = o
-        for k in range(6):
-            for q in range(LANES):
-                o = bt6(s[6 * k, q], s[6 * k + 1, q], s[6 * k + 2, q], s[6 * k + 3, q], s[6 * k + 4, q],
-                        s[6 * k + 5, q])
-                b[6 * k, q], b[6 * k + 1, q], b[6 * k + 2, q], b[6 * k + 3, q], b[6 * k + 4, q], b[6 * k + 5, q] = o
-
-    @njit(inline=True)
-    def output_block(a: Any, s: Any, b: Any, m: int) -> None:
-        """b[p*m + q] = (A^T M A)[p, q] for the 6x6 points M in a, m = 4 or 2 outputs per axis."""
-        for l in range(6):
-            for q in range(LANES):
-                x0, x1, x2, x3, x4, x5 = a[l, q], a[6 + l, q], a[12 + l, q], a[18 + l, q], a[24 + l, q], a[30 + l, q]
-                if m == 4:
-                    s[l, q], s[6 + l, q], s[12 + l, q], s[18 + l, q] = at4(x0, x1, x2, x3, x4, x5)
-                else:
-                    s[l, q], s[6 + l, q] = at2(x0, x1, x2, x3, x4, x5)
-        for p in range(m):
-            for q in range(LANES):
-                x0, x1, x2, x3, x4, x5 = s[6 * p, q], s[6 * p + 1, q], s[6 * p + 2, q], s[6 * p + 3, q], \
-                    s[6 * p + 4, q], s[6 * p + 5, q]
-                if m == 4:
-                    b[4 * p, q], b[4 * p + 1, q], b[4 * p + 2, q], b[4 * p + 3, q] = at4(x0, x1, x2, x3, x4, x5)
-                else:
-                    b[2 * p, q], b[2 * p + 1, q] = at2(x0, x1, x2, x3, x4, x5)
-
-    @njit(inline=True)
-    def gradient_block(a: Any, s: Any, b: Any, m: int) -> None:
-        """b[k*6 + l] = (A dY A^T)[k, l] for the m x m outputs dY in a (row-major)."""
-        for j in range(m):
-            for q in range(LANES):
-                o = a4(a[j, q], a[4 + j, q], a[8 + j, q], a[12 + j, q]) if m == 4 else a2(a[j, q], a[2 + j, q])
-                s[j, q], s[m + j, q], s[2 * m + j, q], s[3 * m + j, q], s[4 * m + j, q], s[5 * m + j, q] = o
-        for k in range(6):
-            for q in range(LANES):
-                o = a4(s[4 * k, q], s[4 * k + 1, q], s[4 * k + 2, q], s[4 * k + 3, q]) if m == 4 \
-                    else a2(s[2 * k, q], s[2 * k + 1, q])
-                b[6 * k, q], b[6 * k + 1, q], b[6 * k + 2, q], b[6 * k + 3, q], b[6 * k + 4, q], b[6 * k + 5, q] = o
-
-    @njit
-    def gather(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: int, ph: int, pw: int,
-               bth: Any, btw: Any, v: Any) -> None:
-        """v[k*aw + l, t - t0, :] = (B_h^T patch B_w)[k, l, :] for tiles t0:t1, the patch being the
-        a_h x a_w inputs under tile t (zero outside x: the padding)."""
-        _, h, w, c = x.shape
-        ah, aw = bth.shape[0], btw.shape[0]
-        fast = ah == 6 and aw == 6 and c % LANES == 0
-        rows = np.empty((ah, aw, c), x.dtype)
-        a, s, b = np.empty((36, LANES), x.dtype), np.empty((36, LANES), x.dtype), np.empty((36, LANES), x.dtype)
-        for t in range(t0, t1):
-            n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
-            r0, c0 = r0 - ph, c0 - pw
-            if fast and r0 >= 0 and c0 >= 0 and r0 + 6 <= h and c0 + 6 <= w:
-                for ch0 in range(0, c, LANES):
-                    for i in range(6):
-                        for j in range(6):
-                            for q in range(LANES):
-                                a[6 * i + j, q] = x[n, r0 + i, c0 + j, ch0 + q]
-                    input_block(a, s, b)
-                    for p in range(36):
-                        for q in range(LANES):
-                            v[p, t - t0, ch0 + q] = b[p, q]
-                continue
-            rows[:] = 0
-            for i in range(ah):  # rows[k, j] = sum over i of B_h^T[k, i] x[r0 + i, c0 + j]
-                if not 0 <= r0 + i < h:
-                    continue
-                for j in range(aw):
-                    if not 0 <= c0 + j < w:
-                        continue
-                    src = x[n, r0 + i, c0 + j]
-                    for k in range(ah):
-                        bk = bth[k, i]
-                        if bk != 0:
-                            dst = rows[k, j]
-                            for ch in range(c):
-                                dst[ch] += bk * src[ch]
-            for k in range(ah):
-                for l in range(aw):
-                    out = v[k * aw + l, t - t0]
-                    out[:] = 0
-                    for j in range(aw):
-                        bl = btw[l, j]
-                        if bl != 0:
-                            src = rows[k, j]
-                            for ch in range(c):
-                                out[ch] += bl * src[ch]
-
-    @njit
-    def scatter(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any, y: Any) -> None:
-        """y's outputs under tiles t0:t1 = A_h^T M A_w (outputs past y's edge dropped)."""
-        _, ho, wo, co = y.shape
-        mh, ah = ath.shape
-        mw, aw = atw.shape
-        fast = ah == 6 and aw == 6 and mh == mw and co % LANES == 0
-        rows = np.empty((mh, aw, co), y.dtype)
-        a, s, b = np.empty((36, LANES), y.dtype), np.empty((36, LANES), y.dtype), np.empty((36, LANES), y.dtype)
-        for t in range(t0, t1):
-            n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
-            if fast and r0 + mh <= ho and c0 + mw <= wo:
-                for ch0 in range(0, co, LANES):
-                    for p in range(36):
-                        for q in range(LANES):
-                            a[p, q] = m[p, t - t0, ch0 + q]
-                    output_block(a, s, b, mh)
-                    for i in range(mh):
-                        for j in range(mw):
-                            for q in range(LANES):
-                                y[n, r0 + i, c0 + j, ch0 + q] = b[mw * i + j, q]
-                continue
-            for p in range(mh):
-                for l in range(aw):
-                    for ch in range(co):
-                        rows[p, l, ch] = 0
-                    for k in range(ah):
-                        ak = ath[p, k]
-                        if ak != 0:
-                            src = m[k * aw + l, t - t0]
-                            for ch in range(co):
-                                rows[p, l, ch] += ak * src[ch]
-            for p in range(mh):
-                if r0 + p >= ho:
-                    continue
-                for q in range(mw):
-                    if c0 + q >= wo:
-                        continue
-                    out = y[n, r0 + p, c0 + q]
-                    for ch in range(co):
-                        out[ch] = 0
-                    for l in range(aw):
-                        al = atw[q, l]
-                        if al != 0:
-                            for ch in range(co):
-                                out[ch] += al * rows[p, l, ch]
-
-    @njit
-    def gather_outputs(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any,
-                       dm: Any) -> None:
-        """scatter's transpose: dm[k*aw + l, t - t0, :] = (A_h dY A_w^T)[k, l, :], dY the outputs
-        under tile t (zero past dy's edge)."""
-        _, ho, wo, co = dy.shape
-        mh, ah = ath.shape
-        mw, aw = atw.shape
-        fast = ah == 6 and aw == 6 and mh == mw and co % LANES == 0
-        rows = np.empty((ah, mw, co), dy.dtype)
-        a, s, b = np.empty((36, LANES), dy.dtype), np.empty((36, LANES), dy.dtype), np.empty((36, LANES), dy.dtype)
-        for t in range(t0, t1):
-            n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
-            if fast and r0 + mh <= ho and c0 + mw <= wo:
-                for ch0 in range(0, co, LANES):
-                    for i in range(mh):
-                        for j in range(mw):
-                            for q in range(LANES):
-                                a[mw * i + j, q] = dy[n, r0 + i, c0 + j, ch0 + q]
-                    gradient_block(a, s, b, mh)
-                    for p in range(36):
-                        for q in range(LANES):
-                            dm[p, t - t0, ch0 + q] = b[p, q]
-                continue
-            for k in range(ah):
-                for q in range(mw):
-                    for ch in range(co):
-                        rows[k, q, ch] = 0
-                    if c0 + q >= wo:
-                        continue
-                    for p in range(mh):
-                        ak = ath[p, k]
-                        if ak != 0 and r0 + p < ho:
-                            src = dy[n, r0 + p, c0 + q]
-                            for ch in range(co):
-                                rows[k, q, ch] += ak * src[ch]
-            for k in range(ah):
-                for l in range(aw):
-                    out = dm[k * aw + l, t - t0]
-                    for ch in range(co):
-                        out[ch] = 0
-                    for q in range(mw):
-                        al = atw[q, l]
-                        if al != 0:
-                            for ch in range(co):
-                                out[ch] += al * rows[k, q, ch]
-
-    return gather, scatter, gather_outputs
+    return jit.gather, jit.scatter, jit.gather_outputs
 
 
 class _Plan:
