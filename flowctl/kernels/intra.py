@@ -14,7 +14,8 @@ runs of pieces than with OpenBLAS's two threads on each piece, batch norm's grad
 147x147x64 1.36x. A pass of one piece stays on the calling thread with BLAS's own threads (`least`
 in `for_chunks`); passes of 2-16 pieces, first measured at 0.6x here, go to the threads too since
 OpenBLAS's idle threads no longer spin beside them (flowctl/__init__.py): Inception-v3's
-convolutions at batch 8 then ran 1.09-1.35x faster per pass (kernels/conv.py, PARALLEL_PIECES). With another process on the machine the difference grows: OpenBLAS's
+convolutions at batch 8 then ran 1.09-1.35x faster per pass (kernels/conv.py, PARALLEL_PIECES).
+With another process on the machine the difference grows: OpenBLAS's
 threads spin waiting for each other, and one such run took 612 ms for the 147x147 convolution
 that the pieces on two threads did in 83.
 

@@ -21,6 +21,7 @@ import importlib.util
 from typing import Any, Callable
 
 FLOAT_TYPES = ("float32", "float64")  # fp16/bf16 on the CPU stay on the numpy path
+LANES = 16  # float32 values in one 512-bit vector register: a block of channels a kernel vectorises
 
 
 @functools.cache

@@ -45,7 +45,7 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.conv import FILTER_GROUPS, window
-from flowctl.kernels.cpu.jit import compiled, floats_nhwc
+from flowctl.kernels.cpu.jit import LANES, compiled, floats_nhwc
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
@@ -111,10 +111,6 @@ def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
                 f = aug[i][col]
                 aug[i] = [v - f * w for v, w in zip(aug[i], aug[col])]
     return [row[n:] for row in aug]
-
-
-# Channels per vector block of the compiled transforms' fast path (winograd_jit.LANES, kept equal by a test).
-LANES = 16
 
 
 def fast_path(a: int, c: int) -> bool:

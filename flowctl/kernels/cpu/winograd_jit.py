@@ -13,10 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from flowctl.kernels.cpu.jit import njit
-
-# Channels per vector block of the fast path (one 512-bit register of float32); winograd.fast_path.
-LANES = 16
+from flowctl.kernels.cpu.jit import LANES, njit
 
 # The six-point transforms written out (zeros skipped, +-1 as additions), their constants
 # float32 as the matrices' are: B^T (6 -> 6, one matrix for F(4, 3) and F(2, 5): same points),
