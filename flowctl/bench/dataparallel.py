@@ -191,7 +191,7 @@ class _TwoProcesses:
 
 class _RayRow:
     """A Ray row's blocks: each in a Ray of its own, as a user's run has it -- Ray started, the
-    program opened on its two workers, `WARM` untimed steps, the timed block, then all of it shut
+    program opened on its two workers, `WARM` + 1 untimed steps, the timed block, then all of it shut
     down -- so no other row's actors idle beside it and no Ray process idles beside the one-process
     rows (their idle share was measured at 1.9-2.4% of the two cores, and the rows' ratios moved
     by as much)."""
@@ -215,8 +215,8 @@ class _RayRow:
             src = make_sources(self.loaded, 1, p.step.batch)[0]
             p.session.run(p.step.init)
             with threadpool_limits(limits=1, user_api="blas"):  # the master's; each worker sets its own
-                timed_block(p, src, self.WARM - 1)
-                return timed_block(p, src, steps)
+                timed_block(p, src, self.WARM - 1)  # WARM steps, their times dropped
+                return timed_block(p, src, steps)  # one more untimed, then the timed ones
         finally:
             if p is not None:
                 p.close()
