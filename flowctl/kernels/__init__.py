@@ -11,5 +11,4 @@ from flowctl.kernels.cuda import fused as cuda_fused  # noqa: F401,E402 -- gpu F
 from flowctl.kernels.cpu import batchnorm as cpu_batchnorm  # noqa: F401,E402 -- numba variants (issue 32)
 from flowctl.kernels.cpu import pool as cpu_pool  # noqa: F401,E402
 from flowctl.kernels.cpu import winograd as cpu_winograd  # noqa: F401,E402 -- tried before cpu_conv's variant
-from flowctl.kernels.cpu import shifted as cpu_shifted  # noqa: F401,E402 -- one-row/column windows, too
 from flowctl.kernels.cpu import conv as cpu_conv  # noqa: F401,E402
