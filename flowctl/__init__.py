@@ -8,6 +8,7 @@ the command line (`flowctl.cli.main`) does its importing inside its own Ctrl-C g
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 # OpenBLAS's idle threads spin for 2**28 cycles (~0.1 s) after every threaded GEMM before they sleep.
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 # 73x73 convolutions took 1.5x their time alone, the inference step at batch 8 685-853 ms against
 # 588-618 with the threads asleep at once (2^4 cycles; lstm_lm's step the same either way). Read by
 # OpenBLAS when numpy loads it, so it holds where flowctl is imported first (the command line, the
-# Ray workers, which inherit it); a value set beforehand is kept.
+# Ray workers, which inherit it); a value set beforehand is kept. Where numpy came first with the
+# variable unset, OpenBLAS already spins: the intra-op threads say so once (kernels/intra.py).
+OPENBLAS_SPINS = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from flowctl.version import __version__

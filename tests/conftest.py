@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 
+# Before numpy, so that OpenBLAS's idle threads sleep at once (flowctl/__init__.py), as in a run.
+import flowctl  # noqa: F401 -- isort: skip
 import numpy as np
 import pytest
 
