@@ -154,31 +154,3 @@ def test_inference_batch_norm_is_the_chains_bits_on_any_number_of_threads(relu):
     chain = x * s + b
     _same(one, np.maximum(chain, 0) if relu else chain)
 
-
-_RUN_TWICE = ("from flowctl.kernels import intra\n"
-              "assert intra.run([lambda: 1, lambda: 2]) == [1, 2]\n"
-              "assert intra.run([lambda: 3, lambda: 4]) == [3, 4]\n")
-
-
-@pytest.mark.parametrize("first, timeout, warns", [
-    ("import numpy\nimport flowctl\n", None, True),  # OpenBLAS loaded with its default: its threads spin
-    ("import flowctl\nimport numpy\n", None, False),  # flowctl set the timeout before OpenBLAS read it
-    ("import numpy\nimport flowctl\n", "4", False),  # the user set it before numpy
-])
-def test_numpy_imported_first_is_said_once_when_the_threads_are_used(first, timeout, warns):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    env["FLOWCTL_INTRA_OP"] = "2"
-    if timeout is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = timeout
-    code = first + "import os\nprint(os.environ['OPENBLAS_THREAD_TIMEOUT'])\n" + _RUN_TWICE
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [timeout or "4"]  # children (Ray workers) inherit it either way
-    said = done.stderr.count("numpy was imported before flowctl")
-    assert said == (1 if warns else 0), done.stderr
-    if warns:
-        assert "OPENBLAS_THREAD_TIMEOUT=4" in done.stderr and "Import flowctl before numpy" in done.stderr
