@@ -153,4 +153,3 @@ def test_inference_batch_norm_is_the_chains_bits_on_any_number_of_threads(relu):
     _same(one, many)
     chain = x * s + b
     _same(one, np.maximum(chain, 0) if relu else chain)
-
