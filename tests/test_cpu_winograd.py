@@ -44,7 +44,8 @@ def test_the_transforms_compute_the_correlation_exactly(m: int, r: int) -> None:
 # more than one block of tiles, and a batch of one.
 CASES = [((2, 19, 17, 48), (3, 3, 48, 64), "SAME"), ((1, 22, 18, 32), (3, 3, 32, 64), "SAME"), ((1, 21, 18, 70), (3, 3, 70, 48), "VALID"),
          ((2, 20, 23, 48), (5, 5, 48, 64), "SAME"), ((1, 22, 21, 64), (5, 5, 64, 48), "VALID"),
-         ((3, 35, 35, 64), (3, 3, 64, 96), "SAME")]
+         ((3, 35, 35, 64), (3, 3, 64, 96), "SAME"), ((2, 21, 19, 32), (3, 3, 32, 32), "VALID"),
+         ((1, 20, 18, 40), (3, 3, 40, 40), "SAME")]
 
 
 @pytest.mark.parametrize("x_shape,f_shape,padding", CASES)
@@ -144,7 +145,8 @@ def test_the_rule_takes_winograd_only_where_it_applies() -> None:
     assert picked((8, 35, 35, 64), (3, 3, 64, 96), strides=(2, 2)) is None  # strided
     assert picked((8, 35, 35, 64), (3, 3, 64, 96), dtype="float64") is None  # float64 keeps the GEMMs
     assert picked((8, 147, 147, 32), (3, 3, 32, 64)) == "winograd"
-    assert picked((8, 149, 149, 32), (3, 3, 32, 32)) is None  # too few channels
+    assert picked((8, 149, 149, 32), (3, 3, 32, 32)) == "winograd"
+    assert picked((8, 149, 149, 24), (3, 3, 24, 32)) is None  # too few channels
     assert picked((8, 35, 35, 24), (3, 3, 24, 96)) is None
     assert picked((8, 8, 8, 448), (3, 3, 448, 384)) is None  # too small an image
     assert picked((8, 17, 17, 128), (1, 7, 128, 128)) is None  # a window it does not take

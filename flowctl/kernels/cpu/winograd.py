@@ -32,8 +32,12 @@ Measured, 2 threads, batch 8, forward / input gradient / filter gradient, agains
 pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 35x35x96 -> 96 3x3
 9.0 / 10.2 / 9.3 -> 4.4 / 4.5 / 5.4; 35x35x64 -> 96 3x3 6.1 / 6.6 / 6.3 -> 3.2 / 3.3 / 3.7;
 147x147x32 -> 64 3x3 42 / 43 / 42 -> 36 / 33 / 36; 35x35x48 -> 64 5x5 8.7 / 9.2 / 9.0 -> 7.8 / 7.4 /
-8.5. Not taken (MIN_CHANNELS, MIN_WIDER, MIN_SIDE): where it measured slower; F(2, 7) for
-Inception's 1x7 and 7x1 windows measured even with the GEMMs; F(2x2, 3x3) 1.4x slower than F(4x4, 3x3).
+8.5. With the written-out transforms the narrow layers win too (the rule once asked one side for 64
+channels): 149x149x32 -> 32 3x3 23 / 35 / 24 -> 13.5 / 15 / 14.5 ms, 149x149x40 -> 40 (the general
+loops) 34 / 44 / 36 -> 29 / 31 / 31, 149x149x48 -> 48 47 / 63 / 46 -> 24 / 27 / 25, 35x35x32 -> 32
+1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Not taken (MIN_CHANNELS, MIN_SIDE): where it measured slower;
+F(2, 7) for Inception's 1x7 and 7x1 windows measured even with the GEMMs; F(2x2, 3x3) 1.4x slower
+than F(4x4, 3x3).
 """
 from __future__ import annotations
 
@@ -61,12 +65,10 @@ WINDOWS = {(3, 3), (5, 5)}
 # planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
 # 2 threads, batch 8, 73x73x80 -> 192 3x3 forward: 36 ms with 1 MiB, 39 with 0.5 or 2, 49 with 12.
 BLOCK_BYTES = 1 << 20
-# Where it is taken (`_applies`): both channel counts at least MIN_CHANNELS, one at least
-# MIN_WIDER, and an image at least MIN_SIDE on each side. Below, the transforms and the filter's
-# transform cost more than the products save: measured, 149x149x32 -> 32 3x3 forward 23 -> 27 ms,
-# 8x8x448 -> 384 9 -> 18 ms.
+# Where it is taken (`_applies`): both channel counts at least MIN_CHANNELS and an image at least
+# MIN_SIDE on each side. Below, the transforms and the filter's transform cost more than the
+# products save: measured, 8x8x448 -> 384 9 -> 18 ms.
 MIN_CHANNELS = 32
-MIN_WIDER = 64
 MIN_SIDE = 16
 
 
@@ -248,8 +250,8 @@ def conv2d_backprop_filter(x: Any, dy: Any, f_shape: tuple, padding: str) -> Any
 
 def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable[[dict[str, Any], Any], bool]:
     """Rule: numba present, stride 1, float32 NHWC inputs at `positions`, a window in WINDOWS with at
-    least MIN_CHANNELS channels on both sides and MIN_WIDER on one (the filter input's shape), and
-    the image the tiles cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
+    least MIN_CHANNELS channels on both sides (the filter input's shape), and the image the tiles
+    cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
     def rule(attrs: dict[str, Any], ins: Any) -> bool:
         if tuple(attrs.get("strides", (0, 0))) != (1, 1) or not floats_nhwc(ins, positions):
             return False
@@ -259,7 +261,7 @@ def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable
             kh, kw, c, co = ins[filter_at].shape
             h, w = ins[tiled].shape[1:3]
             return ((int(kh), int(kw)) in WINDOWS and min(int(c), int(co)) >= MIN_CHANNELS
-                    and max(int(c), int(co)) >= MIN_WIDER and min(int(h), int(w)) >= MIN_SIDE)
+                    and min(int(h), int(w)) >= MIN_SIDE)
         except (IndexError, TypeError, ValueError):
             return False
     return rule
