@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 # OpenBLAS when numpy loads it, so it holds where flowctl is imported first (the command line, the
 # Ray workers, which inherit it); a value set beforehand is kept. Where numpy came first with the
 # variable unset, the loaded OpenBLAS is asked to read it again (flowctl/openblas.py: numpy first
-# measured 2.4 s a step of Inception-v3 training at batch 8 against 1.7); should that fail, the
-# intra-op threads say so once (kernels/intra.py).
+# measured 2.4 s a step of Inception-v3 training at batch 8 against 1.7); should that fail, a
+# RuntimeWarning says so.
 _NUMPY_FIRST = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 if _NUMPY_FIRST:
     from flowctl import openblas
 
-    openblas.SPINS = not openblas.sleep_at_once()
+    if not openblas.sleep_at_once():
+        openblas.warn_spinning()
 
 from flowctl.version import __version__
 

@@ -11,7 +11,7 @@ import pytest
 
 # One subprocess per case: what is imported first is the point. It prints the process's CPU
 # seconds while it sleeps 0.3 s right after each of five threaded products (spinning threads
-# burn ~0.1 s of it), then runs two rounds of intra-op tasks (where flowctl warns if it spins).
+# burn ~0.1 s of it), then runs two rounds of intra-op tasks.
 _PROBE = """
 import os, sys, time
 {first}
@@ -28,8 +28,15 @@ if "flowctl" in sys.modules:
     from flowctl.kernels import intra
     assert intra.run([lambda: 1, lambda: 2]) == [1, 2] and intra.run([lambda: 3, lambda: 4]) == [3, 4]
 """
-_BROKEN = ("import types\n"  # a flowctl.openblas whose fix fails: OpenBLAS keeps spinning
-           "sys.modules['flowctl.openblas'] = types.SimpleNamespace(sleep_at_once=lambda: False)\n")
+# A flowctl.openblas whose fix fails (OpenBLAS keeps spinning): the real module, loaded from its
+# file without importing flowctl (numpy must still come first), with sleep_at_once failing.
+_BROKEN = ("import importlib.util, os\n"
+           "spec = importlib.util.find_spec('flowctl')\n"
+           "path = os.path.join(os.path.dirname(spec.origin), 'openblas.py')\n"
+           "real = importlib.util.module_from_spec(importlib.util.spec_from_file_location('flowctl.openblas', path))\n"
+           "real.__spec__.loader.exec_module(real)\n"
+           "real.sleep_at_once = lambda: False\n"
+           "sys.modules['flowctl.openblas'] = real\n")
 _NUMPY_FIRST = "import numpy as np\nimport flowctl\n"
 _FLOWCTL_FIRST = "import flowctl\nimport numpy as np\n"
 
@@ -70,7 +77,7 @@ def test_importing_flowctl_puts_them_to_sleep_whichever_came_first(first):
 
 
 @needs_threads
-def test_where_the_fix_fails_the_intra_op_threads_say_so_once():
+def test_where_the_fix_fails_importing_flowctl_says_so_once():
     idle, value, stderr = _probe("import sys\n" + _BROKEN + _NUMPY_FIRST)
     assert idle > 0.03
     assert stderr.count("numpy was imported before flowctl") == 1, stderr

@@ -185,8 +185,6 @@ def run(tasks: Sequence[Callable[[], T]], workers: int | None = None) -> list[T]
         finally:
             _local.inside = False
 
-    if not _state.get("warned"):
-        _warn_if_spinning()
     pool = _pool(n - 1)
     _enter()
     try:
@@ -199,24 +197,6 @@ def run(tasks: Sequence[Callable[[], T]], workers: int | None = None) -> list[T]
     if errors:
         raise errors[0]
     return results
-
-
-def _warn_if_spinning() -> None:
-    """Once per process: say so where OpenBLAS's idle threads spin beside these threads (numpy was
-    imported before flowctl, and the loaded OpenBLAS could not be made to read the timeout flowctl
-    set: flowctl/__init__.py, flowctl/openblas.py)."""
-    import warnings
-
-    from flowctl import openblas
-
-    _state["warned"] = True
-    if openblas.SPINS:
-        warnings.warn(
-            "numpy was imported before flowctl and its OpenBLAS could not be made to read "
-            "OPENBLAS_THREAD_TIMEOUT again, so its idle threads spin for ~0.1 s after each threaded "
-            "product, on the cores flowctl's CPU kernels split their work over: measured on 2 "
-            "cores, Inception-v3's training step at batch 8 took 2.4 s against 1.7 s. Import flowctl "
-            "before numpy, or set OPENBLAS_THREAD_TIMEOUT=4 in the environment.", RuntimeWarning, stacklevel=2)
 
 
 def chunks(n: int, parts: int) -> list[range]:
