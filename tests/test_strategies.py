@@ -340,22 +340,24 @@ def test_async_data_parallel_with_evaluation_is_a_spec_error():
 def test_async_trains_the_demo_to_the_single_target_and_reports_staleness(tmp_path):
     # The README's target: single reaches a held-out loss below 0.15 in 600 steps of 64 examples.
     # An async update uses 32 examples (the global batch split over 2 replicas), and which
-    # parameters each replica reads depends on thread timing, so the end point varies from run to
-    # run: 12 runs of 800 updates gave held-out losses 0.09-0.16, and 0.18-0.24 with the machine
-    # loaded (staleness mean 1.0, max 2-3). 1200 updates (2x single's examples) gave 0.08-0.15.
-    # The bound asks for single's regime (an order of magnitude below the first losses), with
-    # room for that spread.
+    # parameters each replica reads depends on thread timing. At the demo's constant rate the end
+    # point is the last few noisy updates: 28 runs of 1200 updates gave 0.08-0.16, and one CI run on
+    # a loaded machine 0.255. With the rate's cosine decay to 0 over the run the end point settles:
+    # 12 runs on a machine loaded by two busy processes gave 0.040-0.044 (staleness mean 1.0, max
+    # 4-6), below single's own held-out loss at the demo's constant rate (0.075) with room (a run
+    # that drops or misapplies updates ends above it: the first losses are > 1).
     single = Trainer(load_text((ROOT / "specs" / "demo.yaml").read_text(), filename="demo.yaml"), tmp_path / "one")
     single.start_fresh("", "")
     single.train()
     run = tmp_path / "async"
-    t = Trainer(load_text(_demo_async(1200), filename="demo.yaml"), run)
+    cosine = "learning_rate: {schedule: cosine, initial: 0.01, decay_steps: 1200}"
+    t = Trainer(load_text(_demo_async(1200).replace("learning_rate: 0.01", cosine), filename="demo.yaml"), run)
     t.start_fresh("", "")
     try:
         summary = t.train()
         target = _evaluate(single)
         assert target < 0.15
-        assert _evaluate(t) < 0.25
+        assert _evaluate(t) < target
     finally:
         t.close()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
