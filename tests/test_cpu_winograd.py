@@ -27,7 +27,7 @@ def _close(fast: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(fast, ref, rtol=TOL, atol=TOL * scale)
 
 
-@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (2, 5)])
+@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (2, 5), (2, 7), (1, 1)])
 def test_the_transforms_compute_the_correlation_exactly(m: int, r: int) -> None:
     at, g, bt = winograd.transforms(m, r)
     a = m + r - 1
@@ -45,7 +45,10 @@ def test_the_transforms_compute_the_correlation_exactly(m: int, r: int) -> None:
 CASES = [((2, 19, 17, 48), (3, 3, 48, 64), "SAME"), ((1, 22, 18, 32), (3, 3, 32, 64), "SAME"), ((1, 21, 18, 70), (3, 3, 70, 48), "VALID"),
          ((2, 20, 23, 48), (5, 5, 48, 64), "SAME"), ((1, 22, 21, 64), (5, 5, 64, 48), "VALID"),
          ((3, 35, 35, 64), (3, 3, 64, 96), "SAME"), ((2, 21, 19, 32), (3, 3, 32, 32), "VALID"),
-         ((1, 20, 18, 40), (3, 3, 40, 40), "SAME")]
+         ((1, 20, 18, 40), (3, 3, 40, 40), "SAME"),
+         # F(2, 7) along one axis: Inception-v3's 17x17 shapes (an odd side: the last tile half out)
+         ((2, 17, 17, 48), (1, 7, 48, 64), "SAME"), ((2, 17, 17, 64), (7, 1, 64, 48), "SAME"),
+         ((1, 22, 25, 32), (1, 7, 32, 40), "VALID"), ((1, 25, 22, 40), (7, 1, 40, 32), "VALID")]
 
 
 @pytest.mark.parametrize("x_shape,f_shape,padding", CASES)
@@ -149,7 +152,11 @@ def test_the_rule_takes_winograd_only_where_it_applies() -> None:
     assert picked((8, 149, 149, 24), (3, 3, 24, 32)) is None  # too few channels
     assert picked((8, 35, 35, 24), (3, 3, 24, 96)) is None
     assert picked((8, 8, 8, 448), (3, 3, 448, 384)) is None  # too small an image
-    assert picked((8, 17, 17, 128), (1, 7, 128, 128)) is None  # a window it does not take
+    assert picked((8, 17, 17, 128), (1, 7, 128, 128)) == "winograd"
+    assert picked((8, 17, 17, 160), (7, 1, 160, 192)) == "winograd"
+    assert picked((8, 8, 8, 384), (1, 3, 384, 384)) is None  # a window it does not take
+    assert picked((8, 8, 8, 128), (1, 7, 128, 128)) is None  # too small an image
+    assert picked((8, 17, 17, 128), (7, 7, 128, 128)) is None
     with reference_kernels():
         assert picked((8, 35, 35, 64), (3, 3, 64, 96)) is None
 

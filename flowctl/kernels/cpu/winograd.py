@@ -1,11 +1,13 @@
-"""Winograd convolutions on the CPU: stride-1 3x3 and 5x5 windows with fewer multiplications (Lavin
-and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016).
+"""Winograd convolutions on the CPU: stride-1 3x3, 5x5, 1x7 and 7x1 windows with fewer
+multiplications (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016).
 
 Along an axis with a window of r taps, F(m, r) computes m outputs from a = m + r - 1 inputs with
 a products instead of m*r: y = A^T [(G g) * (B^T d)], B^T, G and A^T from Toom-Cook at the points
-0, +-1, 1/2, -2 and infinity (`transforms`, built exactly, checked against the direct sum by the
-tests). The 2-D window nests the two axes: a 3x3 convolution runs F(4x4, 3x3), 36 products per 4x4
-outputs instead of 144; a 5x5 F(2x2, 5x5), 36 per 2x2 instead of 100. Per tile of outputs the
+0, +-1, 1/2, -2 and infinity, F(2, 7) also at -1/2 and 2 (`transforms`, built exactly, checked
+against the direct sum by the tests). The 2-D window nests the two axes: a 3x3 convolution runs
+F(4x4, 3x3), 36 products per 4x4 outputs instead of 144; a 5x5 F(2x2, 5x5), 36 per 2x2 instead of
+100; a 1x7 or 7x1 F(2, 7) along its long axis and F(1, 1) (nothing) along the other, 8 products
+per 2 outputs instead of 14. Per tile of outputs the
 input patch goes through B^T on both axes (`gather`, compiled), the a*a transformed planes are
 multiplied by the transformed filter as a*a GEMMs (BLAS), and A^T takes them back to outputs
 (`scatter`). The gradients are the same steps transposed: the input gradient is the forward pass
@@ -35,9 +37,14 @@ pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 3
 8.5. With the written-out transforms the narrow layers win too (the rule once asked one side for 64
 channels): 149x149x32 -> 32 3x3 23 / 35 / 24 -> 13.5 / 15 / 14.5 ms, 149x149x40 -> 40 (the general
 loops) 34 / 44 / 36 -> 29 / 31 / 31, 149x149x48 -> 48 47 / 63 / 46 -> 24 / 27 / 25, 35x35x32 -> 32
-1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Not taken (MIN_CHANNELS, MIN_SIDE): where it measured slower;
-F(2, 7) for Inception's 1x7 and 7x1 windows measured even with the GEMMs; F(2x2, 3x3) 1.4x slower
-than F(4x4, 3x3).
+1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Inception-v3's 17x17 1x7 and 7x1 layers on F(2, 7) (the general
+loops: eight points have no written-out path), batch 8: 1x7 128 -> 128 4.2-5.0 / 3.4-3.6 / 3.7-5.8
+-> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 / 7.1-7.9 -> 5.7-5.9 / 5.9-6.1 /
+6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 / 29.2 / 33.7 -> 20.0 / 20.5 / 21.9).
+(An earlier prototype measured even with the GEMMs; since then the general loops and OpenBLAS's
+idle threads, which spun beside the intra-op threads in some measuring scripts, have changed.)
+Not taken (MIN_CHANNELS, MIN_SIDE): where it measured slower; F(2x2, 3x3) 1.4x slower than
+F(4x4, 3x3).
 """
 from __future__ import annotations
 
@@ -56,11 +63,13 @@ Fn = Callable[..., Any]
 
 # Finite Toom-Cook points, the first a - 1 of them (infinity is the last). With 1/2 and -2 rather
 # than +-2, F(4, 3)'s float32 error fell from up to 1.3e-5 of the output's scale to 4.3e-6
-# (73x73x80 -> 192, input gradient), F(2, 5)'s from 6e-6 to 2.4e-6.
-POINTS = (0, 1, -1, Fraction(1, 2), -2)
-# Outputs per tile along an axis, by window size: F(4, 3) and F(2, 5), both at a = 6 points.
-OUT_TILE = {3: 4, 5: 2}
-WINDOWS = {(3, 3), (5, 5)}
+# (73x73x80 -> 192, input gradient), F(2, 5)'s from 6e-6 to 2.4e-6. F(2, 7) takes all seven: its
+# error on Inception-v3's 17x17 layers at most 2.6e-6 in every pass.
+POINTS = (0, 1, -1, Fraction(1, 2), -2, Fraction(-1, 2), 2)
+# Outputs per tile along an axis, by window size: F(4, 3) and F(2, 5) at a = 6 points, F(2, 7) at
+# 8; a window of one tap is F(1, 1), no transform (the other axis of a 1x7 or 7x1 window).
+OUT_TILE = {1: 1, 3: 4, 5: 2, 7: 2}
+WINDOWS = {(3, 3), (5, 5), (1, 7), (7, 1)}
 # Tiles per block: about this many bytes of transformed input and product planes, so a block's
 # planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
 # 2 threads, batch 8, 73x73x80 -> 192 3x3 forward: 36 ms with 1 MiB, 39 with 0.5 or 2, 49 with 12.
