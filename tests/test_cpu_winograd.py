@@ -87,11 +87,11 @@ def test_the_written_out_transforms_give_the_general_loops_bits(k: int, shape: t
     """The straight-line path (interior tiles, channels a multiple of LANES) and the general loops
     (edge tiles, other channel counts) sum the same terms in the same order: the same bits, tile by
     tile, for all three transforms. One extra zero channel sends every tile the general way."""
-    gather, scatter, gather_outputs = winograd._kernels()
     n, h, w, c = shape
     assert winograd.fast_path(6, c) and not winograd.fast_path(6, c + 1)
     rng = np.random.default_rng(k * 100 + c)
     plan = winograd._plan(n, h, w, k, k, k // 2, k // 2, c, c, 4)
+    gather, scatter, gather_outputs = winograd._kernels(plan)
     bth, btw, ath, atw = plan.matrices
     tiles = (plan.tiles_h, plan.tiles_w)
 
@@ -119,6 +119,35 @@ def test_the_written_out_transforms_give_the_general_loops_bits(k: int, shape: t
     patch = x[0, r0:r0 + 6, c0:c0 + 6].astype("float64")
     want = np.einsum("ki,ijc,lj->klc", plan.bth, patch, plan.btw).reshape(plan.points, c)
     np.testing.assert_allclose(outs[0][0][:, t], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kh,kw,shape", [(1, 7, (2, 17, 17, 48)), (7, 1, (2, 17, 19, 40)), (1, 7, (1, 16, 21, 32))])
+def test_a_one_axis_window_gives_the_general_loops_bits(kh: int, kw: int, shape: tuple) -> None:
+    """A 1x7 or 7x1 window's own loops (the long axis alone) against the general loops, which also
+    run its identity axis: the same sums in the same order, so the same bits, edges and padding
+    included, for all three transforms."""
+    n, h, w, c = shape
+    plan = winograd._plan(n, h, w, kh, kw, kh // 2, kw // 2, c, c, 4)
+    assert plan.one_axis and plan.points == 8
+    one_axis, general = winograd._kernels(plan), winograd._compiled()[0]
+    assert one_axis is not general
+    bth, btw, ath, atw = plan.matrices
+    tiles = (plan.tiles_h, plan.tiles_w)
+    rng = np.random.default_rng(kh * 10 + kw + c)
+    x = rng.standard_normal(shape).astype("float32")
+    m = rng.standard_normal((plan.points, plan.tiles, c)).astype("float32")
+    outs = []
+    for gather, scatter, gather_outputs in (one_axis, general):
+        v = np.zeros((plan.points, plan.tiles, c), "float32")
+        gather(x, 0, plan.tiles, *tiles, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
+        y = np.zeros((n, h, w, c), "float32")
+        scatter(m, 0, plan.tiles, *tiles, ath, atw, y)
+        dm = np.zeros((plan.points, plan.tiles, c), "float32")
+        gather_outputs(x, 0, plan.tiles, *tiles, ath, atw, dm)
+        outs.append((v, y, dm))
+    for mine, theirs in zip(*outs):
+        assert np.abs(mine).max() > 0
+        np.testing.assert_array_equal(mine, theirs)
 
 
 def test_the_bits_do_not_depend_on_the_thread_count() -> None:

@@ -38,10 +38,11 @@ pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 3
 channels): 149x149x32 -> 32 3x3 23 / 35 / 24 -> 13.5 / 15 / 14.5 ms, 149x149x40 -> 40 (the general
 loops) 34 / 44 / 36 -> 29 / 31 / 31, 149x149x48 -> 48 47 / 63 / 46 -> 24 / 27 / 25, 35x35x32 -> 32
 1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Inception-v3's 17x17 1x7 and 7x1 layers on F(2, 7) (the general
-loops: eight points have no written-out path), batch 8: 1x7 128 -> 128 4.2-5.0 / 3.4-3.6 / 3.7-5.8
+loops, along the long axis alone: eight points have no written-out path), batch 8: 1x7 128 -> 128 4.2-5.0 / 3.4-3.6 / 3.7-5.8
 -> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 / 7.1-7.9 -> 5.7-5.9 / 5.9-6.1 /
 6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 / 29.2 / 33.7 -> 20.0 / 20.5 / 21.9).
-(An earlier prototype measured even with the GEMMs; since then the general loops and OpenBLAS's
+Taking the long axis alone rather than the general loops' two (one of them the identity) saved
+3-8% per pass. (An earlier prototype measured even with the GEMMs; since then the general loops and OpenBLAS's
 idle threads, which spun beside the intra-op threads in some measuring scripts, have changed.)
 Not taken (MIN_CHANNELS, MIN_SIDE): where it measured slower; F(2x2, 3x3) 1.4x slower than
 F(4x4, 3x3).
@@ -132,11 +133,16 @@ def fast_path(a: int, c: int) -> bool:
 
 
 @compiled
-def _kernels() -> Any:
-    """(gather, scatter, gather_outputs), compiled (kernels/cpu/winograd_jit.py)."""
+def _compiled() -> Any:
     from flowctl.kernels.cpu import winograd_jit as jit
 
-    return jit.gather, jit.scatter, jit.gather_outputs
+    return (jit.gather, jit.scatter, jit.gather_outputs), (jit.gather_1d, jit.scatter_1d, jit.gather_outputs_1d)
+
+
+def _kernels(plan: "_Plan") -> Any:
+    """(gather, scatter, gather_outputs) for `plan`, compiled (kernels/cpu/winograd_jit.py): a
+    one-axis window's take the long axis alone (the other's transforms are the identity)."""
+    return _compiled()[plan.one_axis]
 
 
 class _Plan:
@@ -149,6 +155,7 @@ class _Plan:
         self.ath, self.gh, self.bth = transforms(self.mh, kh)
         self.atw, self.gw, self.btw = transforms(self.mw, kw)
         self.points = self.bth.shape[0] * self.btw.shape[0]
+        self.one_axis = min(self.bth.shape[0], self.btw.shape[0]) == 1
         self.tiles_h, self.tiles_w = -(-ho // self.mh), -(-wo // self.mw)
         self.ph, self.pw = ph, pw
         self.tiles = n * self.tiles_h * self.tiles_w
@@ -183,7 +190,7 @@ def _plan(n: int, ho: int, wo: int, kh: int, kw: int, ph: int, pw: int, c: int, 
 def _forward(x: Any, u: Any, plan: _Plan, y: Any) -> Any:
     """y = the window pass of x (implicitly zero-padded by plan.ph, plan.pw) with the transformed
     filter u, block by block on the intra-op threads."""
-    gather, scatter, _ = _kernels()
+    gather, scatter, _ = _kernels(plan)
     bth, btw, ath, atw = plan.matrices
     c, co = u.shape[1], u.shape[2]
 
@@ -229,7 +236,7 @@ def conv2d_backprop_filter(x: Any, dy: Any, f_shape: tuple, padding: str) -> Any
     ho, ph = window(h, kh, 1, padding)
     wo, pw = window(w, kw, 1, padding)
     plan = _plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
-    gather, _, gather_outputs = _kernels()
+    gather, _, gather_outputs = _kernels(plan)
     bth, btw, ath, atw = plan.matrices
     dy = np.ascontiguousarray(dy)
 

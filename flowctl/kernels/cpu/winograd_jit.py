@@ -256,3 +256,86 @@ def gather_outputs(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: A
                     if al != 0:
                         for ch in range(co):
                             out[ch] += al * rows[k, q, ch]
+
+
+# One-axis windows (1xr, rx1): the other axis is F(1, 1), whose transforms are the identity, so the
+# general loops' first or second stage is a copy. These take the long axis alone, straight between
+# x, v, m and y: the same sums in the same order, so the general loops' bits (tested).
+
+@njit(inline=True)
+def _along(kh: int, j: int) -> tuple[int, int]:
+    """The (row, column) step of a one-axis window's j-th point: down the rows when kh > 1."""
+    return (j, 0) if kh > 1 else (0, j)
+
+
+@njit
+def gather_1d(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: int, ph: int, pw: int,
+              bth: Any, btw: Any, v: Any) -> None:
+    """gather for a one-axis window: v[l, t - t0, :] = (B^T d)[l, :], d the a inputs under tile t."""
+    _, h, w, c = x.shape
+    ah = bth.shape[0]
+    bt = bth if ah > 1 else btw
+    a = bt.shape[0]
+    for t in range(t0, t1):
+        n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
+        r0, c0 = r0 - ph, c0 - pw
+        for l in range(a):
+            out = v[l, t - t0]
+            out[:] = 0
+            for j in range(a):
+                bl = bt[l, j]
+                di, dj = _along(ah, j)
+                if bl == 0 or not (0 <= r0 + di < h and 0 <= c0 + dj < w):
+                    continue
+                src = x[n, r0 + di, c0 + dj]
+                for ch in range(c):
+                    out[ch] += bl * src[ch]
+
+
+@njit
+def scatter_1d(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any, y: Any) -> None:
+    """scatter for a one-axis window: y's outputs under tile t = A^T M (past y's edge dropped)."""
+    _, ho, wo, co = y.shape
+    mh, ah = ath.shape
+    mw = atw.shape[0]
+    at = ath if ah > 1 else atw
+    mo, a = at.shape
+    for t in range(t0, t1):
+        n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
+        for p in range(mo):
+            di, dj = _along(ah, p)
+            if r0 + di >= ho or c0 + dj >= wo:
+                continue
+            out = y[n, r0 + di, c0 + dj]
+            for ch in range(co):
+                out[ch] = 0
+            for k in range(a):
+                ak = at[p, k]
+                if ak != 0:
+                    src = m[k, t - t0]
+                    for ch in range(co):
+                        out[ch] += ak * src[ch]
+
+
+@njit
+def gather_outputs_1d(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any,
+                      dm: Any) -> None:
+    """gather_outputs for a one-axis window: dm[k, t - t0, :] = (A dY)[k, :] (zero past dy's edge)."""
+    _, ho, wo, co = dy.shape
+    mh, ah = ath.shape
+    mw = atw.shape[0]
+    at = ath if ah > 1 else atw
+    mo, a = at.shape
+    for t in range(t0, t1):
+        n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
+        for k in range(a):
+            out = dm[k, t - t0]
+            for ch in range(co):
+                out[ch] = 0
+            for p in range(mo):
+                ak = at[p, k]
+                di, dj = _along(ah, p)
+                if ak != 0 and r0 + di < ho and c0 + dj < wo:
+                    src = dy[n, r0 + di, c0 + dj]
+                    for ch in range(co):
+                        out[ch] += ak * src[ch]
