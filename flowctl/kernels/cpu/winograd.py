@@ -37,15 +37,17 @@ pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 3
 8.5. With the written-out transforms the narrow layers win too (the rule once asked one side for 64
 channels): 149x149x32 -> 32 3x3 23 / 35 / 24 -> 13.5 / 15 / 14.5 ms, 149x149x40 -> 40 (the general
 loops) 34 / 44 / 36 -> 29 / 31 / 31, 149x149x48 -> 48 47 / 63 / 46 -> 24 / 27 / 25, 35x35x32 -> 32
-1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Inception-v3's 17x17 1x7 and 7x1 layers on F(2, 7) (the general
-loops, along the long axis alone: eight points have no written-out path), batch 8: 1x7 128 -> 128 4.2-5.0 / 3.4-3.6 / 3.7-5.8
--> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 / 7.1-7.9 -> 5.7-5.9 / 5.9-6.1 /
-6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 / 29.2 / 33.7 -> 20.0 / 20.5 / 21.9).
-Taking the long axis alone rather than the general loops' two (one of them the identity) saved
-3-8% per pass. (An earlier prototype measured even with the GEMMs; since then the general loops and OpenBLAS's
-idle threads, which spun beside the intra-op threads in some measuring scripts, have changed.)
-Not taken (MIN_CHANNELS, MIN_SIDE): where it measured slower; F(2x2, 3x3) 1.4x slower than
-F(4x4, 3x3).
+1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Inception-v3's 17x17 1x7 and 7x1 layers on F(2, 7) (general
+loops, along the long axis alone: eight points have no written-out path), batch 8: 1x7 128 -> 128
+4.2-5.0 / 3.4-3.6 / 3.7-5.8 -> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 /
+7.1-7.9 -> 5.7-5.9 / 5.9-6.1 / 6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 /
+29.2 / 33.7 -> 20.0 / 20.5 / 21.9); the long axis alone rather than the general loops' two (one
+of them the identity) saved 3-8% per pass. (An earlier prototype had measured even with the GEMMs;
+the general loops, and OpenBLAS's idle threads, which spun beside the intra-op threads in some
+measuring scripts, have changed since.) The 8x8 1x3 and 3x1 layers (F(4, 3) on one axis) measured
+1.2-1.9x slower at batch 8, 1.2-1.4x faster at 32: not taken (MIN_SIDE); the rule sees no batch
+size (a graph's batch dimension is unknown until it runs). Not taken (MIN_CHANNELS, MIN_SIDE):
+where it measured slower; F(2x2, 3x3) 1.4x slower than F(4x4, 3x3).
 """
 from __future__ import annotations
 
