@@ -137,3 +137,38 @@ def test_unique_names_and_scopes():
         with g.name_scope("s"):
             c = fc.constant(1.0, name="c")
     assert (a.node, b.node, c.node) == ("c", "c_1", "s/c")
+
+
+
+def test_a_plan_runs_the_chain_built_first_where_breadth_first_would_interleave():
+    """Two chains built one after the other, the second reading the first's second node (as a
+    model's second LSTM layer reads the first's steps): breadth first interleaves them once the
+    second can start; a session's plan (`earliest_first`) finishes the chain built first, which
+    keeps one layer's weights in cache. Both are orders of the graph; the values are the same."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.placeholder("float32", (2,), name="x")
+        a = [x]
+        for i in range(5):
+            a.append(fc.tanh(a[-1], name=f"a{i}"))
+        b = [a[2]]
+        for i in range(3):
+            b.append(fc.exp(b[-1], name=f"b{i}"))
+        out = fc.add(a[-1], b[-1], name="out")
+    chains = {f"a{i}" for i in range(5)} | {f"b{i}" for i in range(3)}
+    breadth = [n for n in g.topo_order() if n in chains]
+    assert breadth.index("b0") < breadth.index("a4")  # interleaved
+    s = fc.Session(g)
+    feeds = {x: np.ones(2, np.float32)}
+    got = s.run(out, feeds)
+    plan = s.plan_for(out, feeds)
+    assert [n for n in plan.order if n in chains] == [*(f"a{i}" for i in range(5)), *(f"b{i}" for i in range(3))]
+    assert [n for n in g.topo_order(earliest_first=True) if n in chains] == [n for n in plan.order if n in chains]
+    for order in (g.topo_order(), plan.order):
+        seen = {"x"}  # fed
+        for n in order:
+            assert all(r.split(":")[0] in seen for r in g.nodes[n].inputs), n
+            seen.add(n)
+    t = np.tanh
+    want = t(t(t(t(t(np.ones(2, np.float32)))))) + np.exp(np.exp(np.exp(t(t(np.ones(2, np.float32))))))
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -219,7 +219,7 @@ class Plan:
             graph.tensor(ref)  # raises with a did-you-mean on an unknown name
         fed_refs = set(self.feeds)
         roots = [parse_ref(r)[0] for r in self.fetches if r not in fed_refs] + list(targets)
-        self.order = graph.topo_order(needed_nodes(graph, roots, fed_refs))
+        self.order = graph.topo_order(needed_nodes(graph, roots, fed_refs), earliest_first=True)
         self.nodes = [graph.nodes[n] for n in self.order]
         self.resources = resources
         self.kernels = [self._bind(graph, n, resources) for n in self.nodes]
