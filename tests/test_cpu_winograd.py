@@ -82,6 +82,21 @@ def test_the_three_passes_match_the_direct_convolution(x_shape, f_shape, padding
     assert abs(float(np.sum(fast["Conv2DBackpropFilter"].astype("float64") * step)) - slope) <= 1e-4 * abs(slope) + 1e-3
 
 
+def _transforms(kernels: tuple, plan, x: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(gather of x, scatter of m, gather_outputs of x) over all of plan's tiles with `kernels`."""
+    gather, scatter, gather_outputs = kernels
+    bth, btw, ath, atw = plan.matrices
+    tiles = (plan.tiles_h, plan.tiles_w)
+    c = x.shape[-1]
+    v = np.zeros((plan.points, plan.tiles, c), "float32")
+    gather(x, 0, plan.tiles, *tiles, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
+    y = np.zeros(x.shape, "float32")
+    scatter(m, 0, plan.tiles, *tiles, ath, atw, y)
+    dm = np.zeros((plan.points, plan.tiles, c), "float32")
+    gather_outputs(x, 0, plan.tiles, *tiles, ath, atw, dm)
+    return v, y, dm
+
+
 @pytest.mark.parametrize("k,shape", [(3, (2, 19, 21, 32)), (5, (2, 18, 17, 48)), (3, (1, 16, 16, 16))])
 def test_the_written_out_transforms_give_the_general_loops_bits(k: int, shape: tuple) -> None:
     """The straight-line path (interior tiles, channels a multiple of LANES) and the general loops
@@ -91,25 +106,14 @@ def test_the_written_out_transforms_give_the_general_loops_bits(k: int, shape: t
     assert winograd.fast_path(6, c) and not winograd.fast_path(6, c + 1)
     rng = np.random.default_rng(k * 100 + c)
     plan = winograd._plan(n, h, w, k, k, k // 2, k // 2, c, c, 4)
-    gather, scatter, gather_outputs = winograd._kernels(plan)
-    bth, btw, ath, atw = plan.matrices
-    tiles = (plan.tiles_h, plan.tiles_w)
 
     def wider(a: np.ndarray) -> np.ndarray:
         return np.concatenate([a, np.zeros(a.shape[:-1] + (1,), a.dtype)], axis=-1)
 
     x = rng.standard_normal(shape).astype("float32")
     m = rng.standard_normal((plan.points, plan.tiles, c)).astype("float32")
-    outs = []
-    for xx, mm in ((x, m), (wider(x), wider(m))):
-        cc = xx.shape[-1]
-        v = np.zeros((plan.points, plan.tiles, cc), "float32")
-        gather(xx, 0, plan.tiles, *tiles, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
-        y = np.zeros((n, h, w, cc), "float32")
-        scatter(mm, 0, plan.tiles, *tiles, ath, atw, y)
-        dm = np.zeros((plan.points, plan.tiles, cc), "float32")
-        gather_outputs(xx, 0, plan.tiles, *tiles, ath, atw, dm)
-        outs.append([a[..., :c] for a in (v, y, dm)])
+    kernels = winograd._kernels(plan)
+    outs = [[a[..., :c] for a in _transforms(kernels, plan, xx, mm)] for xx, mm in ((x, m), (wider(x), wider(m)))]
     for fast, general in zip(*outs):
         assert np.abs(fast).max() > 0
         np.testing.assert_array_equal(fast, general)
@@ -131,21 +135,10 @@ def test_a_one_axis_window_gives_the_general_loops_bits(kh: int, kw: int, shape:
     assert plan.one_axis and plan.points == 8
     one_axis, general = winograd._kernels(plan), winograd._compiled()[0]
     assert one_axis is not general
-    bth, btw, ath, atw = plan.matrices
-    tiles = (plan.tiles_h, plan.tiles_w)
     rng = np.random.default_rng(kh * 10 + kw + c)
     x = rng.standard_normal(shape).astype("float32")
     m = rng.standard_normal((plan.points, plan.tiles, c)).astype("float32")
-    outs = []
-    for gather, scatter, gather_outputs in (one_axis, general):
-        v = np.zeros((plan.points, plan.tiles, c), "float32")
-        gather(x, 0, plan.tiles, *tiles, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
-        y = np.zeros((n, h, w, c), "float32")
-        scatter(m, 0, plan.tiles, *tiles, ath, atw, y)
-        dm = np.zeros((plan.points, plan.tiles, c), "float32")
-        gather_outputs(x, 0, plan.tiles, *tiles, ath, atw, dm)
-        outs.append((v, y, dm))
-    for mine, theirs in zip(*outs):
+    for mine, theirs in zip(_transforms(one_axis, plan, x, m), _transforms(general, plan, x, m)):
         assert np.abs(mine).max() > 0
         np.testing.assert_array_equal(mine, theirs)
 
