@@ -1,0 +1,138 @@
+"""A product with few rows, h @ w for h (M, K) and w (K, N), M small (an RNN's batch), compiled
+for the CPU: the recurrent product of kernels/cpu/recurrent.py.
+
+OpenBLAS packs w into its own layout on every call, reading and writing the whole (K, N) matrix
+before it multiplies; with 20 rows that copy costs as much as the product. Here w is read where it
+is: the output is cut into panels of 16 columns (one 512-bit register of float32), and for each
+panel and each block of up to ROWS rows, one loop over k keeps the block's accumulators in vector
+registers, adding h[r, k] * w[k, panel] with one fused multiply-add per row (`panel`, written as
+LLVM IR through a numba intrinsic: numba's own loops leave such accumulators in memory). The
+panel's column of w (K x 64 bytes) stays in L1/L2 while the row blocks take turns over it.
+
+Each output is one sum over k in order 0..K-1, each term added with one rounding (fused), in
+float32: the reference's BLAS adds in blocks of its own choosing, so the two agree to float32
+rounding (tested against the float64 product), and the bits never depend on how the panels are
+shared between threads. A module of its own, with every helper a module global, so that numba's
+cache finds the compiled code again in the next process (winograd_jit.py says why).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from flowctl.kernels.cpu.jit import LANES, njit
+
+ROWS = 10  # rows per register block: 10 accumulators + w's vector + h's broadcast of 32 registers
+
+
+@intrinsic
+def panel(typingctx: Any, h_t: Any, w: Any, out: Any, j0: Any, r0: Any, k_len: Any, rows: Any,
+          lanes: Any) -> Any:
+    """out[r0:r0+rows, j0:j0+lanes] = sum over k < k_len of h_t[k, r0:r0+rows] (x) w[k, j0:j0+lanes],
+    rows and lanes literals; float32 C-order arrays (w and out: any row stride)."""
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(lanes, types.IntegerLiteral)):
+        return None
+    nr, nv = rows.literal_value, lanes.literal_value
+    sig = types.void(h_t, w, out, j0, r0, k_len, rows, lanes)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        h_a, w_a, o_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
+        j0v, r0v, kv = args[3], args[4], args[5]
+        i64, f32 = ir.IntType(64), ir.FloatType()
+        vec = ir.VectorType(f32, nv)
+        four = ir.Constant(i64, 4)
+
+        def row_stride(a: Any) -> Any:  # elements between rows
+            return builder.sdiv(cgutils.unpack_tuple(builder, a.strides)[0], four)
+
+        hs, ws, os = row_stride(h_a), row_stride(w_a), row_stride(o_a)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
+                                             f"llvm.fma.v{nv}f32")
+        splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), nv), [0] * nv)
+        before = builder.block
+        loop = builder.append_basic_block("panel_k")
+        done = builder.append_basic_block("panel_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), before)
+        accs = []
+        for _ in range(nr):
+            acc = builder.phi(vec)
+            acc.add_incoming(ir.Constant(vec, [0.0] * nv), before)
+            accs.append(acc)
+        w_at = builder.gep(w_a.data, [builder.add(builder.mul(k, ws), j0v)])
+        wv = builder.load(builder.bitcast(w_at, vec.as_pointer()), align=4)
+        h_row = builder.add(builder.mul(k, hs), r0v)
+        sums = []
+        for r in range(nr):
+            hv = builder.load(builder.gep(h_a.data, [builder.add(h_row, ir.Constant(i64, r))]))
+            one = builder.insert_element(ir.Constant(vec, ir.Undefined), hv, ir.Constant(ir.IntType(32), 0))
+            sums.append(builder.call(fma, [builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat_mask),
+                                           wv, accs[r]]))
+        k_next = builder.add(k, ir.Constant(i64, 1))
+        k.add_incoming(k_next, builder.block)
+        for r in range(nr):
+            accs[r].add_incoming(sums[r], builder.block)
+        builder.cbranch(builder.icmp_signed("<", k_next, kv), loop, done)
+        builder.position_at_end(done)
+        for r in range(nr):
+            o_at = builder.gep(o_a.data, [builder.add(builder.mul(builder.add(r0v, ir.Constant(i64, r)), os), j0v)])
+            builder.store(sums[r], builder.bitcast(o_at, vec.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit
+def _columns(h_t: Any, w: Any, out: Any, j: int, lanes: int) -> None:
+    """out[:, j:j+lanes] for lanes 16 or 8, the rows in blocks of ROWS, 4 and 1."""
+    k_len, m = h_t.shape
+    r = 0
+    if lanes == LANES:
+        while r + ROWS <= m:
+            panel(h_t, w, out, j, r, k_len, ROWS, LANES)
+            r += ROWS
+        while r + 4 <= m:
+            panel(h_t, w, out, j, r, k_len, 4, LANES)
+            r += 4
+        while r < m:
+            panel(h_t, w, out, j, r, k_len, 1, LANES)
+            r += 1
+    else:
+        while r + ROWS <= m:
+            panel(h_t, w, out, j, r, k_len, ROWS, 8)
+            r += ROWS
+        while r + 4 <= m:
+            panel(h_t, w, out, j, r, k_len, 4, 8)
+            r += 4
+        while r < m:
+            panel(h_t, w, out, j, r, k_len, 1, 8)
+            r += 1
+
+
+@njit
+def few_rows_matmul(h_t: Any, w: Any, out: Any, p0: int, p1: int) -> None:
+    """out[:, 16*p0 : min(16*p1, N)] = (h_t^T @ w) there: panels p0:p1 of 16 columns, the last one
+    (N not a multiple of 16) in 8 lanes and then one column at a time, summed in the same order."""
+    k_len, m = h_t.shape
+    n = w.shape[1]
+    for p in range(p0, p1):
+        j = p * LANES
+        if j + LANES <= n:
+            _columns(h_t, w, out, j, LANES)
+            continue
+        if j + 8 <= n:
+            _columns(h_t, w, out, j, 8)
+            j += 8
+        for jj in range(j, n):
+            for r in range(m):
+                s = np.float32(0)
+                for k in range(k_len):
+                    s += h_t[k, r] * w[k, jj]
+                out[r, jj] = s
