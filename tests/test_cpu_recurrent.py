@@ -42,6 +42,8 @@ def test_past_max_rows_and_for_column_strided_w_it_is_the_blas_product() -> None
     np.testing.assert_array_equal(recurrent.matmul(h, w), h @ w)
     wt = np.asfortranarray(w)
     np.testing.assert_array_equal(recurrent.matmul(h[:4], wt), h[:4] @ wt)
+    empty = np.zeros((4, 0), np.float32)
+    np.testing.assert_array_equal(recurrent.matmul(empty, np.zeros((0, 5), np.float32)), np.zeros((4, 5), np.float32))
 
 
 def test_the_rule_takes_float32_matrices_only() -> None:

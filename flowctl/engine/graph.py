@@ -348,8 +348,8 @@ class Graph:
         breadth first (ready nodes in the order they became ready), or with `earliest_first` the
         ready node built earliest first. The executor's plans take the latter: a model built layer
         by layer then runs each layer's chain (an unrolled LSTM's 35 steps) before the next
-        layer's instead of the two interleaved, so one layer's weights stay in cache (lstm_lm's
-        recurrent products 4-5% of a step faster on a 2-core VM); the values are the same bits.
+        layer's instead of the two interleaved, so one layer's weights stay in cache (lstm_lm's step
+        3-5% faster on a 2-core VM); the values are the same bits.
         Raises GraphError naming two nodes on a cycle (a loop's back edge is no cycle)."""
         if names is None:
             subset = list(self.nodes)

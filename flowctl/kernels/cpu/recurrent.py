@@ -6,7 +6,7 @@ Measured on lstm_lm's shapes (20 x 650 @ 650 x 2600, 2 threads, the step's own o
 product in the step against OpenBLAS's 0.54 (0.39 against 0.52 with W_h hot in cache); lstm_lm's
 forward takes 68 of them. Taken for float32 (float64 keeps the reference's 1e-12 path) and at most
 MAX_ROWS rows, checked when the kernel runs (a graph's batch size is unknown until then): past it
-every panel would read h's whole transpose again, and the BLAS's packing pays for itself.
+each panel reads h's whole transpose again, and the BLAS keeps those products (not measured).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _kernel() -> Any:
 def matmul(h: Any, w: Any) -> Any:
     """h @ w for float32 h (M, K) and w (K, N) with w's rows contiguous; the BLAS's past MAX_ROWS rows."""
     m, n = h.shape[0], w.shape[1]
-    if m > MAX_ROWS or m == 0 or w.strides[1] != w.itemsize:
+    if m > MAX_ROWS or m == 0 or w.shape[0] == 0 or w.strides[1] != w.itemsize:  # panel's loop runs k = 0 first
         return h @ w
     kernel = _kernel()
     h_t = np.ascontiguousarray(h.T)
