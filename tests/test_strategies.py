@@ -341,7 +341,7 @@ def test_async_trains_the_demo_to_the_single_target_and_reports_staleness(tmp_pa
     # The README's target: single reaches a held-out loss below 0.15 in 600 steps of 64 examples.
     # An async update uses 32 examples (the global batch split over 2 replicas), and which
     # parameters each replica reads depends on thread timing. At the demo's constant rate the end
-    # point is the last few noisy updates: 28 runs of 1200 updates gave 0.08-0.16, and one CI run on
+    # point is the last few noisy updates: 16 runs of 1200 updates gave 0.08-0.16, and one CI run on
     # a loaded machine 0.255. With the rate's cosine decay to 0 over the run the end point settles:
     # 12 runs on a machine loaded by two busy processes gave 0.040-0.044 (staleness mean 1.0, max
     # 4-6), below single's own held-out loss at the demo's constant rate (0.075) with room (a run
