@@ -55,6 +55,13 @@ def a2(d0: Any, d1: Any) -> tuple:
     return d0, d0 + d1, d0 - d1, d0 + _HALF * d1, d0 - _TWO * d1, d1
 
 
+@njit(inline=True)
+def axpy(out: Any, a: Any, src: Any) -> None:
+    """out += a * src, element by element in order (the loops below over a tile's channels)."""
+    for ch in range(out.shape[0]):
+        out[ch] += a * src[ch]
+
+
 @njit
 def origin(t: int, tiles_h: int, tiles_w: int, mh: int, mw: int) -> tuple[int, int, int]:
     """(image, first output row, first output column) of tile t (tiles image by image, row-major)."""
@@ -147,9 +154,7 @@ def gather(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: in
                 for k in range(ah):
                     bk = bth[k, i]
                     if bk != 0:
-                        dst = rows[k, j]
-                        for ch in range(c):
-                            dst[ch] += bk * src[ch]
+                        axpy(rows[k, j], bk, src)
         for k in range(ah):
             for l in range(aw):
                 out = v[k * aw + l, t - t0]
@@ -157,9 +162,7 @@ def gather(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: in
                 for j in range(aw):
                     bl = btw[l, j]
                     if bl != 0:
-                        src = rows[k, j]
-                        for ch in range(c):
-                            out[ch] += bl * src[ch]
+                        axpy(out, bl, rows[k, j])
 
 
 @njit
@@ -287,18 +290,21 @@ def gather_1d(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw:
                 di, dj = _along(ah, j)
                 if bl == 0 or not (0 <= r0 + di < h and 0 <= c0 + dj < w):
                     continue
-                src = x[n, r0 + di, c0 + dj]
-                for ch in range(c):
-                    out[ch] += bl * src[ch]
+                axpy(out, bl, x[n, r0 + di, c0 + dj])
+
+
+@njit(inline=True)
+def _long_axis(ath: Any, atw: Any) -> tuple:
+    """(outputs per tile down, across, points down, the long axis's A^T) of a one-axis window."""
+    mh, ah = ath.shape
+    return mh, atw.shape[0], ah, ath if ah > 1 else atw
 
 
 @njit
 def scatter_1d(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any, y: Any) -> None:
     """scatter for a one-axis window: y's outputs under tile t = A^T M (past y's edge dropped)."""
-    _, ho, wo, co = y.shape
-    mh, ah = ath.shape
-    mw = atw.shape[0]
-    at = ath if ah > 1 else atw
+    _, ho, wo, _ = y.shape
+    mh, mw, ah, at = _long_axis(ath, atw)
     mo, a = at.shape
     for t in range(t0, t1):
         n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
@@ -307,35 +313,27 @@ def scatter_1d(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, a
             if r0 + di >= ho or c0 + dj >= wo:
                 continue
             out = y[n, r0 + di, c0 + dj]
-            for ch in range(co):
-                out[ch] = 0
+            out[:] = 0
             for k in range(a):
                 ak = at[p, k]
                 if ak != 0:
-                    src = m[k, t - t0]
-                    for ch in range(co):
-                        out[ch] += ak * src[ch]
+                    axpy(out, ak, m[k, t - t0])
 
 
 @njit
 def gather_outputs_1d(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any,
                       dm: Any) -> None:
     """gather_outputs for a one-axis window: dm[k, t - t0, :] = (A dY)[k, :] (zero past dy's edge)."""
-    _, ho, wo, co = dy.shape
-    mh, ah = ath.shape
-    mw = atw.shape[0]
-    at = ath if ah > 1 else atw
+    _, ho, wo, _ = dy.shape
+    mh, mw, ah, at = _long_axis(ath, atw)
     mo, a = at.shape
     for t in range(t0, t1):
         n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
         for k in range(a):
             out = dm[k, t - t0]
-            for ch in range(co):
-                out[ch] = 0
+            out[:] = 0
             for p in range(mo):
                 ak = at[p, k]
                 di, dj = _along(ah, p)
                 if ak != 0 and r0 + di < ho and c0 + dj < wo:
-                    src = dy[n, r0 + di, c0 + dj]
-                    for ch in range(co):
-                        out[ch] += ak * src[ch]
+                    axpy(out, ak, dy[n, r0 + di, c0 + dj])
