@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import literally, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -91,29 +91,19 @@ def panel(typingctx: Any, h_t: Any, w: Any, out: Any, j0: Any, r0: Any, k_len: A
 
 @njit
 def _columns(h_t: Any, w: Any, out: Any, j: int, lanes: int) -> None:
-    """out[:, j:j+lanes] for lanes 16 or 8, the rows in blocks of ROWS, 4 and 1."""
+    """out[:, j:j+lanes] (lanes 16 or 8, compiled once for each), the rows in blocks of ROWS, 4 and 1."""
+    literally(lanes)
     k_len, m = h_t.shape
     r = 0
-    if lanes == LANES:
-        while r + ROWS <= m:
-            panel(h_t, w, out, j, r, k_len, ROWS, LANES)
-            r += ROWS
-        while r + 4 <= m:
-            panel(h_t, w, out, j, r, k_len, 4, LANES)
-            r += 4
-        while r < m:
-            panel(h_t, w, out, j, r, k_len, 1, LANES)
-            r += 1
-    else:
-        while r + ROWS <= m:
-            panel(h_t, w, out, j, r, k_len, ROWS, 8)
-            r += ROWS
-        while r + 4 <= m:
-            panel(h_t, w, out, j, r, k_len, 4, 8)
-            r += 4
-        while r < m:
-            panel(h_t, w, out, j, r, k_len, 1, 8)
-            r += 1
+    while r + ROWS <= m:
+        panel(h_t, w, out, j, r, k_len, ROWS, lanes)
+        r += ROWS
+    while r + 4 <= m:
+        panel(h_t, w, out, j, r, k_len, 4, lanes)
+        r += 4
+    while r < m:
+        panel(h_t, w, out, j, r, k_len, 1, lanes)
+        r += 1
 
 
 @njit
