@@ -303,26 +303,32 @@ def test_a_send_starts_before_compute_already_queued_on_its_device():
     assert all(order.index(send) < order.index(f"backlog{k}") for k in range(1, 8)), order
 
 
-def test_a_value_that_arrives_during_a_kernel_queues_before_that_kernels_successors():
-    """cpu:1 sleeps 300 ms in `slow`; cpu:0's value arrives after about 50 ms. The consumer of the
-    arrival was ready first, so it runs before `slow`'s own successor (ready-time order, which the
-    simulator assumes); a plain FIFO ran `local_next` first."""
+def test_ready_compute_runs_in_build_order_and_a_sends_producer_ahead_of_it():
+    """cpu:1 sleeps 300 ms in `slow`; cpu:0's value arrives after about 50 ms. When `slow` ends,
+    its successor `local_next` and the arrival's consumer `remote_next` are both ready: the one
+    built first runs first (the plan's order; ready order ran `remote_next` first). On cpu:0,
+    `produced` is built after eight independent ops but feeds a Send, so it runs first of all."""
     g = fc.Graph()
     with g.as_default():
         x = fc.constant(np.arange(4, dtype=np.float32), name="x")
+        for k in range(8):
+            fc.tanh(x, name=f"backlog{k}")
         sent = _test_op("TestSleep", x, "sent", seconds=0.05)
         h = fc.constant(np.ones(4, np.float32), name="h")
         slow = _test_op("TestSleep", h, "slow", seconds=0.3)
         fc.tanh(slow, name="local_next")
         fc.exp(sent, name="remote_next")
     pl = {n: canonical("cpu:1") for n in g.nodes}
-    pl.update({"x": canonical("cpu:0"), "sent": canonical("cpu:0")})
+    pl.update({n: canonical("cpu:0") for n in ["x", "sent"] + [f"backlog{k}" for k in range(8)]})
     with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
         st = fc.RunStats()
-        out = s.run(["local_next:0", "remote_next:0"], stats=st)
+        out = s.run(["local_next:0", "remote_next:0"] + [f"backlog{k}:0" for k in range(8)], stats=st)
     np.testing.assert_allclose(out[1], np.exp(np.arange(4)), rtol=1e-6)
     order = [n for n, _ in st.devices[canonical("cpu:1")].starts]
-    assert order.index("slow") < order.index("remote_next") < order.index("local_next"), order
+    assert order.index("slow") < order.index("local_next") < order.index("remote_next"), order
+    order = [n for n, _ in st.devices[canonical("cpu:0")].starts]
+    assert order.index("sent") < min(order.index(f"backlog{k}") for k in range(8)), order
+    assert [n for n in order if n.startswith("backlog")] == [f"backlog{k}" for k in range(8)], order
 
 
 def test_step_trace_records_every_finish_on_both_devices_in_dataflow_order():

@@ -159,7 +159,7 @@ def replicate(graph: Graph, nodes: Sequence[str], count: int, scope: str = "repl
     """Copy `nodes` `count` times, copy k under the name scope `scope.format(k=k)`; edges between
     copied nodes are rewired to the copy, edges to other nodes (the Variables) kept. Returns, per
     copy, original node -> copy's name. Shapes are re-inferred as each copy is added."""
-    order = graph.topo_order(nodes)
+    order = graph.topo_order(nodes, earliest_first=True)  # the originals' build order: a layer's chain stays together (executor)
     maps: list[dict[str, str]] = []
     for k in range(count):
         prefix = scope.format(k=k)

@@ -502,6 +502,9 @@ class CostTable:
     # array (kernels/state.updatable_in_place, on a CPU and a GPU alike), holding no new bytes.
     writes: list[int] = field(default_factory=list)
     referenced: list[int] = field(default_factory=list)  # `referenced_state`: resident, never run
+    # [node] its place in the order the graph was built (Graph.nodes), which the executors' ready
+    # nodes take turns by (engine/executor.py); empty: the table's own order.
+    built: list[int] = field(default_factory=list)
     _held: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -526,6 +529,10 @@ class CostTable:
         schedule collapses into one run of the node."""
         nbytes = self.out_bytes[i][p] if p >= 0 else 0
         return self.transfer(nbytes, src, dst) * self.runs(i)
+
+    def rank(self, i: int) -> int:
+        """Node i's turn among ready nodes of its device (module doc of engine/executor.py)."""
+        return self.built[i] if self.built else i
 
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, model: CostModel, step: Iterable[str]) -> CostTable:
@@ -624,4 +631,9 @@ class CostTable:
                    host, lanes, is_async, issue, stream, float(getattr(model, "contention", 1.0)),
                    float(getattr(model, "jitter", 0.0)), out_runs, views,
                    forwards_of(graph, names, index, inputs, out_bytes, resident, views), writes_of(graph, names, index),
-                   [i for i, n in enumerate(names) if n in quiet])
+                   [i for i, n in enumerate(names) if n in quiet], _built_order(graph, names))
+
+
+def _built_order(graph: Graph, names: Sequence[str]) -> list[int]:
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    return [position.get(n, len(position) + i) for i, n in enumerate(names)]

@@ -5,7 +5,9 @@ numbers: every placer's result, `place --explain` and `bench`'s prediction come 
 The model, chosen to match what the runtime does:
 - Each device runs one op at a time (a device partition runs on its own executor thread; a
   virtual CPU device's extra threads go to BLAS inside one op, which the cost model's peak FLOP/s
-  already counts). Ready ops wait in a per-device FIFO ordered by (ready time, topological index).
+  already counts). Ready ops take turns as the executor has them: an op whose output crosses to
+  another device, or that feeds one on its device that does, first, by the time it became ready;
+  then the others in the order the graph was built (`CostTable.built`).
 - Every cross-device edge is one transfer per (tensor, destination device), shared by all the
   consumers there (§3.2.2: one Recv per tensor per device), queued FIFO on the directed link
   (src, dst) and taking the cost model's transfer time. A cross-device control edge is a 0-byte
@@ -154,6 +156,7 @@ class Expectation:
 # With the same draws for every placement of a step, 8 already order placements fairly; bench,
 # which sets a prediction beside a measurement, takes more.
 EXPECTATION_SAMPLES = 8
+_AFTER_PROMPT = 1e9  # queue keys of non-prompt nodes start here: past any step's seconds (_Run.turn)
 
 
 def simulate(graph: Graph, placement: Mapping[str, str], cluster: Cluster, cost_model: CostModel,
@@ -268,6 +271,15 @@ class _Run:
         self.start = [self.unstarted] * n
         self.finish = [0.0] * n
         self.queues: list[list[tuple[float, int]]] = [[] for _ in range(D)]
+        # A ready node's key in its device's queue (the executor's order): a node whose output
+        # crosses to another device, or which feeds one on its device that does, by the time it
+        # became ready (-1 here: the ready time is pushed); any other by its place in the build order,
+        # after every prompt one (keys past any step's seconds).
+        prompt = [bool(x) for x in self.out_xfers]
+        for i in range(n):
+            if not prompt[i] and any(self.out_xfers[c] for c in self.local_succ[i]):
+                prompt[i] = True
+        self.turn = [-1.0 if prompt[i] else _AFTER_PROMPT + table.rank(i) for i in range(n)]
         self.running = [-1] * D
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
@@ -315,10 +327,10 @@ class _Run:
         self._finish_state = (table.times, table.inputs, table.out_bytes, table.resident, dev, self.mem,
                               self.running, self.finish, self.kernel_end, self.is_async, self.contended,
                               self.recv_refs, self.src_refs, self.keep_refs, self.pending, self.local_succ,
-                              self.queues, self.out_xfers)
+                              self.queues, self.out_xfers, self.turn)
         for i in range(n):
             if self.pending[i] == 0:
-                self.queues[dev[i]].append((0.0, i))
+                self.queues[dev[i]].append((max(self.turn[i], 0.0), i))
         for q in self.queues:
             heapq.heapify(q)
 
@@ -461,7 +473,7 @@ class _Run:
         """Node i's op ends at t: free its device, release what it read, wake its local
         successors, and queue its outgoing transfers on their links."""
         (times, inputs, out_bytes, resident, dev, mem, running, finish, kernel_end, is_async, contended,
-         recv_refs, src_refs, keep_refs, pending, local_succ, queues, out_xfers) = self._finish_state
+         recv_refs, src_refs, keep_refs, pending, local_succ, queues, out_xfers, turn) = self._finish_state
         d = dev[i]
         running[d] = -1
         if contended[d]:
@@ -504,7 +516,7 @@ class _Run:
         for c in local_succ[i]:
             pending[c] -= 1
             if pending[c] == 0:
-                heapq.heappush(queues[d], (t, c))
+                heapq.heappush(queues[d], (t if turn[c] < 0 else turn[c], c))
         for p, dd in out_xfers[i]:
             self.send(i, p, d, dd)
 
@@ -538,11 +550,11 @@ class _Run:
             if mem[dd] > peak[dd]:
                 peak[dd] = mem[dd]
             self.release(j, p)
-        pending, queue = self.pending, self.queues[dd]
+        pending, queue, turn = self.pending, self.queues[dd], self.turn
         for c in self.xfer_waiters[key]:
             pending[c] -= 1
             if pending[c] == 0:
-                heapq.heappush(queue, (t, c))
+                heapq.heappush(queue, (t if turn[c] < 0 else turn[c], c))
 
     def release(self, j: int, p: int) -> None:
         """One reader (or outgoing transfer) of tensor (j, p) on its producer's device is done."""
@@ -771,7 +783,8 @@ def contention_for(table: CostTable, a: int, b: int, ratio: float, cluster: Clus
         resident=table.resident * 2, host=(table.host * 2) if table.host else [],
         views=table.views + [None if v is None else (v[0] + n, v[1]) for v in table.views],
         forward=table.forward * 2, writes=table.writes + [j + n if j >= 0 else -1 for j in table.writes],
-        issue=table.issue * 2 if table.issue else [], stream=table.stream * 2 if table.stream else [])
+        issue=table.issue * 2 if table.issue else [], stream=table.stream * 2 if table.stream else [],
+        built=table.built * 2)
     dev = [a] * n + [b] * n
 
     def simulated(k: float) -> float:
