@@ -331,6 +331,33 @@ def test_ready_compute_runs_in_build_order_and_a_sends_producer_ahead_of_it():
     assert [n for n in order if n.startswith("backlog")] == [f"backlog{k}" for k in range(8)], order
 
 
+def test_the_scalars_a_send_needs_run_ahead_however_far_back():
+    """On cpu:0, `mean` and `vec` are each three edges before a Send (past the two that always
+    run promptly), both ready once `wide` ran, both built after eight independent ops. `mean`
+    makes a scalar (as a replicas' mean loss and its guard do): it runs at once. `vec` makes a
+    vector: it waits its turn in the plan's order."""
+    g = fc.Graph()
+    with g.as_default():
+        x = fc.constant(np.arange(4, dtype=np.float32), name="x")
+        wide = fc.exp(x, name="wide")
+        for k in range(8):
+            fc.tanh(x, name=f"backlog{k}")
+        mean = fc.reduce_mean(wide, name="mean")
+        fc.tanh(fc.exp(fc.tanh(mean, name="m1"), name="m2"), name="remote")
+        vec = fc.exp(wide, name="vec")
+        fc.tanh(fc.tanh(fc.tanh(vec, name="v1"), name="v2"), name="remote_vec")
+    pl = {n: canonical("cpu:0") for n in g.nodes}
+    pl.update({"remote": canonical("cpu:1"), "remote_vec": canonical("cpu:1")})
+    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
+        st = fc.RunStats()
+        out = s.run(["remote:0", "remote_vec:0"] + [f"backlog{k}:0" for k in range(8)], stats=st)
+    np.testing.assert_allclose(out[0], np.tanh(np.exp(np.tanh(np.exp(np.arange(4)).mean()))), rtol=1e-6)
+    order = [n for n, _ in st.devices[canonical("cpu:0")].starts]
+    w = order.index("wide")
+    assert order[w:w + 4] == ["wide", "mean", "m1", "m2"] and w < order.index("backlog0"), order
+    assert order.index("vec") > order.index("backlog7"), order
+
+
 def test_step_trace_records_every_finish_on_both_devices_in_dataflow_order():
     g, t = build_mlp()
     placement = layer_wise(g, 2)

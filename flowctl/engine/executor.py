@@ -41,9 +41,10 @@ interleaved evicted each one's weights between its steps; lstm_lm's dataflow ste
 one thread in ready order against 649 in this one, 645 straight-line). Ahead of that queue, first
 come first served: asynchronous kernels (a Send above all, so a transfer leaves when its producer
 finishes) and *prompt* nodes, the producers of a Send's input up to `PROMPT_HOPS` edges back (the
-gradient and the reshape or concat readying it for the wire): a value bound for another device
-leaves as soon as it can be made, not when the plan's order reaches the nodes an all-reduce added
-after the whole backward pass. A value that arrived while a kernel ran counts as ready before that
+gradient and the reshape or concat readying it for the wire) and past them the scalars it needs
+(a loss averaged over the replicas, its guard): a value bound for another device leaves as soon
+as it can be made, not when the plan's order reaches the nodes an all-reduce added after the
+whole backward pass. A value that arrived while a kernel ran counts as ready before that
 kernel's outputs.
 """
 from __future__ import annotations
@@ -174,6 +175,27 @@ class RunStats:
         return self.wall_s - self.idle_s
 
 
+def _prompt(nodes: Sequence[Node], preds_of: Sequence[set[int]], is_async: Sequence[bool]) -> list[bool]:
+    """Per node of a plan, whether it runs ahead of the plan's order (module doc): a Send's
+    producers up to PROMPT_HOPS edges back (the gradient and the reshape or concat readying it for
+    the wire), and past them whatever makes only scalars (a loss averaged over replicas and its
+    guard: nothing to run, and a peer waits on it)."""
+    out = [False] * len(nodes)
+    near = {i for i, n in enumerate(nodes) if n.op == "Send"}
+    hops = 0
+    while near:
+        hops += 1
+        near = {p for i in near for p in preds_of[i]
+                if not out[p] and not is_async[p] and (hops <= PROMPT_HOPS or _scalars(nodes[p]))}
+        for p in near:
+            out[p] = True
+    return out
+
+
+def _scalars(node: Node) -> bool:
+    return bool(node.outputs) and all(s.shape is not None and all(d == 1 for d in s.shape) for s in node.outputs)
+
+
 def needed_nodes(graph: Graph, roots: Sequence[str], fed: set[str]) -> set[str]:
     """§4.2 partial execution: the nodes that must run to produce `roots`, given the fed tensors.
     A node whose every consumed output is fed does not run."""
@@ -287,16 +309,7 @@ class Plan:
             self.pending0[i] = len(preds)
             for p in preds:
                 self.succ[p].append(i)
-        # Prompt nodes: a Send's input and that input's inputs (the gradient and the reshape or
-        # concat that readies it for the wire) run as soon as they are ready, ahead of the queued
-        # compute, so a value leaves for another device the moment it can (module doc).
-        sends = [i for i, n in enumerate(self.nodes) if n.op == "Send"]
-        self.prompt = [False] * len(self.nodes)
-        near = set(sends)
-        for _ in range(PROMPT_HOPS):
-            near = {p for i in near for p in preds_of[i]}
-            for p in near:
-                self.prompt[p] = not self.is_async[p]
+        self.prompt = _prompt(self.nodes, preds_of, self.is_async)
         self.slot_uses = [0] * self.num_slots
         for ins in self.in_slots:
             for s in ins:

@@ -48,7 +48,7 @@ import numpy as np
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.devices import canonical
 from flowctl.engine.errors import PlacementError
-from flowctl.engine.executor import needed_nodes
+from flowctl.engine.executor import PROMPT_HOPS, needed_nodes
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel, CostTable
 
@@ -271,15 +271,11 @@ class _Run:
         self.start = [self.unstarted] * n
         self.finish = [0.0] * n
         self.queues: list[list[tuple[float, int]]] = [[] for _ in range(D)]
-        # A ready node's key in its device's queue (the executor's order): a node whose output
-        # crosses to another device, or which feeds one on its device that does, by the time it
-        # became ready (-1 here: the ready time is pushed); any other by its place in the build order,
-        # after every prompt one (keys past any step's seconds).
-        prompt = [bool(x) for x in self.out_xfers]
-        for i in range(n):
-            if not prompt[i] and any(self.out_xfers[c] for c in self.local_succ[i]):
-                prompt[i] = True
-        self.turn = [-1.0 if prompt[i] else _AFTER_PROMPT + table.rank(i) for i in range(n)]
+        # A ready node's key in its device's queue (the executor's order, executor._prompt): a node
+        # whose output crosses to another device, one feeding such a node on its device, and the
+        # scalars those need, by the time it became ready (-1 here: the ready time is pushed); any
+        # other by its place in the build order, after every prompt one (keys past any step's seconds).
+        self.turn = [-1.0 if p else _AFTER_PROMPT + table.rank(i) for i, p in enumerate(self._prompt())]
         self.running = [-1] * D
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
@@ -333,6 +329,20 @@ class _Run:
                 self.queues[dev[i]].append((max(self.turn[i], 0.0), i))
         for q in self.queues:
             heapq.heapify(q)
+
+    def _prompt(self) -> list[bool]:
+        table, dev, n = self.table, self.dev, self.n
+        out = [bool(x) for x in self.out_xfers]
+        near = [i for i in range(n) if out[i]]
+        hops = 1
+        while near:
+            hops += 1
+            local = {j for i in near for j in [*(j for j, _ in table.inputs[i]), *table.controls[i]]
+                     if dev[j] == dev[i] and not out[j]}
+            near = [j for j in local if hops <= PROMPT_HOPS or (table.out_bytes[j] and max(table.out_bytes[j]) <= 8)]
+            for j in near:
+                out[j] = True
+        return out
 
     def memory(self, resident: list[int]) -> list[int]:
         """The per-device byte counts the loop updates in place (a subclass watches them)."""
