@@ -280,6 +280,19 @@ def test_a_waiting_recv_does_not_block_its_device():
     assert order.index(recv) < order.index("busy0") < order.index("open_gate") < order.index("waiting_consumer")
 
 
+def _traced(g: fc.Graph, pl: dict[str, str], fetches: list[str]) -> tuple[list[Any], dict[str, list[str]]]:
+    """Run `fetches` on two local CPU devices; the values and each device's nodes in starting order."""
+    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
+        st = fc.RunStats()
+        out = s.run(fetches, stats=st)
+    return out, {d[-5:]: [n for n, _ in ds.starts] for d, ds in st.devices.items()}
+
+
+def _backlog(x: Any) -> list[str]:
+    """Eight independent ops on `x`, built now: compute queued on its device."""
+    return [fc.tanh(x, name=f"backlog{k}").node for k in range(8)]
+
+
 def test_a_send_starts_before_compute_already_queued_on_its_device():
     """cpu:0 has a backlog of independent ops queued when `produced` finishes; its Send to cpu:1
     must go next (the simulator starts a transfer when its producer ends), not behind the backlog.
@@ -288,16 +301,13 @@ def test_a_send_starts_before_compute_already_queued_on_its_device():
     with g.as_default():
         x = fc.constant(np.arange(4, dtype=np.float32), name="x")
         produced = fc.exp(x, name="produced")
-        for k in range(8):
-            fc.tanh(x, name=f"backlog{k}")
+        backlog = _backlog(x)
         fc.tanh(produced, name="remote")
     pl = {n: canonical("cpu:0") for n in g.nodes}
     pl["remote"] = canonical("cpu:1")
-    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
-        st = fc.RunStats()
-        out = s.run(["remote:0"] + [f"backlog{k}:0" for k in range(8)], stats=st)
+    out, starts = _traced(g, pl, ["remote:0"] + [f"{b}:0" for b in backlog])
     np.testing.assert_allclose(out[0], np.tanh(np.exp(np.arange(4))), rtol=1e-6)
-    order = [n for n, _ in st.devices[canonical("cpu:0")].starts]
+    order = starts["cpu:0"]
     send = next(n for n in order if n.startswith("_send/"))
     assert order.index(send) == order.index("produced") + 1, order
     assert all(order.index(send) < order.index(f"backlog{k}") for k in range(1, 8)), order
@@ -311,24 +321,21 @@ def test_ready_compute_runs_in_build_order_and_a_sends_producer_ahead_of_it():
     g = fc.Graph()
     with g.as_default():
         x = fc.constant(np.arange(4, dtype=np.float32), name="x")
-        for k in range(8):
-            fc.tanh(x, name=f"backlog{k}")
+        backlog = _backlog(x)
         sent = _test_op("TestSleep", x, "sent", seconds=0.05)
         h = fc.constant(np.ones(4, np.float32), name="h")
         slow = _test_op("TestSleep", h, "slow", seconds=0.3)
         fc.tanh(slow, name="local_next")
         fc.exp(sent, name="remote_next")
     pl = {n: canonical("cpu:1") for n in g.nodes}
-    pl.update({n: canonical("cpu:0") for n in ["x", "sent"] + [f"backlog{k}" for k in range(8)]})
-    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
-        st = fc.RunStats()
-        out = s.run(["local_next:0", "remote_next:0"] + [f"backlog{k}:0" for k in range(8)], stats=st)
+    pl.update({n: canonical("cpu:0") for n in ["x", "sent", *backlog]})
+    out, starts = _traced(g, pl, ["local_next:0", "remote_next:0"] + [f"{b}:0" for b in backlog])
     np.testing.assert_allclose(out[1], np.exp(np.arange(4)), rtol=1e-6)
-    order = [n for n, _ in st.devices[canonical("cpu:1")].starts]
+    order = starts["cpu:1"]
     assert order.index("slow") < order.index("local_next") < order.index("remote_next"), order
-    order = [n for n, _ in st.devices[canonical("cpu:0")].starts]
-    assert order.index("sent") < min(order.index(f"backlog{k}") for k in range(8)), order
-    assert [n for n in order if n.startswith("backlog")] == [f"backlog{k}" for k in range(8)], order
+    order = starts["cpu:0"]
+    assert order.index("sent") < min(order.index(b) for b in backlog), order
+    assert [n for n in order if n.startswith("backlog")] == backlog, order
 
 
 def test_the_scalars_a_send_needs_run_ahead_however_far_back():
@@ -340,22 +347,19 @@ def test_the_scalars_a_send_needs_run_ahead_however_far_back():
     with g.as_default():
         x = fc.constant(np.arange(4, dtype=np.float32), name="x")
         wide = fc.exp(x, name="wide")
-        for k in range(8):
-            fc.tanh(x, name=f"backlog{k}")
+        backlog = _backlog(x)
         mean = fc.reduce_mean(wide, name="mean")
         fc.tanh(fc.exp(fc.tanh(mean, name="m1"), name="m2"), name="remote")
         vec = fc.exp(wide, name="vec")
         fc.tanh(fc.tanh(fc.tanh(vec, name="v1"), name="v2"), name="remote_vec")
     pl = {n: canonical("cpu:0") for n in g.nodes}
     pl.update({"remote": canonical("cpu:1"), "remote_vec": canonical("cpu:1")})
-    with DistributedSession(g, Cluster.local(2), pl, store=fc.ContainerStore()) as s:
-        st = fc.RunStats()
-        out = s.run(["remote:0", "remote_vec:0"] + [f"backlog{k}:0" for k in range(8)], stats=st)
+    out, starts = _traced(g, pl, ["remote:0", "remote_vec:0"] + [f"{b}:0" for b in backlog])
     np.testing.assert_allclose(out[0], np.tanh(np.exp(np.tanh(np.exp(np.arange(4)).mean()))), rtol=1e-6)
-    order = [n for n, _ in st.devices[canonical("cpu:0")].starts]
+    order = starts["cpu:0"]
     w = order.index("wide")
-    assert order[w:w + 4] == ["wide", "mean", "m1", "m2"] and w < order.index("backlog0"), order
-    assert order.index("vec") > order.index("backlog7"), order
+    assert order[w:w + 4] == ["wide", "mean", "m1", "m2"] and w < order.index(backlog[0]), order
+    assert order.index("vec") > order.index(backlog[-1]), order
 
 
 def test_step_trace_records_every_finish_on_both_devices_in_dataflow_order():
