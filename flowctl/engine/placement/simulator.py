@@ -6,8 +6,8 @@ The model, chosen to match what the runtime does:
 - Each device runs one op at a time (a device partition runs on its own executor thread; a
   virtual CPU device's extra threads go to BLAS inside one op, which the cost model's peak FLOP/s
   already counts). Ready ops take turns as the executor has them: an op whose output crosses to
-  another device, or that feeds one on its device that does, first, by the time it became ready;
-  then the others in the order the graph was built (`CostTable.built`).
+  another device, one that feeds such an op on its device, and the scalars those need first, by
+  the time they became ready; then the others in the order the graph was built (`CostTable.built`).
 - Every cross-device edge is one transfer per (tensor, destination device), shared by all the
   consumers there (§3.2.2: one Recv per tensor per device), queued FIFO on the directed link
   (src, dst) and taking the cost model's transfer time. A cross-device control edge is a 0-byte
