@@ -45,7 +45,8 @@ gradient and the reshape or concat readying it for the wire) and past them the s
 (a loss averaged over the replicas, its guard): a value bound for another device leaves as soon
 as it can be made, not when the plan's order reaches the nodes an all-reduce added after the
 whole backward pass. A value that arrived while a kernel ran counts as ready before that
-kernel's outputs.
+kernel's outputs. (The frame executor, for plans with loops or conditionals, keeps one queue,
+first come first served: frame_executor.py.)
 """
 from __future__ import annotations
 
