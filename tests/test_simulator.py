@@ -451,7 +451,7 @@ def test_contention_is_solved_from_the_step_run_twice_at_once():
     way, so a measured 1.25x its time alone means each device ran at 1/1.25. A measurement the
     simulator already explains (<= 1x) is no contention."""
     from flowctl.engine.placement.cost import CostTable
-    from flowctl.engine.placement.simulator import contention_for
+    from flowctl.engine.placement.calibration import contention_for
 
     g = chain(3)
     cl = cluster()

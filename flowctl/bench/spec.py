@@ -23,7 +23,7 @@ from flowctl.engine.container import ContainerStore
 from flowctl.engine.errors import PlacementError
 from flowctl.engine.placement import CostTable, MeasuredCostModel, Placement, expect, simulate, step_nodes
 from flowctl.engine.placement.profiler import profile
-from flowctl.engine.placement.simulator import contention_for
+from flowctl.engine.placement.calibration import contention_for
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.kernels.registry import gpu_count
 from flowctl.spec.check import LoadedSpec
