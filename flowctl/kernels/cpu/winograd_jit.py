@@ -275,22 +275,25 @@ def _along(kh: int, j: int) -> tuple[int, int]:
 def gather_1d(x: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, mh: int, mw: int, ph: int, pw: int,
               bth: Any, btw: Any, v: Any) -> None:
     """gather for a one-axis window: v[l, t - t0, :] = (B^T d)[l, :], d the a inputs under tile t."""
-    _, h, w, c = x.shape
     ah = bth.shape[0]
     bt = bth if ah > 1 else btw
-    a = bt.shape[0]
     for t in range(t0, t1):
         n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
-        r0, c0 = r0 - ph, c0 - pw
-        for l in range(a):
-            out = v[l, t - t0]
-            out[:] = 0
-            for j in range(a):
-                bl = bt[l, j]
-                di, dj = _along(ah, j)
-                if bl == 0 or not (0 <= r0 + di < h and 0 <= c0 + dj < w):
-                    continue
-                axpy(out, bl, x[n, r0 + di, c0 + dj])
+        for l in range(bt.shape[0]):
+            _window_sum(v[l, t - t0], bt[l], x, n, r0 - ph, c0 - pw, ah)
+
+
+@njit(inline=True)
+def _window_sum(out: Any, coeffs: Any, src: Any, n: int, r0: int, c0: int, ah: int) -> None:
+    """out = sum over j of coeffs[j] src[n, (r0, c0) + j-th step along a one-axis window's long
+    axis], in order of j, the zero coefficients and the points outside src skipped."""
+    _, h, w, _ = src.shape
+    out[:] = 0
+    for j in range(coeffs.shape[0]):
+        cj = coeffs[j]
+        di, dj = _along(ah, j)
+        if cj != 0 and 0 <= r0 + di < h and 0 <= c0 + dj < w:
+            axpy(out, cj, src[n, r0 + di, c0 + dj])
 
 
 @njit(inline=True)
@@ -324,16 +327,8 @@ def scatter_1d(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, a
 def gather_outputs_1d(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw: Any,
                       dm: Any) -> None:
     """gather_outputs for a one-axis window: dm[k, t - t0, :] = (A dY)[k, :] (zero past dy's edge)."""
-    _, ho, wo, _ = dy.shape
     mh, mw, ah, at = _long_axis(ath, atw)
-    mo, a = at.shape
     for t in range(t0, t1):
         n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
-        for k in range(a):
-            out = dm[k, t - t0]
-            out[:] = 0
-            for p in range(mo):
-                ak = at[p, k]
-                di, dj = _along(ah, p)
-                if ak != 0 and r0 + di < ho and c0 + dj < wo:
-                    axpy(out, ak, dy[n, r0 + di, c0 + dj])
+        for k in range(at.shape[1]):
+            _window_sum(dm[k, t - t0], at[:, k], dy, n, r0, c0, ah)
