@@ -59,7 +59,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -176,21 +176,28 @@ class RunStats:
         return self.wall_s - self.idle_s
 
 
-def _prompt(nodes: Sequence[Node], preds_of: Sequence[set[int]], is_async: Sequence[bool]) -> list[bool]:
-    """Per node of a plan, whether it runs ahead of the plan's order (module doc): a Send's
-    producers up to PROMPT_HOPS edges back (the gradient and the reshape or concat readying it for
-    the wire), and past them whatever makes only scalars (a loss averaged over replicas and its
-    guard: nothing to run, and a peer waits on it)."""
-    out = [False] * len(nodes)
-    near = {i for i, n in enumerate(nodes) if n.op == "Send"}
-    hops = 0
+def prompt_nodes(first: Iterable[int], preds: Callable[[int], Iterable[int]], runs: Callable[[int], bool],
+                 scalars: Callable[[int], bool]) -> set[int]:
+    """The nodes that run ahead of the plan's order (module doc), walking back from `first` (what
+    a transfer to another device reads: one edge back from a Send): they and their producers up
+    to PROMPT_HOPS edges back from the transfer (the gradient and the reshape or concat readying
+    it for the wire), and past them whatever makes only scalars (`scalars`: a loss averaged over
+    replicas and its guard: nothing to run, and a peer waits on it). `runs(i)`: whether node i
+    takes a turn at all (an asynchronous kernel starts at once). Shared with the simulator."""
+    out = set(first)
+    near, hops = set(out), 1
     while near:
         hops += 1
-        near = {p for i in near for p in preds_of[i]
-                if not out[p] and not is_async[p] and (hops <= PROMPT_HOPS or _scalars(nodes[p]))}
-        for p in near:
-            out[p] = True
+        near = {p for i in near for p in preds(i) if p not in out and runs(p) and (hops <= PROMPT_HOPS or scalars(p))}
+        out |= near
     return out
+
+
+def _prompt(nodes: Sequence[Node], preds_of: Sequence[set[int]], is_async: Sequence[bool]) -> list[bool]:
+    """Per node of a plan, whether it is prompt (`prompt_nodes`, from its Sends' inputs)."""
+    first = {p for i, n in enumerate(nodes) if n.op == "Send" for p in preds_of[i] if not is_async[p]}
+    chosen = prompt_nodes(first, preds_of.__getitem__, lambda p: not is_async[p], lambda p: _scalars(nodes[p]))
+    return [i in chosen for i in range(len(nodes))]
 
 
 def _scalars(node: Node) -> bool:

@@ -48,7 +48,7 @@ import numpy as np
 from flowctl.engine.cluster import Cluster
 from flowctl.engine.devices import canonical
 from flowctl.engine.errors import PlacementError
-from flowctl.engine.executor import PROMPT_HOPS, needed_nodes
+from flowctl.engine.executor import needed_nodes, prompt_nodes
 from flowctl.engine.graph import Graph, parse_ref
 from flowctl.engine.placement.cost import CostModel, CostTable
 
@@ -331,18 +331,16 @@ class _Run:
             heapq.heapify(q)
 
     def _prompt(self) -> list[bool]:
-        table, dev, n = self.table, self.dev, self.n
-        out = [bool(x) for x in self.out_xfers]
-        near = [i for i in range(n) if out[i]]
-        hops = 1
-        while near:
-            hops += 1
-            local = {j for i in near for j in [*(j for j, _ in table.inputs[i]), *table.controls[i]]
-                     if dev[j] == dev[i] and not out[j]}
-            near = [j for j in local if hops <= PROMPT_HOPS or (table.out_bytes[j] and max(table.out_bytes[j]) <= 8)]
-            for j in near:
-                out[j] = True
-        return out
+        """Per node, whether it takes its turn first (executor.prompt_nodes, from the nodes whose
+        outputs cross to another device)."""
+        table, dev = self.table, self.dev
+
+        def local_preds(i: int) -> list[int]:
+            return [j for j in [*(j for j, _ in table.inputs[i]), *table.controls[i]] if dev[j] == dev[i]]
+
+        chosen = prompt_nodes([i for i in range(self.n) if self.out_xfers[i]], local_preds, lambda j: True,
+                              lambda j: bool(table.out_bytes[j]) and max(table.out_bytes[j]) <= 8)
+        return [i in chosen for i in range(self.n)]
 
     def memory(self, resident: list[int]) -> list[int]:
         """The per-device byte counts the loop updates in place (a subclass watches them)."""
