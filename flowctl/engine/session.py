@@ -19,7 +19,7 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
-from flowctl.engine import multi_apply, multi_l2
+from flowctl.engine import conv_affine, multi_apply, multi_l2
 from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
 from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
@@ -196,6 +196,8 @@ class Session:
             graph = multi_apply.group_updates(graph, refs, feed_refs, targets)
         if self.device_type == "gpu" and multi_l2.ENABLED:  # one node per sum of L2Loss nodes (clipping's norm)
             graph = multi_l2.fuse_l2_sums(graph, refs, feed_refs, targets)
+        if self.device_type == "cpu" and conv_affine.ENABLED:  # a convolution and the batch norm reading it
+            graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
         guards = self._guard_for if self.device_type == "gpu" else None
         plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource, guards)
         for node in plan.nodes:

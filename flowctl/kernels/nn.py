@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from flowctl.kernels import intra
+from flowctl.kernels.conv import GEMM_ROWS, conv2d_forward
 from flowctl.kernels.registry import into, kernel
 
 Fn = Callable[..., Any]
@@ -386,6 +387,24 @@ def channel_affine_kernel(xp: Any, attrs: dict[str, Any]) -> Fn:
 def channel_affine_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     relu = attrs["activation"] == "relu"
     return lambda x, scale, shift: channel_affine(xp, x, scale, shift, relu, BN_ELEMENTS)
+
+
+# FusedConv2D(x, f, scale, shift) = ChannelAffine(Conv2D(x, f), scale, shift): the CPU plan's
+# pass (engine/conv_affine.py) makes it of the pair. The reference runs the two kernels one after
+# the other, so it is the unfused pair to the bit; the compiled variants (kernels/cpu/conv.py)
+# apply the affine to each piece of the output as the convolution makes it.
+@kernel("FusedConv2D")
+def fused_conv2d_kernel(xp: Any, attrs: dict[str, Any]) -> Fn:
+    strides, padding, relu = attrs["strides"], attrs["padding"], attrs["activation"] == "relu"
+    return lambda x, f, scale, shift: channel_affine(xp, conv2d_forward(xp, x, f, strides, padding), scale, shift,
+                                                     relu)
+
+
+@kernel("FusedConv2D", device_types=("cpu",))
+def fused_conv2d_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
+    strides, padding, relu = attrs["strides"], attrs["padding"], attrs["activation"] == "relu"
+    return lambda x, f, scale, shift: channel_affine(xp, conv2d_forward(xp, x, f, strides, padding, GEMM_ROWS),
+                                                     scale, shift, relu, BN_ELEMENTS)
 
 
 @kernel("Dropout")

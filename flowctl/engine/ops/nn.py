@@ -13,6 +13,7 @@ from flowctl.engine.dtypes import INTS, is_float
 from flowctl.engine.errors import GraphError
 from flowctl.engine.graph import Graph, Tensor
 from flowctl.engine.ops.api import constant, graph_of, make, make1
+from flowctl.engine.ops.conv import _conv_cost, _conv_infer
 from flowctl.engine.ops.elementwise import neg, rsqrt
 from flowctl.engine.opdef import NN, REQUIRED, CostFn, memory_bytes, register_op
 from flowctl.engine.ops.state import assign_sub
@@ -111,6 +112,11 @@ def _affine_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSp
     return [TensorSpec(tuple(x.shape[:-1]) + (c,), x.dtype)]
 
 
+def _fused_conv_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    window = {"strides": attrs["strides"], "padding": attrs["padding"]}
+    return _affine_infer([*_conv_infer(ins[:2], window), *ins[2:]], {"activation": attrs["activation"]})
+
+
 def _bias_add_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     _float(ins[0], "dy")
     if len(ins[0].shape) < 1:
@@ -175,6 +181,14 @@ def _per_element(flops: float) -> CostFn:
         return flops * float(np.prod(ins[0])), memory_bytes(ins, outs, dtypes)
 
     return cost
+
+
+def _fused_conv_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+                     attrs: dict[str, Any]) -> tuple[float, float]:
+    """The convolution's FLOPs and three per output element; the bytes of the fused node's own
+    inputs and output (the convolution's output never goes to memory and back)."""
+    flops = _conv_cost(ins[:2], outs, dtypes, attrs)[0] + 3.0 * float(np.prod(outs[0]))
+    return flops, memory_bytes(ins, outs, dtypes)
 
 
 # Counts: Softmax is max, subtract, exp, sum, divide per element; the cross-entropies add a log,
@@ -278,6 +292,12 @@ register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add
 # bits as the Mul, Add (and Relu) it replaces.
 register_op("ChannelAffine", _affine_infer, num_inputs=3, attrs={"activation": ("str", "none")}, group=NN,
             grad=_g_affine, cost=_per_element(3.0))
+# FusedConv2D(x, filter, scale, shift) = ChannelAffine(Conv2D(x, filter), scale, shift): made by
+# the CPU plan's pass (engine/conv_affine.py) of a Conv2D read only by an inference batch norm's
+# ChannelAffine, never by a model; no gradient (a differentiated Conv2D has a second reader).
+register_op("FusedConv2D", _fused_conv_infer, num_inputs=4,
+            attrs={"strides": ("ints", (1, 1)), "padding": ("str", "SAME"), "activation": ("str", "none")},
+            group=NN, cost=_fused_conv_cost, differentiable=False)
 # BiasAddGrad(dy): dy summed over every axis but the last.
 register_op("BiasAddGrad", _bias_add_grad_infer, num_inputs=1, group=NN,
             grad=lambda op, dy: [make1("BroadcastLike", [dy[0], op.inputs[0]])], cost=_per_element(1))

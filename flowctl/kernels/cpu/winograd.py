@@ -58,7 +58,7 @@ from typing import Any, Callable
 import numpy as np
 
 from flowctl.kernels import intra
-from flowctl.kernels.conv import FILTER_GROUPS, window
+from flowctl.kernels.conv import FILTER_GROUPS, Epilogue, window
 from flowctl.kernels.cpu.jit import LANES, compiled, floats_nhwc
 from flowctl.kernels.registry import variant
 
@@ -189,34 +189,56 @@ def _plan(n: int, ho: int, wo: int, kh: int, kw: int, ph: int, pw: int, c: int, 
     return _Plan(n, ho, wo, kh, kw, ph, pw, c, co, itemsize)
 
 
-def _forward(x: Any, u: Any, plan: _Plan, y: Any) -> Any:
+def _forward(x: Any, u: Any, plan: _Plan, y: Any, epilogue: Epilogue | None = None) -> Any:
     """y = the window pass of x (implicitly zero-padded by plan.ph, plan.pw) with the transformed
-    filter u, block by block on the intra-op threads."""
+    filter u, block by block on the intra-op threads. An `epilogue` (kernels/conv.py) rewrites each
+    row of tiles once its last tile is out: by the thread that made the whole row, right after;
+    a row two threads shared, after both."""
     gather, scatter, _ = _kernels(plan)
     bth, btw, ath, atw = plan.matrices
     c, co = u.shape[1], u.shape[2]
+    n, ho, wo, _ = y.shape
+    flat = y.reshape(n * ho * wo, co)
+    tw = plan.tiles_w
 
-    def part(run: range) -> None:
-        most = max(t1 - t0 for t0, t1 in plan.blocks[run.start:run.stop])
+    def finish(row: int) -> None:  # tile row -> its output rows, (N*Ho*Wo, Co) rows a:b
+        b, i = divmod(row, plan.tiles_h)
+        assert epilogue is not None
+        epilogue(flat, (b * ho + i * plan.mh) * wo, (b * ho + min(ho, (i + 1) * plan.mh)) * wo)
+
+    def part(run: range) -> range:
+        mine = plan.blocks[run.start:run.stop]
+        most = max(t1 - t0 for t0, t1 in mine)
         v = np.empty((plan.points, most, c), x.dtype)
         m = np.empty((plan.points, most, co), x.dtype)
-        for t0, t1 in plan.blocks[run.start:run.stop]:
+        first = row = -(-mine[0][0] // tw)  # the first tile row this run makes whole
+        for t0, t1 in mine:
             k = t1 - t0
             gather(x, t0, t1, plan.tiles_h, plan.tiles_w, plan.mh, plan.mw, plan.ph, plan.pw, bth, btw, v)
             np.matmul(v[:, :k], u, out=m[:, :k])
             scatter(m, t0, t1, plan.tiles_h, plan.tiles_w, ath, atw, y)
+            if epilogue is not None:
+                while row < t1 // tw:
+                    finish(row)
+                    row += 1
+        return range(first, row)
 
-    intra.for_chunks(len(plan.blocks), part, least=2)
+    done = intra.for_chunks(len(plan.blocks), part, least=2)
+    if epilogue is not None:
+        whole = set().union(*done)
+        for row in range(plan.tiles // tw):
+            if row not in whole:
+                finish(row)
     return y
 
 
-def conv2d_forward(x: Any, f: Any, padding: str) -> Any:
+def conv2d_forward(x: Any, f: Any, padding: str, epilogue: Epilogue | None = None) -> Any:
     kh, kw, c, co = f.shape
     n, h, w, _ = x.shape
     ho, ph = window(h, kh, 1, padding)
     wo, pw = window(w, kw, 1, padding)
     plan = _plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
-    return _forward(x, plan.filter(f), plan, np.empty((n, ho, wo, co), x.dtype))
+    return _forward(x, plan.filter(f), plan, np.empty((n, ho, wo, co), x.dtype), epilogue)
 
 
 def conv2d_backprop_input(dy: Any, f: Any, x_shape: tuple, padding: str) -> Any:
@@ -285,7 +307,10 @@ def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable
     return rule
 
 
-@variant("Conv2D", "cpu", "winograd", _applies((0, 1), 1, 0))
+forward_rule = _applies((0, 1), 1, 0)  # also FusedConv2D's (kernels/cpu/conv.py)
+
+
+@variant("Conv2D", "cpu", "winograd", forward_rule)
 def conv2d_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
     padding = attrs["padding"]
     return lambda x, f: conv2d_forward(x, f, padding)
