@@ -179,3 +179,63 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_jit_cache(tmp_path
     assert runs[0] == ["0", "1"]  # compiled, and written to the cache
     assert runs[1] == ["1", "0"]  # loaded from it: no compile
     assert any(p.suffix == ".nbi" for p in tmp_path.rglob("*"))
+
+
+# ---------------------------------------------------------------------------- the LSTM cell
+def test_the_cells_tanh_is_within_a_few_float32_ulp_of_tanh() -> None:
+    """kernels/cpu/lstm_cell.py's rational tanh over [-12, 12] (past the clamp, and around 0): at
+    most 6.6 ulp measured (near |x| = 6-8, where tanh is 1 - a few ulp; numpy's 1.4), never past +-1."""
+    from flowctl.kernels.cpu import lstm_cell
+
+    x = np.concatenate([np.linspace(-12, 12, 400_001), np.geomspace(1e-30, 1e-2, 1001)]).astype("float32")
+    xw = np.zeros((1, 4 * x.size), "float32")
+    xw[0, 2 * x.size:3 * x.size] = x  # the g gate: act's third quarter is tanh(xw's) at the first step
+    _, _, act = lstm_cell.lstm_cell(xw, None, None, 0.0)
+    got = act[0, 2 * x.size:3 * x.size].astype(np.float64)
+    want = np.tanh(x.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype("float32")).astype(np.float64)
+    assert np.max(np.abs(got - want) / ulp) <= 8, np.max(np.abs(got - want) / ulp)
+    assert np.all(np.abs(got) <= 1.0) and np.all(np.sign(got) == np.sign(want))
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("batch,units", [(20, 650), (3, 5), (1, 17)])
+def test_the_lstm_cell_and_its_gradient_match_the_reference(batch, units, first) -> None:
+    rng = np.random.default_rng(batch * 100 + units + first)
+    xw = (rng.standard_normal((batch, 4 * units)) * 2).astype("float32")
+    hw = rng.standard_normal((batch, 4 * units)).astype("float32")
+    c_prev = rng.standard_normal((batch, units)).astype("float32")
+    ins = (xw,) if first else (xw, hw, c_prev)
+    fast, ref = _pair("LSTMBlockCell", {"forget_bias": 1.0}, *ins)
+    _close(fast, ref, "float32")
+    h, c, act = ref
+    dh, dc = rng.standard_normal((2, batch, units)).astype("float32")
+    grads = (dh, dc, act, c) if first else (dh, dc, act, c, c_prev)
+    fast, ref = _pair("LSTMBlockCellGrad", {}, *grads)
+    _close(fast, ref, "float32")
+
+
+def test_the_compiled_cells_gradient_is_the_derivative_of_the_compiled_cell() -> None:
+    """Central differences in float64 of the float32 cell's loss <dh, h> + <dc, c> against the
+    compiled gradient, through xw, hw and c_prev (a few random directions)."""
+    from flowctl.kernels.cpu import lstm_cell
+
+    rng = np.random.default_rng(5)
+    b, u = 4, 9
+    xw, hw = (rng.standard_normal((b, 4 * u)) * 0.7 for _ in range(2))
+    c_prev = rng.standard_normal((b, u))
+    dh, dc = rng.standard_normal((2, b, u))
+
+    def loss(xw, hw, c_prev):
+        h, c, _ = lstm_cell.lstm_cell(xw.astype("float32"), hw.astype("float32"), c_prev.astype("float32"), 0.5)
+        return float(np.sum(dh * h) + np.sum(dc * c))
+
+    _, c, act = lstm_cell.lstm_cell(xw.astype("float32"), hw.astype("float32"), c_prev.astype("float32"), 0.5)
+    dz, dc_prev = lstm_cell.lstm_cell_grad(dh.astype("float32"), dc.astype("float32"), act, c,
+                                           c_prev.astype("float32"))
+    eps = 1e-2
+    for _ in range(4):
+        v, w = rng.standard_normal((b, 4 * u)), rng.standard_normal((b, u))
+        fd = (loss(xw + eps * v, hw + eps * v, c_prev + eps * w) - loss(xw - eps * v, hw - eps * v, c_prev - eps * w)) / (2 * eps)
+        analytic = 2 * float(np.sum(dz * v)) + float(np.sum(dc_prev * w))  # z = xw + hw moved by 2v
+        np.testing.assert_allclose(analytic, fd, rtol=2e-3)

@@ -13,3 +13,4 @@ from flowctl.kernels.cpu import pool as cpu_pool  # noqa: F401,E402
 from flowctl.kernels.cpu import winograd as cpu_winograd  # noqa: F401,E402 -- tried before cpu_conv's variant
 from flowctl.kernels.cpu import conv as cpu_conv  # noqa: F401,E402
 from flowctl.kernels.cpu import recurrent as cpu_recurrent  # noqa: F401,E402
+from flowctl.kernels.cpu import lstm_cell as cpu_lstm_cell  # noqa: F401,E402
