@@ -13,9 +13,8 @@ reference to float32 rounding, as every compiled variant does. float32 only: flo
 reference (its tests hold 1e-12).
 
 Measured (lstm_lm's 20 x 2600 gates, 2 threads): the cell 98 -> 35 us, its gradient 109 -> 14 us
-alone; in the step, alternating plans in one process, 348.7 -> 335.3 ms (0.961x). In the step the
-compiled cell takes ~140 us a call against 35 alone (its thread's CPU time, not waiting), ~50 with
-the intra-op threads off: not understood; the gradient's calls run at their isolated speed.
+alone, 43-55 in the step (its inputs colder); the step, alternating plans in one process, 348.7 ->
+335.3 ms (0.961x).
 """
 from __future__ import annotations
 
