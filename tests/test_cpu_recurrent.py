@@ -1,7 +1,7 @@
 """The compiled recurrent product (flowctl/kernels/cpu/recurrent.py, gemm_jit.py) against the
-float64 product: every row block (10, 4, 1) and column tail (16, 8, single columns), w as a row
+float64 product: every row block (the host's ROWS, 4, 2, 1) and column tail (16, 8, single columns), w as a row
 slice of a wider kernel (how the LSTM layer hands it over), the same bits for any thread count,
-and the rule: float32 only, BLAS's product past MAX_ROWS rows."""
+and the rule: float32 only, on AVX-512 targets, BLAS's product past MAX_ROWS rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,9 +52,23 @@ def test_the_rule_takes_float32_matrices_only() -> None:
         v = chosen("RecurrentMatMul", "cpu", {}, ins)
         return v.name if v is not None else None
 
-    assert picked("float32") == "numba"
+    from flowctl.kernels.cpu.gemm_jit import wide_registers
+
+    assert picked("float32") == ("numba" if wide_registers() else None)  # AVX2: the BLAS's product
     assert picked("float64") is None
     h = np.ones((2, 3), np.float32)
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     fn = bind("RecurrentMatMul", "cpu", {}, [TensorSpec((None, 3), "float32"), TensorSpec((3, 4), "float32")])
     np.testing.assert_array_equal(fn(h, w), h @ w)  # small integers: exact either way
+
+
+@pytest.mark.parametrize("m", [7, 20, 23])
+def test_a_rows_bits_do_not_depend_on_its_register_block(m: int) -> None:
+    # The block size is the host's (gemm_jit.ROWS: 10 with AVX-512, else 6); a row alone goes
+    # through the one-row block, so equal bits here mean equal bits on either kind of host.
+    rng = np.random.default_rng(m)
+    h = rng.standard_normal((m, 650)).astype("float32")
+    w = rng.standard_normal((650, 200)).astype("float32")
+    together = recurrent.matmul(h, w)
+    for r in range(m):
+        np.testing.assert_array_equal(together[r:r + 1], recurrent.matmul(h[r:r + 1], w))

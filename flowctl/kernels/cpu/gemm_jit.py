@@ -4,7 +4,7 @@ for the CPU: the recurrent product of kernels/cpu/recurrent.py.
 OpenBLAS packs w into its own layout on every call, reading and writing the whole (K, N) matrix
 before it multiplies; with 20 rows that copy costs as much as the product. Here w is read where it
 is: the output is cut into panels of 16 columns (one 512-bit register of float32), and for each
-panel and each block of up to ROWS rows, one loop over k keeps the block's accumulators in vector
+panel and each block of up to ROWS rows (the host's: as many as its vector registers hold), one loop over k keeps the block's accumulators in vector
 registers, adding h[r, k] * w[k, panel] with one fused multiply-add per row (`panel`, written as
 LLVM IR through a numba intrinsic: numba's own loops leave such accumulators in memory). The
 panel's column of w (K x 64 bytes) stays in L1/L2 while the row blocks take turns over it.
@@ -27,7 +27,28 @@ from numba.extending import intrinsic
 
 from flowctl.kernels.cpu.jit import LANES, njit
 
-ROWS = 10  # rows per register block: 10 accumulators + w's vector + h's broadcast of 32 registers
+
+def wide_registers() -> bool:
+    """The target numba compiles for has AVX-512's 32 vector registers of 512 bits (its features:
+    NUMBA_CPU_FEATURES where set, else the host's)."""
+    from numba.core import config
+
+    features = config.CPU_FEATURES
+    if features is None:
+        from llvmlite import binding
+
+        features = binding.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
+
+
+# Rows per register block, so that its accumulators, w's vector and h's broadcast fit the vector
+# registers: AVX-512's 32 hold 10 accumulators of 16 lanes (one register each) + 2; AVX2's 16 hold
+# 6 of two 256-bit halves each + 3. Ten rows on AVX2 left accumulators in memory: 20 x 650 @ 650 x
+# 2600 took 2.7-8 ms against OpenBLAS's 1.1-1.5 (one thread, a 2-core AMD EPYC), six 1.2-1.3. The
+# bits do not depend on it: each output is one in-order sum over k whatever block its row is in.
+# numba's cache keys the machine code by the target's features, so one host's block never loads
+# on the other.
+ROWS = 10 if wide_registers() else 6
 
 
 @intrinsic
@@ -91,7 +112,7 @@ def panel(typingctx: Any, h_t: Any, w: Any, out: Any, j0: Any, r0: Any, k_len: A
 
 @njit
 def _columns(h_t: Any, w: Any, out: Any, j: int, lanes: int) -> None:
-    """out[:, j:j+lanes] (lanes 16 or 8, compiled once for each), the rows in blocks of ROWS, 4 and 1."""
+    """out[:, j:j+lanes] (lanes 16 or 8, compiled once for each), the rows in blocks of ROWS, 4, 2 and 1."""
     literally(lanes)
     k_len, m = h_t.shape
     r = 0
@@ -101,6 +122,9 @@ def _columns(h_t: Any, w: Any, out: Any, j: int, lanes: int) -> None:
     while r + 4 <= m:
         panel(h_t, w, out, j, r, k_len, 4, lanes)
         r += 4
+    while r + 2 <= m:
+        panel(h_t, w, out, j, r, k_len, 2, lanes)
+        r += 2
     while r < m:
         panel(h_t, w, out, j, r, k_len, 1, lanes)
         r += 1
