@@ -153,3 +153,42 @@ def test_inference_batch_norm_is_the_chains_bits_on_any_number_of_threads(relu):
     _same(one, many)
     chain = x * s + b
     _same(one, np.maximum(chain, 0) if relu else chain)
+
+
+def _numpys_openblas() -> str | None:
+    """The file name of the OpenBLAS numpy's core module links, from ldd (None where unknown)."""
+    import glob
+    import os
+    import shutil
+    import subprocess
+
+    core = glob.glob(os.path.join(os.path.dirname(np.__file__), "_core", "_multiarray_umath*.so"))
+    if not core or shutil.which("ldd") is None:
+        return None
+    out = subprocess.run(["ldd", core[0]], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in out.splitlines() if "openblas" in line]
+    return names[0] if names else None
+
+
+def test_the_blas_held_at_one_thread_is_numpys_though_scipys_loaded_too():
+    # numba imports scipy, whose wheels bring a second OpenBLAS; threadpoolctl may list it first.
+    pytest.importorskip("scipy.linalg")
+    from threadpoolctl import ThreadpoolController, threadpool_limits
+
+    name = _numpys_openblas()
+    if name is None:
+        pytest.skip("numpy's OpenBLAS file is not known here (no ldd, or not a wheel's)")
+
+    def numpys_threads() -> list[int]:
+        return [lib.num_threads for lib in ThreadpoolController().lib_controllers
+                if lib.filepath and lib.filepath.endswith(name)]
+
+    saved = intra._state["blas"]
+    intra._state["blas"] = None  # found again, now that both libraries are loaded
+    try:
+        with threadpool_limits(2, user_api="blas"), intra.fixed(2):
+            assert numpys_threads() == [2]
+            inside = intra.run([numpys_threads, numpys_threads])
+        assert inside == [[1], [1]]
+    finally:
+        intra._state["blas"] = saved
