@@ -62,6 +62,8 @@ LEFT_OUT = {
                                  "(tests/test_multi_apply.py)",
     "MultiApplyMomentum": "made on a GPU plan from ApplyMomentum nodes (tests/test_multi_apply.py)",
     "MultiApplyAdam": "made on a GPU plan from ApplyAdam nodes (tests/test_multi_apply.py)",
+    "FusedConv2D": "made by a CPU plan's pass from a Conv2D and the inference ChannelAffine reading it, covered "
+                   "here, whose kernels it runs (tests/test_conv_affine.py)",
     "NoOp": "no outputs",
     "FusedElementwise": "made by the fusion pass from element-wise ops covered here, whose kernels it runs "
                         "(tests/test_fusion.py)",
