@@ -58,6 +58,7 @@ def test_a_memory_cap_in_the_devices_syntax() -> None:
         Cluster.from_spec("4xgpu:k40:2TB")
 
 
+@pytest.mark.slow  # 35-39 s on a 2-core host: run with -m slow
 def test_every_placer_fits_a_4_layer_lstm_capped_at_60_percent_of_its_one_device_need() -> None:
     loaded = _variant("lstm4.yaml", "lstm4", 4)
     need = single_device_need(_variant("lstm4.yaml", "lstm4", 4, free=True), "4xgpu:k40", 20)
@@ -154,6 +155,7 @@ def test_the_expert_under_a_cap_moves_only_what_no_rule_placed() -> None:
     assert any("what no rule placed was moved" in n for n in pl.notes)
 
 
+@pytest.mark.slow  # 35-39 s on a 2-core host: run with -m slow
 def test_nmt_on_two_capped_k40s_does_not_fit_by_its_rules_and_every_placer_says_so() -> None:
     # NMT's rules pin the encoder to gpu:0 and the decoder to gpu:1; attention + projection (one
     # colocation group) must join one of them, and either way that device is over 60% of the
@@ -200,6 +202,7 @@ def _lstm_lm_learned(devices: str) -> float:
     return pl.step_time
 
 
+@pytest.mark.slow  # 35-39 s on a 2-core host: run with -m slow
 def test_learned_on_lstm_lm_over_two_k40s_capped_at_60_percent_stays_within_10_percent_of_uncapped() -> None:
     # bench placement's lstm_lm/2xk40 row (112 MiB: 60% of the one-device need). The policy alone
     # collapses early under the cap on the few valid placements it found (+11% over uncapped); the
@@ -295,6 +298,7 @@ def test_nmt_without_constraints_under_a_cap_spreads_from_every_placers_own_choi
     assert pl.valid and steps[1] <= 1.10 * steps[0], steps
 
 
+@pytest.mark.slow  # 35-39 s on a 2-core host: run with -m slow
 def test_heft_over_a_little_moves_the_one_group_that_costs_least() -> None:
     # nmt_free on 4 H100s (at PCIe 3.0 rates) with each GPU 3% short of what heft's own placement puts on its fullest
     # one: moving the fewest groups moved a 2 GiB group and lost 9.5% (with the step's memory
