@@ -4,8 +4,8 @@ for the CPU: the recurrent product of kernels/cpu/recurrent.py.
 OpenBLAS packs w into its own layout on every call, reading and writing the whole (K, N) matrix
 before it multiplies; with 20 rows that copy costs as much as the product. Here w is read where it
 is: the output is cut into panels of 16 columns (one 512-bit register of float32), and for each
-panel and each block of up to ROWS rows (the host's: as many as its vector registers hold), one loop over k keeps the block's accumulators in vector
-registers, adding h[r, k] * w[k, panel] with one fused multiply-add per row (`panel`, written as
+panel and each block of up to ROWS rows (as many as the target's vector registers hold), one loop
+over k keeps the block's accumulators in vector registers, adding h[r, k] * w[k, panel] with one fused multiply-add per row (`panel`, written as
 LLVM IR through a numba intrinsic: numba's own loops leave such accumulators in memory). The
 panel's column of w (K x 64 bytes) stays in L1/L2 while the row blocks take turns over it.
 

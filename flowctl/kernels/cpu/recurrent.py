@@ -54,8 +54,9 @@ def _applies(attrs: dict[str, Any], ins: Any) -> bool:
     """Rule: numba present, a target with AVX-512's registers, float32 h and w, both matrices, K at
     least 1. With AVX2's sixteen (a 2-core AMD EPYC) the kernel lost to OpenBLAS: 1.2-1.5x its time
     alone at one thread, about even at two; lstm_lm's step 1.09x at one thread, 1.02x at two
-    (alternating, in one process): w's rows 10 KB apart, each panel's first pass waits on memory
-    that the wider panels of AVX-512 (one register a row) did not."""
+    (alternating, in one process). Why is not measured; the same kernel over W_h packed in
+    contiguous panels beat OpenBLAS there (a micro-benchmark), so reading w's rows 10 KB apart is
+    the suspect."""
     if not available() or not _wide_registers():
         return False
     try:
