@@ -64,6 +64,10 @@ LEFT_OUT = {
     "MultiApplyAdam": "made on a GPU plan from ApplyAdam nodes (tests/test_multi_apply.py)",
     "FusedConv2D": "made by a CPU plan's pass from a Conv2D and the inference ChannelAffine reading it, covered "
                    "here, whose kernels it runs (tests/test_conv_affine.py)",
+    "PackPanels": "made by a CPU plan's pass from a recurrent weight, float32 only, its bits tested against "
+                  "the weight (tests/test_recurrent_pack.py)",
+    "PanelMatMul": "made by a CPU plan's pass from RecurrentMatMul and its gradient's MatMul, reading "
+                   "PackPanels's form (tests/test_recurrent_pack.py)",
     "NoOp": "no outputs",
     "FusedElementwise": "made by the fusion pass from element-wise ops covered here, whose kernels it runs "
                         "(tests/test_fusion.py)",

@@ -111,7 +111,8 @@ class FlowctlStep:
         and costs ~0.5 us less per node)."""
         import flowctl as fc
 
-        nodes = self.session.graph.nodes
+        # the plan's nodes: its CPU passes make nodes the graph lacks (FusedConv2D, PackPanels)
+        ops = {node.name: node.op for node in self.session.plan_for(self.fetch, self.feeds).nodes}
         before = self.session.executor
         self.session.executor = "dataflow"
         by_op: dict[str, list[float]] = {}
@@ -122,7 +123,7 @@ class FlowctlStep:
                 self.session.run(self.fetch, self.feeds, stats=stats)
                 wall += stats.wall_s
                 for name, t0, t1 in stats.runs():
-                    entry = by_op.setdefault(nodes[name].op, [0.0, 0])
+                    entry = by_op.setdefault(ops[name], [0.0, 0])
                     entry[0] += t1 - t0
                     entry[1] += 1
         finally:

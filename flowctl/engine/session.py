@@ -19,7 +19,7 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
-from flowctl.engine import conv_affine, multi_apply, multi_l2
+from flowctl.engine import conv_affine, multi_apply, multi_l2, recurrent_pack
 from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
 from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
@@ -177,27 +177,28 @@ class Session:
             g = self.guards[name] = StepGuard(name, raises=self.graph.nodes[name].op == "CheckNumerics")
         return g
 
-    def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> Plan:
+    def plan_for(self, fetches: Any, feeds: Mapping[Any, Any] | None = None, passes: bool = True) -> Plan:
+        """The plan that runs (fetches, feeds). `passes=False`: without the device's plan passes
+        (the CPU's FusedConv2D and packed recurrent weights, the GPU's grouped updates), its nodes
+        the graph's own: what the placement profiler times, keyed as the placer looks them up."""
         refs: list[str] = []
         targets: list[str] = []
         self._flatten(fetches, refs, targets)
         feed_refs = sorted(self._ref(k) for k in (feeds or {}))
-        key = (tuple(refs), tuple(feed_refs), tuple(targets))
+        key: tuple[Any, ...] = (tuple(refs), tuple(feed_refs), tuple(targets))  # as run() keys it
+        if not passes:
+            key += ("without passes",)
         if key not in self._plans:
-            self._plans[key] = self._plan(refs, feed_refs, targets)
+            self._plans[key] = self._plan(refs, feed_refs, targets, passes)
         return self._plans[key]
 
-    def _plan(self, refs: list[str], feed_refs: list[str], targets: list[str]) -> Plan:
+    def _plan(self, refs: list[str], feed_refs: list[str], targets: list[str], passes: bool = True) -> Plan:
         graph = self.graph
         if self.optimize:
             keep = {parse_ref(r)[0] for r in refs + feed_refs} | set(targets)
             graph = optimize(graph.copy(), keep=keep)
-        if self.device_type == "gpu" and multi_apply.ENABLED:  # one update node per optimizer and dtype
-            graph = multi_apply.group_updates(graph, refs, feed_refs, targets)
-        if self.device_type == "gpu" and multi_l2.ENABLED:  # one node per sum of L2Loss nodes (clipping's norm)
-            graph = multi_l2.fuse_l2_sums(graph, refs, feed_refs, targets)
-        if self.device_type == "cpu" and conv_affine.ENABLED:  # a convolution and the batch norm reading it
-            graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
+        if passes:
+            graph = self._passes(graph, refs, feed_refs, targets)
         guards = self._guard_for if self.device_type == "gpu" else None
         plan = Plan(graph, refs, feed_refs, targets, self.device, self._resource, guards)
         for node in plan.nodes:
@@ -206,6 +207,17 @@ class Session:
                                      f"this session runs on {self.device} only; place the graph across "
                                      f"devices or drop the constraint")
         return plan
+
+    def _passes(self, graph: Graph, refs: list[str], feed_refs: list[str], targets: list[str]) -> Graph:
+        if self.device_type == "gpu" and multi_apply.ENABLED:  # one update node per optimizer and dtype
+            graph = multi_apply.group_updates(graph, refs, feed_refs, targets)
+        if self.device_type == "gpu" and multi_l2.ENABLED:  # one node per sum of L2Loss nodes (clipping's norm)
+            graph = multi_l2.fuse_l2_sums(graph, refs, feed_refs, targets)
+        if self.device_type == "cpu" and conv_affine.ENABLED:  # a convolution and the batch norm reading it
+            graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
+        if self.device_type == "cpu" and recurrent_pack.enabled():  # a recurrent weight packed once a step
+            graph = recurrent_pack.pack_recurrent(graph, refs, feed_refs, targets)
+        return graph
 
     def _ref(self, key: Any) -> str:
         if isinstance(key, Tensor):

@@ -34,6 +34,39 @@ def transpose_copy(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda w: xp.ascontiguousarray(w.T)
 
 
+@kernel("PackPanels")
+def pack_panels(xp: Any, attrs: dict[str, Any]) -> Fn:
+    lanes, transpose = attrs["lanes"], attrs["transpose"]
+
+    def run(w: Any) -> Any:
+        if transpose:
+            w = w.T
+        k, n = w.shape
+        p = -(-n // lanes)
+        wp = xp.zeros((p, k, lanes), w.dtype)
+        full = n // lanes
+        wp[:full] = w[:, :full * lanes].reshape(k, full, lanes).transpose(1, 0, 2)
+        if n % lanes:
+            wp[full, :, :n % lanes] = w[:, full * lanes:]
+        return wp
+
+    return run
+
+
+@kernel("PanelMatMul")
+def panel_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
+    """The reference: w unpacked, then a @ w (the product RecurrentMatMul's reference runs)."""
+    n, transpose_out = attrs["n"], attrs["transpose_out"]
+    mm = xp.matmul
+
+    def run(a: Any, wp: Any) -> Any:
+        p, k, lanes = wp.shape
+        out = mm(a, wp.transpose(1, 0, 2).reshape(k, p * lanes)[:, :n])
+        return out.T if transpose_out else out
+
+    return run
+
+
 @kernel("LSTMBlockCell")
 def lstm_block_cell(xp: Any, attrs: dict[str, Any]) -> Fn:
     forget_bias = attrs["forget_bias"]

@@ -152,6 +152,46 @@ register_op("RecurrentMatMul", _recurrent_matmul_infer, min_inputs=2, group=MATR
             grad=_g_recurrent_matmul, cost=_recurrent_matmul_cost)
 
 
+def _pack_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    w = ins[0]
+    if len(w.shape) != 2 or None in w.shape:
+        raise InferError(f"needs a matrix of known shape, got {w.shape}")
+    k, n = (w.shape[1], w.shape[0]) if attrs["transpose"] else w.shape
+    lanes = attrs["lanes"]
+    if lanes not in (8, 16):
+        raise InferError(f"lanes must be 8 or 16, got {lanes}")
+    return [TensorSpec((-(-n // lanes), k, lanes), w.dtype)]
+
+
+def _panel_matmul_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    a, wp = ins
+    if len(a.shape) != 2 or len(wp.shape) != 3:
+        raise InferError(f"needs a matrix and packed panels, got shapes {a.shape} and {wp.shape}")
+    if not dims_equal(a.shape[1], wp.shape[1]):
+        raise InferError(f"inner dimensions differ: a {a.shape}, panels {wp.shape}")
+    if a.dtype != wp.dtype:
+        raise InferError(f"dtypes differ: {a.dtype}, {wp.dtype} (insert a Cast)")
+    m, n = a.shape[0], attrs["n"]
+    return [TensorSpec((n, m) if attrs["transpose_out"] else (m, n), a.dtype)]
+
+
+def _panel_matmul_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+                       attrs: dict[str, Any]) -> tuple[float, float]:
+    return 2.0 * float(np.prod(outs[0])) * ins[0][1], memory_bytes(ins, outs, dtypes)
+
+
+# PackPanels(w) -> wp (P, K, lanes): w's columns (w^T's where `transpose`) in panels of `lanes`,
+# each panel's K x lanes block contiguous, wp[p, k, l] = w[k, p * lanes + l], zero past N.
+# PanelMatMul(a, wp) = a @ w from the packed w (N = attr n columns), or its transpose as a view
+# where `transpose_out`. Both made by the CPU plan's pass (engine/recurrent_pack.py) from a
+# recurrent product's weight and its readers, never by a model: no gradients.
+register_op("PackPanels", _pack_infer, num_inputs=1, attrs={"lanes": ("int", 16), "transpose": ("bool", False)},
+            group=MOVEMENT, cost=movement_cost, differentiable=False)
+register_op("PanelMatMul", _panel_matmul_infer, num_inputs=2,
+            attrs={"n": ("int", 0), "transpose_out": ("bool", False)}, group=MATRIX, cost=_panel_matmul_cost,
+            differentiable=False)
+
+
 # LSTMBlockCell(xw[, hw, c_prev]) -> (h, c, act): z = xw + hw, gates i, f, g, o in that order along
 # the last axis, c = sigmoid(f + forget_bias) c_prev + sigmoid(i) tanh(g), h = sigmoid(o) tanh(c);
 # act holds the four activated gates for the gradient. One input: the first step (zero state).

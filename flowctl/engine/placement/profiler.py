@@ -21,8 +21,10 @@ def profile(model: MeasuredCostModel, session: Any, fetches: Any, feeds: Mapping
     """Run the session's plan for (fetches, feeds) `repeat` times node by node, timing every
     kernel call (the best of the repeats), and record the times in `model`, one per distinct key. This executes
     real steps: stateful ops (variable updates, random ops) advance as in training.
-    Returns the number of keys recorded."""
-    plan = session.plan_for(fetches, feeds)
+    Returns the number of keys recorded. The plan is the graph's own nodes, without the device's
+    plan passes (FusedConv2D, packed recurrent weights, grouped updates): the keys the placer looks
+    up."""
+    plan = session.plan_for(fetches, feeds, passes=False)
     kind = model.cluster.device(session.device).profile.name
     dev = model.cluster.device(session.device)
     if plan.frame_tables is not None:

@@ -150,3 +150,67 @@ def few_rows_matmul(h_t: Any, w: Any, out: Any, p0: int, p1: int) -> None:
                 for k in range(k_len):
                     s += h_t[k, r] * w[k, jj]
                 out[r, jj] = s
+
+
+# The packed form (kernels/cpu/recurrent.py's PackPanels and PanelMatMul): w's columns in panels
+# of `lanes`, each panel's K x lanes block contiguous, wp[p, k, l] = w[k, p * lanes + l], the last
+# panel zero past N. A panel is then one stream of K * lanes floats instead of K rows 4 N bytes
+# apart. Ten rows per register block at either width: 10 accumulators of one register each (16
+# lanes in AVX-512's 32 registers, 8 in AVX2's 16) + w's vector + h's broadcast.
+PACKED_ROWS = 10
+
+
+@njit
+def pack_panels(w: Any, wp: Any, p0: int, p1: int) -> None:
+    """wp[p0:p1] = w's columns p0*lanes : p1*lanes in the packed form (zeros past N)."""
+    k_len, n = w.shape
+    lanes = wp.shape[2]
+    for p in range(p0, p1):
+        j0 = p * lanes
+        width = min(lanes, n - j0)
+        for k in range(k_len):
+            for l in range(width):
+                wp[p, k, l] = w[k, j0 + l]
+            for l in range(width, lanes):
+                wp[p, k, l] = 0
+
+
+@njit
+def _packed_columns(h_t: Any, wpp: Any, out: Any, lanes: int) -> None:
+    """out[:, :lanes] = h_t^T @ wpp for one panel wpp (K, lanes), the rows in blocks of PACKED_ROWS, 4 and 1."""
+    literally(lanes)
+    k_len, m = h_t.shape
+    r = 0
+    while r + PACKED_ROWS <= m:
+        panel(h_t, wpp, out, 0, r, k_len, PACKED_ROWS, lanes)
+        r += PACKED_ROWS
+    while r + 4 <= m:
+        panel(h_t, wpp, out, 0, r, k_len, 4, lanes)
+        r += 4
+    while r < m:
+        panel(h_t, wpp, out, 0, r, k_len, 1, lanes)
+        r += 1
+
+
+@njit
+def packed_matmul(h_t: Any, wp: Any, out: Any, tail: Any, p0: int, p1: int) -> None:
+    """out[:, lanes*p0 : min(lanes*p1, N)] = (h_t^T @ w) there, w given packed as wp (P, K, lanes);
+    a last panel past N is made in `tail` (M, lanes), and its columns up to N copied out. Each
+    output is one in-order fused sum over k, as few_rows_matmul's."""
+    m, n = out.shape
+    lanes = wp.shape[2]
+    for p in range(p0, p1):
+        j0 = p * lanes
+        if j0 + lanes <= n:
+            if lanes == 16:
+                _packed_columns(h_t, wp[p], out[:, j0:], 16)
+            else:
+                _packed_columns(h_t, wp[p], out[:, j0:], 8)
+            continue
+        if lanes == 16:
+            _packed_columns(h_t, wp[p], tail, 16)
+        else:
+            _packed_columns(h_t, wp[p], tail, 8)
+        for r in range(m):
+            for j in range(n - j0):
+                out[r, j0 + j] = tail[r, j]

@@ -70,3 +70,63 @@ def _applies(attrs: dict[str, Any], ins: Any) -> bool:
 @variant("RecurrentMatMul", "cpu", "numba", _applies)
 def recurrent_matmul_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda h, w, w_t=None: matmul(h, w)
+
+
+# -- the packed form: PackPanels and PanelMatMul, made by the CPU plan's pass (engine/recurrent_pack.py)
+
+@compiled
+def _packed_kernels() -> Any:
+    from flowctl.kernels.cpu.gemm_jit import pack_panels, packed_matmul
+
+    return pack_panels, packed_matmul
+
+
+def pack(w: Any, lanes: int, transpose: bool) -> Any:
+    """PackPanels's compiled kernel: w's (or w^T's) columns in panels of `lanes`, split between the
+    intra-op threads by panel (a copy: the bits are w's whatever the split)."""
+    src = w.T if transpose else w
+    k, n = src.shape
+    wp = np.empty((-(-n // lanes), k, lanes), w.dtype)
+    kernel = _packed_kernels()[0]
+    intra.for_chunks(wp.shape[0], lambda run: kernel(src, wp, run.start, run.stop))
+    return wp
+
+
+def panel_matmul(a: Any, wp: Any, n: int, transpose_out: bool) -> Any:
+    """a @ w from w packed as wp; the reference's unpacking and BLAS past MAX_ROWS rows of a."""
+    m = a.shape[0]
+    if m > MAX_ROWS or m == 0 or wp.shape[1] == 0:
+        p, k, lanes = wp.shape
+        out = a @ wp.transpose(1, 0, 2).reshape(k, p * lanes)[:, :n]
+    else:
+        kernel = _packed_kernels()[1]
+        a_t = np.ascontiguousarray(a.T)
+        out = np.empty((m, n), np.float32)
+        tail = np.empty((m, wp.shape[2]), np.float32)  # the last panel's, made by the one piece holding it
+        intra.for_chunks(wp.shape[0], lambda run: kernel(a_t, wp, out, tail, run.start, run.stop))
+    return out.T if transpose_out else out
+
+
+def _packed_applies(positions: tuple[int, ...]) -> Callable[[dict[str, Any], Any], bool]:
+    def rule(attrs: dict[str, Any], ins: Any) -> bool:
+        """Rule: numba present, float32 inputs (float64 keeps the reference's 1e-12 path)."""
+        if not available():
+            return False
+        try:
+            return all(ins[i].dtype == "float32" for i in positions)
+        except (IndexError, TypeError, AttributeError):
+            return False
+
+    return rule
+
+
+@variant("PackPanels", "cpu", "numba", _packed_applies((0,)))
+def pack_panels_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
+    lanes, transpose = attrs["lanes"], attrs["transpose"]
+    return lambda w: pack(w, lanes, transpose)
+
+
+@variant("PanelMatMul", "cpu", "numba", _packed_applies((0, 1)))
+def panel_matmul_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
+    n, transpose_out = attrs["n"], attrs["transpose_out"]
+    return lambda a, wp: panel_matmul(a, wp, n, transpose_out)
