@@ -20,8 +20,9 @@ MatMul(W_h, dz, transpose_b) nodes reading the same weight; the pack nodes take 
 product's device fields. A plan with control flow is left alone (a while loop's products run
 per iteration: the pass would need a frame of its own).
 
-The rule: numba present and a target without AVX-512 (where RecurrentMatMul's unpacked variant
-does not apply; on AVX-512 that variant measured as fast as a packed one, without the copy).
+The rule: where RecurrentMatMul's unpacked variant does not apply (a target without AVX-512; on
+AVX-512 that variant measured as fast as a packed one, without the copy) and PanelMatMul's compiled
+one does (numba present), both asked of the kernel registry; panels of 8 columns (AVX2's register).
 `FLOWCTL_PACK_RECURRENT=0` turns the pass off, `=1` on whatever the target.
 """
 from __future__ import annotations
@@ -32,30 +33,27 @@ from typing import Sequence
 
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.multi_apply import plan_scope
+from flowctl.engine.shapes import TensorSpec
+from flowctl.kernels.registry import chosen
 
 MIN_PRODUCTS = 4  # a pack costs about as much as two products
 
 
+LANES = 8  # columns per panel: one AVX2 register of float32 (AVX-512 targets pack only when forced)
+
+
 @functools.cache
 def enabled() -> bool:
-    """The rule (module doc), or FLOWCTL_PACK_RECURRENT's 0 or 1."""
+    """The rule (module doc), asked of the kernel registry: RecurrentMatMul's unpacked variant does
+    not apply to a float32 product and PanelMatMul's compiled one does; or FLOWCTL_PACK_RECURRENT's
+    0 or 1."""
     env = os.environ.get("FLOWCTL_PACK_RECURRENT", "")
     if env in ("0", "1"):
         return env == "1"
-    from flowctl.kernels.cpu.jit import available
-
-    if not available():
-        return False
-    from flowctl.kernels.cpu.gemm_jit import wide_registers
-
-    return not wide_registers()
-
-
-def lanes() -> int:
-    """Columns per panel: one vector register of float32 (AVX-512's 16, else 8)."""
-    from flowctl.kernels.cpu.gemm_jit import wide_registers
-
-    return 16 if wide_registers() else 8
+    h, w = TensorSpec((None, 64), "float32"), TensorSpec((64, 256), "float32")
+    packed = TensorSpec((256 // LANES, 64, LANES), "float32")
+    return (chosen("RecurrentMatMul", "cpu", {}, [h, w]) is None
+            and chosen("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None)
 
 
 def pack_recurrent(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str]) -> Graph:
@@ -80,7 +78,7 @@ def pack_recurrent(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], t
     if not weights:
         return graph
     g = graph.copy()
-    width = lanes()
+    width = LANES
     for w, products in weights.items():
         k, n = graph.nodes[parse_ref(w)[0]].outputs[parse_ref(w)[1]].shape
         packed = _pack_node(g, w, products[0], width, transpose=False)
