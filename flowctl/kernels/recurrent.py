@@ -53,6 +53,12 @@ def pack_panels(xp: Any, attrs: dict[str, Any]) -> Fn:
     return run
 
 
+def unpack(wp: Any, n: int) -> Any:
+    """w (K, n) back from its packed panels wp (P, K, lanes): a copy."""
+    p, k, lanes = wp.shape
+    return wp.transpose(1, 0, 2).reshape(k, p * lanes)[:, :n]
+
+
 @kernel("PanelMatMul")
 def panel_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
     """The reference: w unpacked, then a @ w (the product RecurrentMatMul's reference runs)."""
@@ -60,8 +66,7 @@ def panel_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
     mm = xp.matmul
 
     def run(a: Any, wp: Any) -> Any:
-        p, k, lanes = wp.shape
-        out = mm(a, wp.transpose(1, 0, 2).reshape(k, p * lanes)[:, :n])
+        out = mm(a, unpack(wp, n))
         return out.T if transpose_out else out
 
     return run

@@ -17,6 +17,7 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.cpu.jit import LANES, available, compiled
+from flowctl.kernels.recurrent import unpack
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
@@ -96,8 +97,7 @@ def panel_matmul(a: Any, wp: Any, n: int, transpose_out: bool) -> Any:
     """a @ w from w packed as wp; the reference's unpacking and BLAS past MAX_ROWS rows of a."""
     m = a.shape[0]
     if m > MAX_ROWS or m == 0 or wp.shape[1] == 0:
-        p, k, lanes = wp.shape
-        out = a @ wp.transpose(1, 0, 2).reshape(k, p * lanes)[:, :n]
+        out = a @ unpack(wp, n)
     else:
         kernel = _packed_kernels()[1]
         a_t = np.ascontiguousarray(a.T)
