@@ -82,6 +82,9 @@ BLOCK_BYTES = 1 << 20
 # products save: measured, 8x8x448 -> 384 9 -> 18 ms.
 MIN_CHANNELS = 32
 MIN_SIDE = 16
+# The filter's transform (`_Plan.filter`, `filter_back`: compiled, winograd_jit.two_axis) goes to the
+# intra-op threads in pieces of this many of the filter's C*Co columns.
+FILTER_PIECE = 4096
 
 
 @functools.cache
@@ -138,7 +141,8 @@ def fast_path(a: int, c: int) -> bool:
 def _compiled() -> Any:
     from flowctl.kernels.cpu import winograd_jit as jit
 
-    return (jit.gather, jit.scatter, jit.gather_outputs), (jit.gather_1d, jit.scatter_1d, jit.gather_outputs_1d)
+    return ((jit.gather, jit.scatter, jit.gather_outputs), (jit.gather_1d, jit.scatter_1d, jit.gather_outputs_1d),
+            jit.two_axis)
 
 
 def _kernels(plan: "_Plan") -> Any:
@@ -169,19 +173,33 @@ class _Plan:
         # the transforms the compiled kernels take, in the arrays' dtype (float32: see `_applies`)
         self.matrices = tuple(np.ascontiguousarray(m, dtype=np.float32)
                               for m in (self.bth, self.btw, self.ath, self.atw))
+        self.gh_t, self.gw_t = np.ascontiguousarray(self.gh.T), np.ascontiguousarray(self.gw.T)
 
     def filter(self, f: Any) -> Any:
         """G_h f G_w^T per (c, co), in float64 rounded once: (points, C, Co)."""
         kh, kw, c, co = f.shape
-        rows = (self.gh @ f.astype(np.float64).reshape(kh, -1)).reshape(-1, kw, c * co)  # (ah, kw, C*Co)
-        return np.ascontiguousarray(np.matmul(self.gw, rows).reshape(self.points, c, co), dtype=f.dtype)
+        u = np.empty((self.points, c, co), f.dtype)
+        _two_axis(np.ascontiguousarray(f).reshape(kh, kw, c * co), self.gh, self.gw, u.reshape(self.points, c * co))
+        return u
 
     def filter_back(self, du: Any, f_shape: tuple, dtype: Any) -> Any:
         """The transpose of `filter`: G_h^T dU G_w, in float64 rounded once."""
         kh, kw, c, co = f_shape
         ah, aw = self.bth.shape[0], self.btw.shape[0]
-        rows = np.matmul(self.gw.T, du.astype(np.float64).reshape(ah, aw, c * co))  # (ah, kw, C*Co)
-        return (self.gh.T @ rows.reshape(ah, -1)).reshape(kh, kw, c, co).astype(dtype)
+        out = np.empty((kh, kw, c, co), dtype)
+        _two_axis(np.ascontiguousarray(du).reshape(ah, aw, c * co), self.gh_t, self.gw_t, out.reshape(kh * kw, c * co))
+        return out
+
+
+def _two_axis(src: Any, g0: Any, g1: Any, out: Any) -> None:
+    """out = the two-axis transform of src (winograd_jit.two_axis), its columns in pieces on the
+    intra-op threads (each column its own: the bits do not depend on the pieces)."""
+    two_axis = _compiled()[2]
+    cols = src.shape[2]
+    step = FILTER_PIECE
+    pieces = -(-cols // step)
+    intra.for_chunks(pieces, lambda run: two_axis(src, g0, g1, out, run.start * step, min(cols, run.stop * step)),
+                     least=2)
 
 
 @functools.lru_cache(maxsize=256)

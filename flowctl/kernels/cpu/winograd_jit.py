@@ -332,3 +332,41 @@ def gather_outputs_1d(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath
         n, r0, c0 = origin(t, tiles_h, tiles_w, mh, mw)
         for k in range(at.shape[1]):
             _window_sum(dm[k, t - t0], at[:, k], dy, n, r0, c0, ah)
+
+
+# The filter's transform (`_Plan.filter` and `filter_back`): columns (the filter's C*Co) in blocks of
+# this many, so a block's float64 partial sums stay in L1/L2 between the two axes.
+FILTER_COLUMNS = 512
+
+
+@njit
+def two_axis(src: Any, g0: Any, g1: Any, out: Any, j0: int, j1: int) -> None:
+    """out[p * a1 + q, j] = sum over k of g1[q, k] (sum over i of g0[p, i] src[i, k, j]) for the
+    columns j0:j1 of src (n0, n1, J) and out (a0 * a1, J): the first axis's sums first, each in
+    order, in float64 (g0, g1 float64), out rounded once to its dtype. Every column is its own, so
+    the bits do not depend on how the columns are shared out."""
+    n0, n1 = src.shape[0], src.shape[1]
+    a0, a1 = g0.shape[0], g1.shape[0]
+    t = np.empty((n1, FILTER_COLUMNS))
+    acc = np.empty(FILTER_COLUMNS)
+    for b0 in range(j0, j1, FILTER_COLUMNS):
+        nb = min(FILTER_COLUMNS, j1 - b0)
+        for p in range(a0):
+            for k in range(n1):
+                tk = t[k]
+                tk[:nb] = 0.0
+                for i in range(n0):
+                    g = g0[p, i]
+                    s = src[i, k, b0:b0 + nb]
+                    for j in range(nb):
+                        tk[j] += g * s[j]
+            for q in range(a1):
+                acc[:nb] = 0.0
+                for k in range(n1):
+                    g = g1[q, k]
+                    tk = t[k]
+                    for j in range(nb):
+                        acc[j] += g * tk[j]
+                o = out[p * a1 + q, b0:b0 + nb]
+                for j in range(nb):
+                    o[j] = acc[j]
