@@ -52,3 +52,28 @@ def test_pieces_cover_the_output_once_and_are_contiguous():
             assert b1 - b0 == 1 or (r0, r1) == (0, ho)  # contiguous in NHWC
             seen[b0:b1, r0:r1] += 1
         assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("axis", [1, 2, -1])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_large_concatenation_in_runs_of_the_first_axis_is_numpys(axis, threads, monkeypatch, rng):
+    from flowctl.kernels import array, intra
+    from flowctl.kernels.registry import bind
+
+    monkeypatch.setattr(array, "CONCAT_PIECES_BYTES", 1)  # every concatenation in runs
+    xs = [rng.standard_normal((5, 4, 3, 2)).astype(dt) for dt in ("float32", "float64", "float32")]
+    kernel = bind("Concat", "cpu", {"axis": axis})
+    with intra.fixed(threads):
+        got = kernel(*xs)
+    want = np.concatenate(xs, axis=axis)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_concatenation_of_shapes_that_do_not_fit_says_numpys_message(monkeypatch, rng):
+    from flowctl.kernels import array
+    from flowctl.kernels.registry import bind
+
+    monkeypatch.setattr(array, "CONCAT_PIECES_BYTES", 1)
+    with pytest.raises(ValueError, match="must match exactly"):
+        bind("Concat", "cpu", {"axis": 2})(np.zeros((4, 3, 2)), np.zeros((4, 2, 2)))

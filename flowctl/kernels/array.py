@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from flowctl.kernels import intra
 from flowctl.kernels.registry import kernel
 
 Fn = Callable[..., Any]
@@ -78,12 +79,34 @@ def _joined(xp: Any, xs: tuple[Any, ...], axis: int) -> Any:
     return out
 
 
+# A numpy concatenation of at least this many bytes, along any axis but the first, is copied in runs
+# of the first axis on the intra-op threads (a copy: the same bytes whatever the runs). Measured,
+# Inception-v3's channel concatenations at batch 8, 2 threads: 35x35x(64+64+96+64) 1.69 -> 0.91 ms,
+# 17x17x(384+384+288) 1.42 -> 0.61, 17x17x(320+768+192) 1.88 -> 1.04; 8x8 ones (4 MB) even.
+CONCAT_PIECES_BYTES = 1 << 21
+
+
+def _concatenated(xs: tuple[Any, ...], axis: int) -> Any:
+    nd = xs[0].ndim
+    ax = axis + nd if axis < 0 else axis
+    rest = lambda x: x.shape[:ax] + x.shape[ax + 1:]  # noqa: E731
+    if (not 0 < ax < nd or xs[0].shape[0] < 2 or sum(x.nbytes for x in xs) < CONCAT_PIECES_BYTES
+            or any(x.ndim != nd or rest(x) != rest(xs[0]) for x in xs)):
+        return np.concatenate(xs, axis=axis)  # (and its own message for shapes that do not fit)
+    shape = list(xs[0].shape)
+    shape[ax] = sum(int(x.shape[ax]) for x in xs)
+    out = np.empty(tuple(shape), dtype=np.result_type(*xs))
+    intra.for_chunks(shape[0], lambda run: np.concatenate([x[run.start:run.stop] for x in xs], axis=ax,
+                                                          out=out[run.start:run.stop]), least=2)
+    return out
+
+
 @kernel("Concat")
 def concat(xp: Any, attrs: dict[str, Any]) -> Fn:
     axis = attrs["axis"]
     if xp is not np:
         return lambda *xs: _joined(xp, xs, axis)
-    return lambda *xs: xp.concatenate(xs, axis=axis)
+    return lambda *xs: _concatenated(xs, axis)
 
 
 @kernel("Split")
