@@ -239,3 +239,76 @@ def test_the_compiled_cells_gradient_is_the_derivative_of_the_compiled_cell() ->
         fd = (loss(xw + eps * v, hw + eps * v, c_prev + eps * w) - loss(xw - eps * v, hw - eps * v, c_prev - eps * w)) / (2 * eps)
         analytic = 2 * float(np.sum(dz * v)) + float(np.sum(dc_prev * w))  # z = xw + hw moved by 2v
         np.testing.assert_allclose(analytic, fd, rtol=2e-3)
+
+
+def test_the_compiled_exp_is_within_an_ulp_of_float64s_and_keeps_its_edges() -> None:
+    from flowctl.kernels.cpu.softmax import exp_nonpositive
+
+    x = -np.concatenate([np.linspace(0, 87.3, 20_001), np.random.default_rng(5).uniform(0, 87.3, 20_000)])
+    x = x.astype(np.float32)
+    got, want = exp_nonpositive(x), np.exp(x.astype(np.float64))
+    assert got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= np.spacing(want.astype(np.float32)))  # 1 ulp
+    edges = exp_nonpositive(np.array([0.0, -0.0, -87.4, -100.0, -np.inf, np.nan], np.float32))
+    assert edges[0] == 1 and edges[1] == 1 and list(edges[2:5]) == [0, 0, 0] and np.isnan(edges[5])
+
+
+XENT_SHAPES = [(7, 5), (33, 100), (300, 3000), (5, 17), (2, 1)]
+
+
+def _xent(logits: np.ndarray, labels: np.ndarray) -> tuple:
+    op = "SparseSoftmaxCrossEntropyWithLogits"
+    v = chosen(op, "cpu", {}, _specs(logits, labels))
+    assert v is not None and v.name == "numba"
+    return bind(op, "cpu", {}, _specs(logits, labels))(logits, labels)
+
+
+@pytest.mark.parametrize("shape", XENT_SHAPES)
+def test_sparse_xent_matches_the_reference_and_float64(shape: tuple) -> None:
+    rng = np.random.default_rng(shape[0] * 1000 + shape[1])
+    logits = (4 * rng.standard_normal(shape)).astype(np.float32)
+    labels = rng.integers(0, shape[1], shape[0]).astype(np.int32)
+    fast, ref = _xent(logits, labels), KERNELS[("SparseSoftmaxCrossEntropyWithLogits", "cpu")](np, {})(logits, labels)
+    _close(fast, ref, "float32")
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(1, keepdims=True))
+    z = p.sum(1, keepdims=True)
+    rows = np.arange(shape[0])
+    np.testing.assert_allclose(fast[0], np.log(z[:, 0]) - (x[rows, labels] - x.max(1)), rtol=1e-6, atol=1e-6)
+    p /= z
+    p[rows, labels] -= 1
+    np.testing.assert_allclose(fast[1], p, rtol=1e-6, atol=1e-7)
+
+
+def test_sparse_xent_bits_do_not_depend_on_threads_and_into_writes_over_the_logits() -> None:
+    from flowctl.kernels.registry import bind_into
+
+    rng = np.random.default_rng(11)
+    logits = (3 * rng.standard_normal((301, 517))).astype(np.float32)
+    labels = rng.integers(0, 517, 301)
+    runs = []
+    for threads in (1, 2, 3):
+        with intra.fixed(threads):
+            runs.append(_xent(logits, labels))
+    for loss, grad in runs[1:]:
+        np.testing.assert_array_equal(loss, runs[0][0])
+        np.testing.assert_array_equal(grad, runs[0][1])
+    op = "SparseSoftmaxCrossEntropyWithLogits"
+    own = logits.copy()
+    loss, grad = bind_into(op, "cpu", {}, _specs(logits, labels))(0, own, labels)
+    assert grad is own
+    np.testing.assert_array_equal(loss, runs[0][0])
+    np.testing.assert_array_equal(grad, runs[0][1])
+
+
+def test_sparse_xent_edges_nan_rows_masked_logits_bad_labels_and_float64() -> None:
+    logits = np.array([[0.0, 1.0, np.nan, 2.0], [1.0, -np.inf, 3.0, -np.inf]], np.float32)
+    loss, grad = _xent(logits, np.array([0, 2]))
+    assert np.all(np.isnan(grad[0])) and np.isnan(loss[0])
+    assert grad[1, 1] == 0 and grad[1, 3] == 0  # a masked class gets exactly nothing
+    q = np.exp(-2) / (1 + np.exp(-2))  # class 0 against class 2, two apart
+    np.testing.assert_allclose(grad[1, [0, 2]], [q, (1 - q) - 1], rtol=1e-6)
+    with pytest.raises(ValueError, match="label 4 .example 1. is out of range for 4 classes"):
+        _xent(logits, np.array([0, 4]))
+    wide = logits.astype(np.float64)
+    assert chosen("SparseSoftmaxCrossEntropyWithLogits", "cpu", {}, _specs(wide, np.array([0, 2]))) is None

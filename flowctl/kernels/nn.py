@@ -120,14 +120,19 @@ def sparse_softmax_xent_cpu(xp: Any, attrs: dict[str, Any]) -> Fn:
         m = xp.empty((n, 1), dtype=logits.dtype)
         z = xp.empty((n, 1), dtype=logits.dtype)
         step = max(1, _XENT_BLOCK // max(c, 1))
-        for s in range(0, n, step):
-            rows = slice(s, s + step)
-            b = e[rows]
-            xp.max(logits[rows], axis=1, keepdims=True, out=m[rows])
-            xp.subtract(logits[rows], m[rows], out=b)
-            xp.exp(b, out=b)
-            xp.sum(b, axis=1, keepdims=True, out=z[rows])
-            b /= z[rows]
+
+        def blocks(run: range) -> None:
+            for s in run:
+                rows = slice(s * step, (s + 1) * step)
+                b = e[rows]
+                xp.max(logits[rows], axis=1, keepdims=True, out=m[rows])
+                xp.subtract(logits[rows], m[rows], out=b)
+                xp.exp(b, out=b)
+                xp.sum(b, axis=1, keepdims=True, out=z[rows])
+                b /= z[rows]
+
+        # each row's own passes: the blocks share out over the intra-op threads with the same bits
+        intra.for_chunks(-(-n // step), blocks, xp=xp, least=2)
         # The same float operations per element as the whole-array kernel above, so the same bits.
         loss = -((picked - m[:, 0]) - xp.log(z)[:, 0])
         e[at] -= 1.0
