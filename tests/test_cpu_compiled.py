@@ -312,3 +312,34 @@ def test_sparse_xent_edges_nan_rows_masked_logits_bad_labels_and_float64() -> No
         _xent(logits, np.array([0, 4]))
     wide = logits.astype(np.float64)
     assert chosen("SparseSoftmaxCrossEntropyWithLogits", "cpu", {}, _specs(wide, np.array([0, 2]))) is None
+
+
+def test_a_jit_cache_that_cannot_be_written_costs_a_line_not_the_step(capsys, monkeypatch) -> None:
+    """numba saves a kernel's machine code after compiling it, inside the kernel's first call: a
+    full disk there (EFBIG, ENOSPC) must not fail the step that called it."""
+    import contextlib
+    import errno
+    from types import SimpleNamespace
+
+    from numba.core import caching
+
+    from flowctl.kernels.cpu import jit
+
+    jit._cache_writes_may_fail()
+    monkeypatch.setitem(jit._said, "cache", False)
+
+    def full(sig, data):
+        raise OSError(errno.EFBIG, "File too large")
+
+    cache = SimpleNamespace(_guard_against_spurious_io_errors=contextlib.nullcontext, _save_overload=full)
+    caching.Cache.save_overload(cache, None, None)
+    caching.Cache.save_overload(cache, None, None)
+    err = capsys.readouterr().err
+    assert err.count("could not be written (File too large)") == 1, err
+
+    def broken(sig, data):
+        raise ValueError("not an I/O error")
+
+    with pytest.raises(ValueError):
+        caching.Cache.save_overload(SimpleNamespace(_guard_against_spurious_io_errors=contextlib.nullcontext,
+                                                    _save_overload=broken), None, None)

@@ -15,7 +15,7 @@ from flowctl.engine.multi_apply import group_updates  # noqa: E402
 from flowctl.engine.optimizers import SGD, Adam, AdamW, Momentum  # noqa: E402
 from flowctl.kernels.cuda import jit  # noqa: E402
 from flowctl.kernels.ledger import Ledger  # noqa: E402
-from flowctl.kernels.registry import KERNELS, StepGuard, override_array_module  # noqa: E402
+from flowctl.kernels.registry import KERNELS, StepGuard, override_array_module, reference_kernels  # noqa: E402
 
 SIM = jit.simulated_module()
 
@@ -187,10 +187,12 @@ def test_a_gpu_step_on_the_ledger_updates_with_one_node_and_the_cpus_bits(simula
     """The GPU plan holds MultiApply nodes instead of the per-variable ones, the CPU plan does not,
     and the GPU session's losses and variables (on the ledger, kernels in the simulator) are the CPU
     session's bits: every step the same operations in the same order. The variables' names (the
-    checkpoint's keys) are the same."""
+    checkpoint's keys) are the same. (The CPU's reference kernels: its compiled variants, such as
+    the softmax cross-entropy's, agree with them to float32 rounding, not to the bit.)"""
     batches = data(rng)
     graph = cnn_graph(make(), clip)
-    cpu_losses, cpu_vars, _, cpu_plan = run_steps(*graph, batches)
+    with reference_kernels():
+        cpu_losses, cpu_vars, _, cpu_plan = run_steps(*graph, batches)
     with override_array_module("gpu", Ledger()):
         gpu_losses, gpu_vars, _, gpu_plan = run_steps(*graph, batches, device="gpu:0")
     assert not any(n.op.startswith("MultiApply") for n in cpu_plan.nodes)

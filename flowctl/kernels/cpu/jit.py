@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from typing import Any, Callable
 
 FLOAT_TYPES = ("float32", "float64")  # fp16/bf16 on the CPU stay on the numpy path
@@ -29,11 +30,37 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+_said = {"cache": False}
+
+
+@functools.cache
+def _cache_writes_may_fail() -> None:
+    """A JIT cache that cannot be written (a full disk, a file-size limit, a read-only tree) costs
+    the next process a compile, never this step: numba raises the OSError from the kernel's first
+    call, after the machine code is already in memory. Said once on stderr."""
+    from numba.core import caching  # type: ignore[import-untyped]
+
+    save = caching.Cache.save_overload
+
+    def save_overload(self: Any, sig: Any, data: Any) -> None:
+        try:
+            save(self, sig, data)
+        except OSError as e:
+            if not _said["cache"]:
+                _said["cache"] = True
+                print(f"flowctl: the compiled kernels' cache could not be written ({e.strerror or e}); "
+                      f"they will be compiled again in the next process", file=sys.stderr)
+
+    caching.Cache.save_overload = save_overload
+
+
 def njit(fn: Callable[..., Any] | None = None, *, inline: bool = False) -> Any:
     """fn compiled as every kernel here is: cached, without the GIL, exact arithmetic. `inline`
     (as `@njit(inline=True)`): a helper numba inlines into its callers at the IR level, so the
     caller's loops see its arithmetic (vectorised with theirs) instead of a call."""
     import numba  # type: ignore[import-untyped]
+
+    _cache_writes_may_fail()
 
     def build(f: Callable[..., Any]) -> Any:
         return numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy",
