@@ -19,7 +19,7 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
-from flowctl.engine import conv_affine, multi_apply, multi_l2, recurrent_pack
+from flowctl.engine import conv_affine, conv_siblings, multi_apply, multi_l2, recurrent_pack
 from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
 from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
@@ -215,6 +215,8 @@ class Session:
             graph = multi_l2.fuse_l2_sums(graph, refs, feed_refs, targets)
         if self.device_type == "cpu" and conv_affine.ENABLED:  # a convolution and the batch norm reading it
             graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
+        if self.device_type == "cpu" and conv_siblings.ENABLED:  # 1x1 convolutions of one input as one
+            graph = conv_siblings.merge_siblings(graph, refs, feed_refs, targets)
         if self.device_type == "cpu" and recurrent_pack.enabled():  # a recurrent weight packed once a step
             graph = recurrent_pack.pack_recurrent(graph, refs, feed_refs, targets)
         return graph

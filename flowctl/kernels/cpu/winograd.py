@@ -256,7 +256,8 @@ def conv2d_forward(x: Any, f: Any, padding: str, epilogue: Epilogue | None = Non
     ho, ph = window(h, kh, 1, padding)
     wo, pw = window(w, kw, 1, padding)
     plan = _plan(n, ho, wo, kh, kw, ph, pw, c, co, x.dtype.itemsize)
-    return _forward(x, plan.filter(f), plan, np.empty((n, ho, wo, co), x.dtype), epilogue)
+    # (x may be a view of channels, a Split's output: engine/conv_siblings.py)
+    return _forward(np.ascontiguousarray(x), plan.filter(f), plan, np.empty((n, ho, wo, co), x.dtype), epilogue)
 
 
 def conv2d_backprop_input(dy: Any, f: Any, x_shape: tuple, padding: str) -> Any:
