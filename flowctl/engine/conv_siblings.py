@@ -63,11 +63,13 @@ def merge_siblings(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], t
     g = graph.copy()
     made: dict[str, list[Node]] = {}  # first member -> the nodes standing in for the group
     to_split: dict[str, str] = {}  # member -> the split's output it becomes
+    merged_of: dict[str, str] = {}  # member -> the wider node
     for members in groups.values():
         made[members[0].name] = _merged(g, members)
-        split = made[members[0].name][-1].name
+        wide, split = made[members[0].name][-2:]
         for k, m in enumerate(members):
-            to_split[m.name] = make_ref(split, k)
+            to_split[m.name] = make_ref(split.name, k)
+            merged_of[m.name] = wide.name
     nodes: dict[str, Node] = {}
     for name, node in g.nodes.items():
         if name in made:
@@ -75,7 +77,6 @@ def merge_siblings(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], t
         elif name not in to_split:
             nodes[name] = node
     g.nodes = nodes
-    merged_of = {m: to_split[m].rpartition(":")[0].removesuffix("/split") for m in to_split}
     for node in g.nodes.values():
         node.inputs = [_renamed(r, to_split) for r in node.inputs]
         if any(c in merged_of for c in node.colocate_with):

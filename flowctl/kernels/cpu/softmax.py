@@ -27,6 +27,7 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.cpu.jit import available, compiled
+from flowctl.kernels.nn import _check_labels
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
@@ -51,8 +52,6 @@ def exp_nonpositive(x: Any) -> Any:
 
 
 def sparse_xent(logits: Any, labels: Any, into: bool = False) -> tuple[Any, Any]:
-    from flowctl.kernels.nn import _check_labels
-
     n, c = logits.shape
     _check_labels(np, labels, c)
     logits = np.ascontiguousarray(logits)
