@@ -122,6 +122,29 @@ def test_allreduce_over_two_workers_resumes_exactly_and_survives_a_killed_worker
         assert (tmp_path / run / final).read_bytes() == (tmp_path / "full" / final).read_bytes(), run
 
 
+def test_a_traced_step_of_an_allreduce_run_has_each_workers_tracks(tmp_path):
+    """`train --trace` on Ray workers: the partitions are the workers' (the trace once looked for
+    them in the master's own graph and failed with a KeyError)."""
+    import json
+
+    spec = MODEL + RAY % 3 + "parallelism: {strategy: sync_data_parallel, reduce: allreduce}\n"
+    t = Trainer(load_text(spec, filename="mlp.yaml"), tmp_path / "run", steps=3, prefetch=0, trace_step=3)
+    t.start_fresh(spec, "")
+    try:
+        t.train()
+    finally:
+        t.close()
+    trace = json.loads((tmp_path / "run" / "trace-3.json").read_text())
+    measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"
+              and e["pid"] == 1}
+    assert {"worker0/cpu:0 compute", "worker1/cpu:0 compute"} <= tracks
+    devices = {e["args"]["device"] for e in measured}
+    assert len(devices) == 2 and all("/job:worker/" in d for d in devices)
+    assert any(e["cat"] == "Send" for e in measured) and any(e["cat"] == "Recv" for e in measured)
+    assert set(trace["otherData"]["executor"]) == {"worker0/cpu:0", "worker1/cpu:0"}
+
+
 def test_a_ray_run_resumes_exactly(tmp_path):
     spec = MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0")
     straight = train(spec, tmp_path / "full")

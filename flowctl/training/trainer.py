@@ -33,7 +33,7 @@ from flowctl.engine.errors import (
     SpecError,
     WorkerLostError,
 )
-from flowctl.engine.distributed import Recovery
+from flowctl.engine.distributed import RaySession, Recovery
 from flowctl.engine.executor import RunStats
 from flowctl.engine.runtime import DistributedSession, blas_limits
 from flowctl.spec.check import LoadedSpec
@@ -643,6 +643,8 @@ class Trainer:
         """The timeline of the step just run, beside the simulator's prediction of it."""
         if isinstance(self.session, DistributedSession):
             graphs = self.session.step_plan(fetches, feeds).partitions
+        elif isinstance(self.session, RaySession):  # its plans live on its workers; their graphs here
+            graphs = self.session.partitions(fetches, feeds)
         else:
             graphs = {self.session.device: self.session.graph}
         trace = step_trace(stats, graphs, self.program.step.layers, self.program.placed.chosen.simulation,
