@@ -82,3 +82,13 @@ def test_a_companion_that_dies_is_one_line():
             pair.block(1)
     finally:
         pair.close()
+
+
+def test_the_link_is_timed_after_twice_the_object_store_has_crossed():
+    from flowctl.bench.ray import WARM_RUNS_MAX, _warm_runs
+
+    store = 512 << 20
+    assert _warm_runs(4 * (64 << 20), store) == 4  # four 64 MiB crossings a run: 1 GiB in four runs
+    assert _warm_runs(3 * (64 << 20), store) == 6  # rounded up
+    assert _warm_runs(16, store) == WARM_RUNS_MAX  # a 4-byte chain: as many as allowed
+    assert _warm_runs(4 * (64 << 20), 0) == 1  # no store known: the one run that builds the plans
