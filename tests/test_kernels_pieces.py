@@ -77,3 +77,64 @@ def test_a_concatenation_of_shapes_that_do_not_fit_says_numpys_message(monkeypat
     monkeypatch.setattr(array, "CONCAT_PIECES_BYTES", 1)
     with pytest.raises(ValueError, match="must match exactly"):
         bind("Concat", "cpu", {"axis": 2})(np.zeros((4, 3, 2)), np.zeros((4, 2, 2)))
+
+
+class _Slot:
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+
+_UPDATES = [
+    ("ApplyGradientDescent", {}, 1),
+    ("ApplyMomentum", {"momentum": 0.9, "nesterov": False}, 2),
+    ("ApplyMomentum", {"momentum": 0.9, "nesterov": True}, 2),
+    ("ApplyAdam", {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, 3),
+]
+
+
+@pytest.mark.parametrize("op, attrs, nslots", _UPDATES)
+def test_an_update_in_runs_on_the_threads_has_one_threads_bits(op, attrs, nslots, monkeypatch, rng):
+    """The in-place updates' runs go to the intra-op threads in groups (training.PARALLEL_RUNS):
+    the same bits at 1, 2 and 3 threads, and the out-of-place update's (§4.7's new array)."""
+    from flowctl.kernels import intra, training
+    from flowctl.kernels.registry import KERNELS
+
+    monkeypatch.setattr(training, "_RUN", 1000)  # 23 runs, the last one short
+    size = 22_345
+    values = [rng.standard_normal(size).astype(np.float32)]
+    values += [np.abs(rng.standard_normal(size)).astype(np.float32) for _ in range(nslots - 1)]
+    grad, lr = rng.standard_normal(size).astype(np.float32), np.asarray(0.05, np.float32)
+    got = []
+    for threads in (1, 2, 3):
+        slots = [_Slot(v.copy()) for v in values]
+        before = [id(s.value) for s in slots]
+        fn = KERNELS[(op, "cpu")](np, {"_resource": slots[0] if nslots == 1 else tuple(slots), **attrs})
+        with intra.fixed(threads):
+            fn(lr, grad)
+        assert [id(s.value) for s in slots] == before  # in place
+        got.append([s.value for s in slots])
+    held = [_Slot(v.copy()) for v in values]
+    seen = [s.value for s in held]  # a reader holds each array: the update makes new ones
+    fn = KERNELS[(op, "cpu")](np, {"_resource": held[0] if nslots == 1 else tuple(held), **attrs})
+    fn(lr, grad)
+    assert held[0].value is not seen[0]
+    for g in got[1:] + [[s.value for s in held]]:
+        for a, b in zip(g, got[0]):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_l2loss_over_blocks_on_the_threads_is_one_threads_sum(threads, monkeypatch, rng):
+    from flowctl.kernels import intra, training
+    from flowctl.kernels.registry import KERNELS
+
+    monkeypatch.setattr(training, "_BLOCK", 1000)
+    x = rng.standard_normal((37, 611)).astype(np.float32)  # 23 blocks, the last one short
+    want = np.float64(0.0)
+    for s in range(0, x.size, 1000):
+        b = x.reshape(-1)[s:s + 1000]
+        want += np.dot(b, b)
+    with intra.fixed(threads):
+        got = KERNELS[("L2Loss", "cpu")](np, {})(x)
+    assert got.dtype == np.float32 and got == np.float32(want * 0.5)
+    np.testing.assert_allclose(got, 0.5 * (x.astype(np.float64) ** 2).sum(), rtol=1e-6)

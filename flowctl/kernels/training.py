@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from flowctl.kernels import intra
 from flowctl.kernels.array import run_sums
 from flowctl.kernels.registry import kernel
 from flowctl.kernels.state import _resident, dtype_of, on_device, updatable_in_place
@@ -24,10 +25,16 @@ def l2_loss(xp: Any, attrs: dict[str, Any]) -> Fn:
         flat = t.reshape(-1)
         if flat.dtype.itemsize < 4:  # float16: the squares would overflow its range
             flat = flat.astype("float32")
+        starts = range(0, flat.size, _BLOCK)
+        # the blocks' dot products on the intra-op threads, added up here in block order: the bits
+        # of one thread's loop whatever the thread count
+        dots = intra.for_chunks(len(starts), lambda run: [xp.dot(flat[s:s + _BLOCK], flat[s:s + _BLOCK])
+                                                          for s in starts[run.start:run.stop]],
+                                xp=xp, least=PARALLEL_RUNS)
         total = xp.zeros((), dtype="float64")
-        for s in range(0, flat.size, _BLOCK):
-            b = flat[s:s + _BLOCK]
-            total += xp.dot(b, b)
+        for part in dots:
+            for d in part:
+                total += d
         return (total * 0.5).astype(t.dtype)
 
     return run
@@ -47,6 +54,28 @@ def _run_length(xp: Any) -> int:
 def _runs(size: int, xp: Any = np) -> list[slice]:
     n = _run_length(xp)
     return [slice(s, min(size, s + n)) for s in range(0, size, n)]
+
+
+# On the CPU, an update of at least this many runs (2 MiB of float32) -- and L2Loss over as many
+# blocks -- goes to the intra-op threads in contiguous groups of runs, each group with scratch of
+# its own. Every element's arithmetic is the same whichever group does it, so the bits are one
+# thread's. Measured, 2 threads, a 2-core AMD EPYC (memory-bound: two cores are not twice one):
+# SGD's update of 6.5 M float32 values 5.8 -> 4.0 ms, L2Loss over them 2.6 -> 2.0.
+PARALLEL_RUNS = 8
+
+
+def _over_runs(xp: Any, size: int, dtype: Any, scratch: int, body: Callable[..., None]) -> None:
+    """body(run, *scratch buffers) for every run of a flat parameter of `size` values."""
+    runs = _runs(size, xp)
+    length = min(_run_length(xp), size)
+
+    def group(g: range) -> None:
+        buffers = [xp.empty(length, dtype=dtype) for _ in range(scratch)]
+        for i in g:
+            body(runs[i], *buffers)
+
+    # a GPU's runs are queued on one stream in line: one group, one scratch
+    intra.for_chunks(len(runs), group, parts=None if xp is np else 1, xp=xp, least=PARALLEL_RUNS)
 
 
 @kernel("ApplyGradientDescent")
@@ -73,11 +102,13 @@ def _subtract_scaled(xp: Any, var: Any, delta: Any, alpha: Any) -> Any:
     bits are those of the out-of-place update."""
     flat, d = var.reshape(-1), xp.ascontiguousarray(delta).reshape(-1)
     alpha = on_device(xp, alpha)
-    scratch = xp.empty(min(_run_length(xp), flat.size), dtype=var.dtype)
-    for r in _runs(flat.size, xp):
+
+    def body(r: slice, scratch: Any) -> None:
         t = scratch[:r.stop - r.start]
         xp.multiply(d[r], alpha, out=t)
         xp.subtract(flat[r], t, out=flat[r])
+
+    _over_runs(xp, flat.size, var.dtype, 1, body)
     return var
 
 
@@ -107,8 +138,8 @@ def apply_momentum(xp: Any, attrs: dict[str, Any]) -> Fn:
             return new
         v, a, g = var.reshape(-1), accum.reshape(-1), xp.ascontiguousarray(grad).reshape(-1)
         lr = on_device(xp, lr)
-        t = xp.empty(min(_run_length(xp), v.size), dtype=var.dtype)
-        for r in _runs(v.size, xp):
+
+        def body(r: slice, t: Any) -> None:
             tr = t[:r.stop - r.start]
             xp.multiply(a[r], m, out=a[r])
             xp.add(a[r], g[r], out=a[r])
@@ -119,6 +150,8 @@ def apply_momentum(xp: Any, attrs: dict[str, Any]) -> Fn:
             else:
                 xp.multiply(lr, a[r], out=tr)
             xp.subtract(v[r], tr, out=v[r])
+
+        _over_runs(xp, v.size, var.dtype, 1, body)
         return var
 
     return run
@@ -143,9 +176,8 @@ def apply_adam(xp: Any, attrs: dict[str, Any]) -> Fn:
         w, mf, vf = var.reshape(-1), m.reshape(-1), v.reshape(-1)
         g = xp.ascontiguousarray(grad).reshape(-1)
         lr_t = on_device(xp, lr_t)
-        t = xp.empty(min(_run_length(xp), w.size), dtype=var.dtype)
-        u = xp.empty_like(t)
-        for r in _runs(w.size, xp):
+
+        def body(r: slice, t: Any, u: Any) -> None:
             tr, ur = t[:r.stop - r.start], u[:r.stop - r.start]
             xp.multiply(g[r], c1, out=tr)
             xp.multiply(mf[r], b1, out=mf[r])
@@ -159,6 +191,8 @@ def apply_adam(xp: Any, attrs: dict[str, Any]) -> Fn:
             xp.multiply(lr_t, mf[r], out=ur)
             xp.divide(ur, tr, out=tr)
             xp.subtract(w[r], tr, out=w[r])
+
+        _over_runs(xp, w.size, var.dtype, 2, body)
         return var
 
     return run
