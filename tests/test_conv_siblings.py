@@ -129,3 +129,26 @@ def test_inception_v3_inference_merges_its_blocks_1x1_convolutions(monkeypatch):
     assert len(merged) == 10 and all(n.op == "FusedConv2D" for n in merged)
     widths = sorted(n.outputs[0].shape[3] for n in merged)
     assert widths[0] >= 2 * 48 and widths[-1] == 320 + 384 + 448
+
+
+def test_a_cpu_partition_of_a_placed_step_merges_its_siblings_too(monkeypatch):
+    """Each CPU partition goes through the CPU's plan passes (runtime.compile_partition), as one
+    device's step does: the siblings on cpu:0 become one node, their Split's views cross to cpu:1,
+    and the results are the one-device step's."""
+    from flowctl.engine.cluster import Cluster
+    from flowctl.engine.devices import canonical
+    from flowctl.engine.runtime import DistributedSession
+
+    g, x, fetches, _ = _net("float32", False)
+    xv = np.random.default_rng(2).standard_normal((2, 9, 9, 6)).astype("float32")
+    want, _, store = _run(g, x, fetches, xv, True, monkeypatch)
+    first = {n for n in g.nodes if n == "x" or n.startswith(("c", "f", "mm", "mv", "Const", "batch_norm"))}
+    pl = {n: canonical("cpu:0" if n in first else "cpu:1") for n in g.nodes}
+    with DistributedSession(g, Cluster.local(2), pl, store=store) as s:
+        got = s.run(fetches, {x: xv})
+        parts = s.step_plan(fetches, {x: xv}).partitions
+    on0, on1 = parts[canonical("cpu:0")], parts[canonical("cpu:1")]
+    assert [n for n in on0.nodes if n.endswith("/siblings")] and not [n for n in on1.nodes if n.endswith("/siblings")]
+    assert any(n.op == "Send" for n in on0.nodes.values())
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), b)

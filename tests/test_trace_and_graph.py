@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowctl.cli.main import cli
+from flowctl.engine import recurrent_pack
 from flowctl.training.trace import busy_ms
 from browser import chromium
 from test_place_cli import TWO_TOWERS
@@ -47,8 +48,11 @@ def test_the_trace_has_a_track_per_device_and_every_op_of_the_step_once(traced):
     names = [e["name"] for e in measured]
     assert len(names) == len(set(names))  # each node once
     placement = json.loads((d / "run" / "placement.json").read_text())["assignment"]
-    added = [e for e in measured if e["name"] not in placement]  # Send/Recv and control-edge carriers
-    assert added and all(e["cat"] in ("Send", "Recv", "Const") for e in added)
+    # Send/Recv and control-edge carriers, and the CPU plan's packed recurrent weights (each CPU
+    # partition goes through the passes a one-device step does)
+    added = [e for e in measured if e["name"] not in placement]
+    assert added and all(e["cat"] in ("Send", "Recv", "Const", "PackPanels") for e in added)
+    assert any(e["cat"] == "PanelMatMul" for e in measured) == recurrent_pack.enabled()
     for e in measured:
         if e["name"] in placement:
             assert e["args"]["device"] == placement[e["name"]]

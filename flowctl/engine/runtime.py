@@ -58,7 +58,7 @@ from flowctl.engine.graph import Graph, Node, parse_ref
 from flowctl.engine.opdef import COMMUNICATION
 from flowctl.engine.partition import RECV_SCHEDULES, feed_node_name, partition, short_device
 from flowctl.engine.rendezvous import LocalRendezvous, RendezvousAborted, StepContext, next_step_id
-from flowctl.engine.session import Session, require_device
+from flowctl.engine.session import Session, cpu_passes, require_device
 from flowctl.kernels.registry import array_module, on_gpu, to_host, use_gpu
 
 
@@ -137,9 +137,14 @@ def split_signature(graph: Graph, placement: Mapping[str, str], devices: Sequenc
 
 
 def compile_partition(spec: PartitionSpec, resources: Callable[[Node], Any]) -> DevicePlan:
-    """Bind one partition's kernels and resources on its device (done where the device is)."""
-    plan = Plan(spec.graph, spec.fetches, spec.feeds, spec.targets, spec.device, resources)
-    return DevicePlan(spec.device, spec.graph, plan, spec.feed_index, spec.fetch_index)
+    """Bind one partition's kernels and resources on its device (done where the device is). A CPU
+    partition first goes through the CPU's plan passes, as one CPU device's whole step does
+    (session.cpu_passes); the DevicePlan's graph is the one that runs (a trace names its nodes)."""
+    graph = spec.graph
+    if parse_device(spec.device).type == "cpu":
+        graph = cpu_passes(graph, spec.fetches, spec.feeds, spec.targets)
+    plan = Plan(graph, spec.fetches, spec.feeds, spec.targets, spec.device, resources)
+    return DevicePlan(spec.device, graph, plan, spec.feed_index, spec.fetch_index)
 
 
 class DeviceThreads:

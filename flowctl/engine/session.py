@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -213,12 +213,8 @@ class Session:
             graph = multi_apply.group_updates(graph, refs, feed_refs, targets)
         if self.device_type == "gpu" and multi_l2.ENABLED:  # one node per sum of L2Loss nodes (clipping's norm)
             graph = multi_l2.fuse_l2_sums(graph, refs, feed_refs, targets)
-        if self.device_type == "cpu" and conv_affine.ENABLED:  # a convolution and the batch norm reading it
-            graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
-        if self.device_type == "cpu" and conv_siblings.ENABLED:  # 1x1 convolutions of one input as one
-            graph = conv_siblings.merge_siblings(graph, refs, feed_refs, targets)
-        if self.device_type == "cpu" and recurrent_pack.enabled():  # a recurrent weight packed once a step
-            graph = recurrent_pack.pack_recurrent(graph, refs, feed_refs, targets)
+        if self.device_type == "cpu":
+            graph = cpu_passes(graph, refs, feed_refs, targets)
         return graph
 
     def _ref(self, key: Any) -> str:
@@ -357,3 +353,18 @@ class Pending:
 
 def _say(message: str) -> None:
     print(f"flowctl: {message}", file=sys.stderr)
+
+
+def cpu_passes(graph: Graph, refs: Sequence[str], feed_refs: Sequence[str], targets: Sequence[str]) -> Graph:
+    """The CPU's plan passes, for a session's one device and for each CPU partition of a placed
+    step alike (runtime.compile_partition), so a CPU device runs the same kernels whether the step
+    is split or not: a convolution and the inference batch norm reading it as one node, sibling 1x1
+    convolutions as one, a recurrent weight packed once a step. Each copies the graph it changes."""
+    refs, feed_refs, targets = list(refs), list(feed_refs), list(targets)
+    if conv_affine.ENABLED:
+        graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
+    if conv_siblings.ENABLED:
+        graph = conv_siblings.merge_siblings(graph, refs, feed_refs, targets)
+    if recurrent_pack.enabled():
+        graph = recurrent_pack.pack_recurrent(graph, refs, feed_refs, targets)
+    return graph
