@@ -17,15 +17,32 @@ dtype; ops whose resource is a random state (Dropout, the draws) compute, so the
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Iterable, Sequence
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["BF16", "EXACT", "NATIVE", "ROUNDED_ONCE", "SUMMED", "computed_in_float32", "native", "narrow", "touches", "widen", "widened", "widened_attrs"]
+from flowctl.engine.dtypes import bfloat16_dtype
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+__all__ = ["BF16", "EXACT", "NATIVE", "ROUNDED_ONCE", "SUMMED", "computed_in_float32", "is_bf16", "native", "narrow",
+           "touches", "widen", "widened", "widened_attrs"]
+
 NAME = "bfloat16"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BF16":  # ml_dtypes' numpy dtype, imported on first use (engine/dtypes.py says why)
+        return bfloat16_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_bf16(x: Any) -> bool:
+    """Whether x (an array, a scalar, a dtype's holder) is bfloat16, without importing ml_dtypes:
+    no bfloat16 value exists until something has imported it."""
+    if "ml_dtypes" not in sys.modules:
+        return False
+    dt = getattr(x, "dtype", None)
+    return dt is not None and dt == bfloat16_dtype()
 # (op, device type) kernels that take bfloat16 arrays as they are and return them.
 NATIVE: set[tuple[str, str]] = set()
 
@@ -55,14 +72,14 @@ def native(op: str, device_types: Iterable[str]) -> None:
 
 def widen(x: Any) -> Any:
     """A bfloat16 array as float32 (exact); anything else as it is."""
-    return x.astype(np.float32) if getattr(x, "dtype", None) == BF16 else x
+    return x.astype(np.float32) if is_bf16(x) else x
 
 
 def narrow(x: Any) -> Any:
     """A float32 array rounded to the nearest bfloat16 (ties to even; NaN stays NaN, overflow is
     Inf); a value of another dtype as it is (an op may declare bfloat16 for an output its float32
     kernel already hands back as bfloat16, a Const's value, say)."""
-    return x.astype(BF16) if getattr(x, "dtype", None) == np.float32 else x
+    return x.astype(bfloat16_dtype()) if getattr(x, "dtype", None) == np.float32 else x
 
 
 def computed_in_float32(fn: Callable[..., Any], low: Sequence[bool] | None = None) -> Callable[..., Any]:
@@ -71,7 +88,7 @@ def computed_in_float32(fn: Callable[..., Any], low: Sequence[bool] | None = Non
     kernel that cannot serve a call itself. It carries `fn`'s name (functools.wraps)."""
     @functools.wraps(fn)
     def run(*xs: Any) -> Any:
-        if not any(getattr(x, "dtype", None) == BF16 for x in xs):
+        if not any(is_bf16(x) for x in xs):
             return fn(*xs)
         ys = fn(*map(widen, xs))
         if low is None:
@@ -90,7 +107,7 @@ def touches(attrs: dict[str, Any], ins: Sequence[Any] | None, outs: Sequence[str
 def _is_bf16_attr(v: Any) -> bool:
     if isinstance(v, str):
         return v == NAME
-    return getattr(v, "dtype", None) == BF16
+    return is_bf16(v)
 
 
 def widened_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +116,7 @@ def widened_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
     for k, v in attrs.items():
         if not k.startswith("_") and isinstance(v, str) and v == NAME:
             v = "float32"
-        elif not k.startswith("_") and getattr(v, "dtype", None) == BF16:
+        elif not k.startswith("_") and is_bf16(v):
             v = v.astype(np.float32)
         out[k] = v
     return out

@@ -245,7 +245,7 @@ def add_n(xp: Any, attrs: dict[str, Any]) -> Fn:
     def run(*xs: Any) -> Any:
         if len(xs) == 1:
             return xs[0]
-        if xs[0].dtype == bf16.BF16:  # summed in float32 and rounded once: the rule's bits, one
+        if bf16.is_bf16(xs[0]):  # summed in float32 and rounded once: the rule's bits, one
             out = xs[0].astype(xp.float32)  # float32 buffer instead of one per input
             for x in xs[1:]:
                 out += x

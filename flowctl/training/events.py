@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -52,6 +53,21 @@ _DT = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6
 _CONTENT_LIMIT = 1024  # constants up to this many bytes carry their values; larger ones their shape only
 
 
+def _tensorboardx() -> None:
+    """Import tensorboardX with PyTorch hidden from it, where PyTorch is installed but not imported:
+    the package imports its SummaryWriter, which imports PyTorch for its type hints (4.9 s for
+    `import torch` on a 2-core host, paid by every run), while flowctl uses its protocol buffers and
+    record framing alone. Imported already, or PyTorch imported already: nothing to do."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+    try:
+        import tensorboardX  # noqa: F401
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
 def _tensorflow_bins() -> list[float]:
     # TensorFlow's default histogram buckets: +-1e-12 growing by 10% to 1e20, and zero.
     edges = []
@@ -67,6 +83,7 @@ def _dtype(name: str) -> int:
 
 
 def _shape(shape: tuple[int | None, ...] | None) -> Any:
+    _tensorboardx()
     from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 
     if shape is None:
@@ -76,6 +93,7 @@ def _shape(shape: tuple[int | None, ...] | None) -> Any:
 
 def _attr(kind: str, v: Any) -> Any:
     """One flowctl attribute (its registry kind) as an AttrValue."""
+    _tensorboardx()
     from tensorboardX.proto.attr_value_pb2 import AttrValue
     from tensorboardX.proto.tensor_pb2 import TensorProto
 
@@ -95,6 +113,7 @@ def _attr(kind: str, v: Any) -> Any:
 
 
 def _outputs(specs: list[TensorSpec]) -> dict[str, Any]:
+    _tensorboardx()
     from tensorboardX.proto.attr_value_pb2 import AttrValue
 
     return {"_output_shapes": AttrValue(list=AttrValue.ListValue(shape=[_shape(s.shape) for s in specs])),
@@ -102,6 +121,7 @@ def _outputs(specs: list[TensorSpec]) -> dict[str, Any]:
 
 
 def node_def(node: Node, device: str, layer: str = "") -> Any:
+    _tensorboardx()
     from tensorboardX.proto.attr_value_pb2 import AttrValue
     from tensorboardX.proto.node_def_pb2 import NodeDef
 
@@ -124,6 +144,7 @@ def node_def(node: Node, device: str, layer: str = "") -> Any:
 def graph_def(graph: Graph, assignment: Mapping[str, str], layers: Mapping[str, str]) -> Any:
     """`graph` as a TensorFlow GraphDef proto, each node on its device in `assignment` (a node
     without one keeps its own requested device)."""
+    _tensorboardx()
     from tensorboardX.proto.graph_pb2 import GraphDef
     from tensorboardX.proto.versions_pb2 import VersionDef
 
@@ -139,6 +160,7 @@ class EventWriter:
 
     def __init__(self, directory: Path, purge_step: int | None = None, histograms_every: int = 0,
                  flush_secs: float = 10.0) -> None:
+        _tensorboardx()  # once here: the methods' imports below find it loaded
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         self.histograms_every = histograms_every

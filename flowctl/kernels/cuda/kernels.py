@@ -662,7 +662,7 @@ def lstm_block_cell_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     k = _kernels()
 
     def run(xw: Any, hw: Any = None, c_prev: Any = None) -> tuple[Any, Any, Any]:
-        low = xw.dtype == bf16.BF16
+        low = bf16.is_bf16(xw)
         if low:
             xw, hw, c_prev = (None if v is None else v.view(np.uint16) for v in (xw, hw, c_prev))
         elif str(xw.dtype) not in _LSTM_DTYPES or (hw is not None and hw.dtype != xw.dtype) \
@@ -688,7 +688,7 @@ def lstm_block_cell_grad_gpu(xp: Any, attrs: dict[str, Any]) -> Fn:
     k = _kernels()
 
     def run(dh: Any, dc: Any, act: Any, c: Any, c_prev: Any = None) -> Any:
-        low = act.dtype == bf16.BF16
+        low = bf16.is_bf16(act)
         if low:
             dh, dc, act, c, c_prev = (None if v is None else v.view(np.uint16) for v in (dh, dc, act, c, c_prev))
         dt = act.dtype
