@@ -145,6 +145,44 @@ def test_a_traced_step_of_an_allreduce_run_has_each_workers_tracks(tmp_path):
     assert set(trace["otherData"]["executor"]) == {"worker0/cpu:0", "worker1/cpu:0"}
 
 
+LSTM = """\
+version: 1
+name: tiny_lm
+model:
+  layers:
+    - {name: tokens, type: input, shape: [6], dtype: int32, classes: 50}
+    - {name: embedding, type: embedding, vocab: 50, dim: 8, inputs: [tokens]}
+    - {name: lstm, type: lstm, units: 8}
+    - {name: softmax, type: dense, units: 50}
+    - {name: targets, type: input, shape: [6], dtype: int32, classes: 50}
+    - {name: loss, type: softmax_cross_entropy, inputs: [softmax, targets]}
+data: {source: synthetic, seed: 0}
+training: {optimizer: {type: sgd}, learning_rate: 0.1, batch_size: 8, steps: 2}
+"""
+
+
+def test_a_workers_cpu_partition_runs_the_cpu_plan_passes_and_its_trace_shows_them(tmp_path):
+    """Each worker's CPU partition goes through the CPU's plan passes (runtime.partition_graph): a
+    recurrent weight packed once a step where the rule packs it, as one CPU device would, and the
+    trace names those nodes (the master asks for the graphs its workers run)."""
+    import json
+
+    from flowctl.engine import recurrent_pack
+
+    spec = LSTM + RAY % 3 + "parallelism: {strategy: sync_data_parallel, reduce: allreduce}\n"
+    t = Trainer(load_text(spec, filename="lm.yaml"), tmp_path / "run", steps=2, prefetch=0, trace_step=2)
+    t.start_fresh(spec, "")
+    try:
+        t.train()
+    finally:
+        t.close()
+    trace = json.loads((tmp_path / "run" / "trace-2.json").read_text())
+    ops = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1}
+    packed = recurrent_pack.enabled()
+    assert ("PackPanels" in ops) == packed and ("PanelMatMul" in ops) == packed
+    assert "Send" in ops and "Recv" in ops
+
+
 def test_a_ray_run_resumes_exactly(tmp_path):
     spec = MODEL + RAY % 3 + MODEL_PARALLEL % ("worker0/cpu:0", "worker1/cpu:0")
     straight = train(spec, tmp_path / "full")

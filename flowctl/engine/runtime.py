@@ -136,13 +136,19 @@ def split_signature(graph: Graph, placement: Mapping[str, str], devices: Sequenc
     return out, fed_fetches
 
 
-def compile_partition(spec: PartitionSpec, resources: Callable[[Node], Any]) -> DevicePlan:
-    """Bind one partition's kernels and resources on its device (done where the device is). A CPU
-    partition first goes through the CPU's plan passes, as one CPU device's whole step does
-    (session.cpu_passes); the DevicePlan's graph is the one that runs (a trace names its nodes)."""
-    graph = spec.graph
+def partition_graph(spec: PartitionSpec) -> Graph:
+    """The graph a partition runs: a CPU partition's after the CPU's plan passes, as one CPU
+    device's whole step (session.cpu_passes; deterministic, so a master that asks gets the graph
+    its worker runs), any other as it is."""
     if parse_device(spec.device).type == "cpu":
-        graph = cpu_passes(graph, spec.fetches, spec.feeds, spec.targets)
+        return cpu_passes(spec.graph, spec.fetches, spec.feeds, spec.targets)
+    return spec.graph
+
+
+def compile_partition(spec: PartitionSpec, resources: Callable[[Node], Any]) -> DevicePlan:
+    """Bind one partition's kernels and resources on its device (done where the device is), on
+    the graph it runs (`partition_graph`: a trace names its nodes)."""
+    graph = partition_graph(spec)
     plan = Plan(graph, spec.fetches, spec.feeds, spec.targets, spec.device, resources)
     return DevicePlan(spec.device, graph, plan, spec.feed_index, spec.fetch_index)
 

@@ -50,7 +50,7 @@ from flowctl.engine.errors import ExecutionError, FlowctlError, GraphError, Plac
 from flowctl.engine.executor import RunStats
 from flowctl.engine.graph import GRAPHDEF_VERSION, Graph
 from flowctl.engine.rendezvous import next_step_id
-from flowctl.engine.runtime import PartitionSpec, checked_placement, run_arguments, split_signature
+from flowctl.engine.runtime import PartitionSpec, checked_placement, partition_graph, run_arguments, split_signature
 from flowctl.engine.session import Session
 
 _MAX_CONCURRENCY = 32  # actor threads: Runs waiting their turn, transfers, aborts, pings
@@ -330,12 +330,13 @@ class RaySession(Session):
             return s
 
     def partitions(self, fetches: Any, feeds: Mapping[Any, Any] | None = None) -> dict[str, Graph]:
-        """device -> partition graph a run with these fetches and feeds uses."""
+        """device -> partition graph a run with these fetches and feeds uses (as its worker runs it:
+        a CPU partition after the CPU's plan passes)."""
         refs: list[str] = []
         targets: list[str] = []
         self._flatten(fetches, refs, targets)
         s = self._signature(refs, sorted(self._ref(k) for k in (feeds or {})), targets)
-        return {p.device: p.graph for p in s.specs}
+        return {p.device: partition_graph(p) for p in s.specs}
 
     def _require_alive(self, tasks: list[int]) -> None:
         lost = sorted(self.lost & set(tasks))
