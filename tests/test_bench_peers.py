@@ -68,6 +68,7 @@ def test_a_small_run_measures_both_and_the_counts_agree():
         assert row["flowctl"]["samples"] == row["pytorch"]["samples"] == 2
         lo, hi = row["ratio_ci95"]
         assert row["ratio"] > 0 and lo <= hi
+        assert len(row["round_ratios"]) == 2 and min(row["round_ratios"]) <= row["ratio_paired"] <= max(row["round_ratios"])
     json.dumps(r)  # plain data all the way down
 
 
@@ -238,3 +239,16 @@ def test_the_gpt2_small_twin_has_the_specs_parameter_count():
 
     loaded = _load(Row("transformer_lm", "transformer_lm.yaml", 1))
     assert Twin(loaded).param_count() == sum(loaded.params()) == 124_439_808
+
+
+def test_round_by_round_ratios_are_each_rounds_medians():
+    from flowctl.bench.peers import paired_ratios
+
+    speed = [1.0, 2.0, 1.0, 3.0, 1.5]  # the host's speed, round by round
+    ratio = [0.8, 0.9, 1.0, 1.1, 1.2]  # flowctl / PyTorch in each round
+    t = [d * k for d in speed for k in (1.0, 1.02, 0.97)]
+    f = [r * d * k for r, d in zip(ratio, speed) for k in (0.99, 1.0, 1.01)]
+    r = paired_ratios(f, t, 5)
+    assert r["round_ratios"] == pytest.approx(ratio) and r["ratio_paired"] == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        paired_ratios(f[:-1], t[:-1], 5)  # blocks of unequal length

@@ -308,6 +308,16 @@ def summarize(f: list[float], t: list[float], seed: int = 0) -> dict[str, Any]:
             "ratio_ci95": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]}
 
 
+def paired_ratios(f: list[float], t: list[float], rounds: int) -> dict[str, Any]:
+    """Round by round: each round's flowctl / PyTorch ratio of medians (the two blocks of a round run
+    back to back), and their median. Their spread is the sitting's own: the bootstrap interval of
+    the pooled medians treats every step as independent, which a shared host whose speed moves by a
+    fifth between minutes is not. `rounds` blocks of equal length in each list."""
+    fa, ta = np.asarray(f).reshape(rounds, -1), np.asarray(t).reshape(rounds, -1)
+    per = [float(np.median(a) / np.median(b)) for a, b in zip(fa, ta)]
+    return {"round_ratios": per, "ratio_paired": float(np.median(per))}
+
+
 def blas_peak(torch: Any, n: int = 2048, repeat: int = 5) -> dict[str, float]:
     """GFLOP/s of an n x n float32 product through numpy and through PyTorch (best of `repeat`)."""
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
@@ -447,7 +457,7 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
             say(f"{row.name}: round {r + 1}/{rounds}, {name}")
             runners[name]()  # after the other framework ran, caches and threads are its
             times[name] += [_timed(runners[name]) for _ in range(steps)]
-    out = summarize(times["flowctl"], times["pytorch"])
+    out = summarize(times["flowctl"], times["pytorch"]) | paired_ratios(times["flowctl"], times["pytorch"], rounds)
     if "flowctl_reference" in times:
         out["flowctl_reference"] = summarize(times["flowctl_reference"], times["pytorch"])["flowctl"]
         out["kernels_ratio"] = float(np.median(times["flowctl"]) / np.median(times["flowctl_reference"]))

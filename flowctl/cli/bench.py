@@ -224,6 +224,10 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
                                                                 "params (spec / twin)")],
                       rows, console.width))
     for name, row in r["rows"].items():
+        if len(row.get("round_ratios", ())) > 1:
+            per = row["round_ratios"]
+            console.print(f"  {name}: round by round (each round's two blocks back to back) {min(per):.2f}-"
+                          f"{max(per):.2f}, median {row['ratio_paired']:.2f}")
         if "flowctl_reference" in row:
             ref = row["flowctl_reference"]
             console.print(f"  {name}: flowctl with its reference kernels only {ref['median_s']:.3f} s "
