@@ -122,19 +122,26 @@ def test_allreduce_over_two_workers_resumes_exactly_and_survives_a_killed_worker
         assert (tmp_path / run / final).read_bytes() == (tmp_path / "full" / final).read_bytes(), run
 
 
-def test_a_traced_step_of_an_allreduce_run_has_each_workers_tracks(tmp_path):
-    """`train --trace` on Ray workers: the partitions are the workers' (the trace once looked for
-    them in the master's own graph and failed with a KeyError)."""
+ALLREDUCE = "parallelism: {strategy: sync_data_parallel, reduce: allreduce}\n"
+
+
+def traced(spec: str, run: Path, steps: int) -> dict:
+    """Train `steps` steps with the last one traced (`train --trace`); the trace."""
     import json
 
-    spec = MODEL + RAY % 3 + "parallelism: {strategy: sync_data_parallel, reduce: allreduce}\n"
-    t = Trainer(load_text(spec, filename="mlp.yaml"), tmp_path / "run", steps=3, prefetch=0, trace_step=3)
+    t = Trainer(load_text(spec, filename="spec.yaml"), run, steps=steps, prefetch=0, trace_step=steps)
     t.start_fresh(spec, "")
     try:
         t.train()
     finally:
         t.close()
-    trace = json.loads((tmp_path / "run" / "trace-3.json").read_text())
+    return json.loads((run / f"trace-{steps}.json").read_text())
+
+
+def test_a_traced_step_of_an_allreduce_run_has_each_workers_tracks(tmp_path):
+    """`train --trace` on Ray workers: the partitions are the workers' (the trace once looked for
+    them in the master's own graph and failed with a KeyError)."""
+    trace = traced(MODEL + RAY % 3 + ALLREDUCE, tmp_path / "run", 3)
     measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"
               and e["pid"] == 1}
@@ -165,18 +172,9 @@ def test_a_workers_cpu_partition_runs_the_cpu_plan_passes_and_its_trace_shows_th
     """Each worker's CPU partition goes through the CPU's plan passes (runtime.partition_graph): a
     recurrent weight packed once a step where the rule packs it, as one CPU device would, and the
     trace names those nodes (the master asks for the graphs its workers run)."""
-    import json
-
     from flowctl.engine import recurrent_pack
 
-    spec = LSTM + RAY % 3 + "parallelism: {strategy: sync_data_parallel, reduce: allreduce}\n"
-    t = Trainer(load_text(spec, filename="lm.yaml"), tmp_path / "run", steps=2, prefetch=0, trace_step=2)
-    t.start_fresh(spec, "")
-    try:
-        t.train()
-    finally:
-        t.close()
-    trace = json.loads((tmp_path / "run" / "trace-2.json").read_text())
+    trace = traced(LSTM + RAY % 3 + ALLREDUCE, tmp_path / "run", 2)
     ops = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1}
     packed = recurrent_pack.enabled()
     assert ("PackPanels" in ops) == packed and ("PanelMatMul" in ops) == packed
