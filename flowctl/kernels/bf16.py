@@ -43,6 +43,8 @@ def is_bf16(x: Any) -> bool:
         return False
     dt = getattr(x, "dtype", None)
     return dt is not None and dt == bfloat16_dtype()
+
+
 # (op, device type) kernels that take bfloat16 arrays as they are and return them.
 NATIVE: set[tuple[str, str]] = set()
 

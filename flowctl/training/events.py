@@ -83,7 +83,6 @@ def _dtype(name: str) -> int:
 
 
 def _shape(shape: tuple[int | None, ...] | None) -> Any:
-    _tensorboardx()
     from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 
     if shape is None:
@@ -93,7 +92,6 @@ def _shape(shape: tuple[int | None, ...] | None) -> Any:
 
 def _attr(kind: str, v: Any) -> Any:
     """One flowctl attribute (its registry kind) as an AttrValue."""
-    _tensorboardx()
     from tensorboardX.proto.attr_value_pb2 import AttrValue
     from tensorboardX.proto.tensor_pb2 import TensorProto
 
@@ -113,7 +111,6 @@ def _attr(kind: str, v: Any) -> Any:
 
 
 def _outputs(specs: list[TensorSpec]) -> dict[str, Any]:
-    _tensorboardx()
     from tensorboardX.proto.attr_value_pb2 import AttrValue
 
     return {"_output_shapes": AttrValue(list=AttrValue.ListValue(shape=[_shape(s.shape) for s in specs])),
@@ -121,7 +118,7 @@ def _outputs(specs: list[TensorSpec]) -> dict[str, Any]:
 
 
 def node_def(node: Node, device: str, layer: str = "") -> Any:
-    _tensorboardx()
+    _tensorboardx()  # (the helpers below it run only after it: their imports find it loaded)
     from tensorboardX.proto.attr_value_pb2 import AttrValue
     from tensorboardX.proto.node_def_pb2 import NodeDef
 
