@@ -71,6 +71,32 @@ def test_the_packed_product_is_the_float64_ones_to_float32_rounding(m, k, n, lan
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=bound)
 
 
+def test_panels_taken_two_at_a_time_have_the_bits_of_panels_taken_alone() -> None:
+    # 16 lanes: the kernel pairs neighbouring panels (one h broadcast for both); a run of one panel
+    # cannot pair, so panel by panel is the unpaired product
+    from flowctl.kernels.cpu.gemm_jit import packed_matmul
+
+    rng = np.random.default_rng(11)
+    m, k, n = 20, 650, 16 * 7 + 5  # seven whole panels (three pairs and one alone) and a tail
+    a_t = np.ascontiguousarray(rng.standard_normal((m, k)).astype("float32").T)
+    wp = recurrent.pack(rng.standard_normal((k, n)).astype("float32"), 16, False)
+    paired, alone = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+    tail = np.empty((m, 16), np.float32)
+    packed_matmul(a_t, wp, paired, tail, 0, wp.shape[0])
+    for p in range(wp.shape[0]):
+        packed_matmul(a_t, wp, alone, tail, p, p + 1)
+    np.testing.assert_array_equal(paired, alone)
+
+
+def test_the_pass_runs_wherever_the_compiled_product_does() -> None:
+    # one vector register's columns a panel: 16 with AVX-512's registers, 8 with AVX2's
+    from flowctl.kernels.cpu.gemm_jit import wide_registers
+
+    recurrent_pack.enabled.cache_clear()
+    assert recurrent_pack.enabled()
+    assert recurrent_pack.lanes() == (16 if wide_registers() else 8)
+
+
 def test_past_max_rows_the_packed_product_is_the_references() -> None:
     rng = np.random.default_rng(5)
     a = rng.standard_normal((recurrent.MAX_ROWS + 1, 30)).astype("float32")

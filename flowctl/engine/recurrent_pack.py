@@ -20,10 +20,14 @@ MatMul(W_h, dz, transpose_b) nodes reading the same weight; the pack nodes take 
 product's device fields. A plan with control flow is left alone (a while loop's products run
 per iteration: the pass would need a frame of its own).
 
-The rule: where RecurrentMatMul's unpacked variant does not apply (a target without AVX-512; on
-AVX-512 that variant measured as fast as a packed one, without the copy) and PanelMatMul's compiled
-one does (numba present), both asked of the kernel registry; panels of 8 columns (AVX2's register).
-`FLOWCTL_PACK_RECURRENT=0` turns the pass off, `=1` on whatever the target.
+The rule: where PanelMatMul's compiled variant applies (numba present), asked of the kernel
+registry; panels of one vector register's columns, 16 on a target with AVX-512's registers and 8
+on AVX2's. On AVX-512 the unpacked few-row kernel (RecurrentMatMul's variant) had measured as fast
+as the packed one, without the copy, so only AVX2 targets packed; once the packed kernel took two
+panels at a time (kernels/cpu/gemm_jit.py) it measured, on lstm_lm's shapes (a 2-core Xeon with
+AVX-512, two intra-op threads, two weights taking turns): forward 0.40 ms a product against the
+unpacked kernel's 0.61 and OpenBLAS's 0.56, backward 0.42 against OpenBLAS's 0.76.
+`FLOWCTL_PACK_RECURRENT=0` turns the pass off, `=1` on whatever the registry says.
 """
 from __future__ import annotations
 
@@ -39,21 +43,27 @@ from flowctl.kernels.registry import chosen
 MIN_PRODUCTS = 4  # a pack costs about as much as two products
 
 
-LANES = 8  # columns per panel: one AVX2 register of float32 (AVX-512 targets pack only when forced)
+@functools.cache
+def lanes() -> int:
+    """Columns per panel: one vector register of float32 on the target numba compiles for (8
+    without numba, where the reference kernels run the packed nodes)."""
+    try:
+        from flowctl.kernels.cpu.gemm_jit import wide_registers
+    except ImportError:
+        return 8
+    return 16 if wide_registers() else 8
 
 
 @functools.cache
 def enabled() -> bool:
-    """The rule (module doc), asked of the kernel registry: RecurrentMatMul's unpacked variant does
-    not apply to a float32 product and PanelMatMul's compiled one does; or FLOWCTL_PACK_RECURRENT's
-    0 or 1."""
+    """The rule (module doc), asked of the kernel registry: PanelMatMul's compiled variant applies
+    to a float32 product; or FLOWCTL_PACK_RECURRENT's 0 or 1."""
     env = os.environ.get("FLOWCTL_PACK_RECURRENT", "")
-    if env in ("0", "1"):
-        return env == "1"
-    h, w = TensorSpec((None, 64), "float32"), TensorSpec((64, 256), "float32")
-    packed = TensorSpec((256 // LANES, 64, LANES), "float32")
-    return (chosen("RecurrentMatMul", "cpu", {}, [h, w]) is None
-            and chosen("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None)
+    if env == "0":
+        return False
+    h = TensorSpec((None, 64), "float32")
+    packed = TensorSpec((256 // 8, 64, 8), "float32")
+    return env == "1" or chosen("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None
 
 
 def pack_recurrent(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str]) -> Graph:
@@ -78,7 +88,7 @@ def pack_recurrent(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], t
     if not weights:
         return graph
     g = graph.copy()
-    width = LANES
+    width = lanes()
     for w, products in weights.items():
         k, n = graph.nodes[parse_ref(w)[0]].outputs[parse_ref(w)[1]].shape
         packed = _pack_node(g, w, products[0], width, transpose=False)

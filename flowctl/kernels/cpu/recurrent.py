@@ -56,8 +56,10 @@ def _applies(attrs: dict[str, Any], ins: Any) -> bool:
     least 1. With AVX2's sixteen (a 2-core AMD EPYC) the kernel lost to OpenBLAS: 1.2-1.5x its time
     alone at one thread, about even at two; lstm_lm's step 1.09x at one thread, 1.02x at two
     (alternating, in one process). Why is not measured; the same kernel over W_h packed in
-    contiguous panels beats OpenBLAS there, so reading w's rows 10 KB apart is the suspect: on such
-    targets the CPU plan packs W_h once a step instead (engine/recurrent_pack.py, PanelMatMul below)."""
+    contiguous panels beats OpenBLAS there, so reading w's rows 10 KB apart is the suspect. The CPU
+    plan now packs W_h once a step on every target (engine/recurrent_pack.py, PanelMatMul below:
+    two packed panels at a time beat this kernel on AVX-512 too); this variant runs the products
+    the pass leaves (a loop's, or fewer than its minimum)."""
     if not available() or not _wide_registers():
         return False
     try:
