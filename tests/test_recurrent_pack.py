@@ -94,7 +94,13 @@ def test_the_pass_runs_wherever_the_compiled_product_does() -> None:
 
     recurrent_pack.enabled.cache_clear()
     assert recurrent_pack.enabled()
-    assert recurrent_pack.lanes() == (16 if wide_registers() else 8)
+    width = 16 if wide_registers() else 8
+    assert recurrent_pack.lanes() == width
+    # the compiled product takes the register's width only (another width: the reference's unpacking)
+    h, attrs = TensorSpec((None, 64), "float32"), {"n": 256, "transpose_out": False}
+    other = 24 - width
+    assert chosen("PanelMatMul", "cpu", attrs, [h, TensorSpec((256 // width, 64, width), "float32")]) is not None
+    assert chosen("PanelMatMul", "cpu", attrs, [h, TensorSpec((256 // other, 64, other), "float32")]) is None
 
 
 def test_past_max_rows_the_packed_product_is_the_references() -> None:

@@ -43,27 +43,34 @@ from flowctl.kernels.registry import chosen
 MIN_PRODUCTS = 4  # a pack costs about as much as two products
 
 
+WIDTHS = (16, 8)  # panel widths asked of the registry, widest first: AVX-512's register, AVX2's
+
+
+def _compiled_width() -> int | None:
+    """The panel width whose product PanelMatMul's compiled variant takes on this target, if any."""
+    h = TensorSpec((None, 64), "float32")
+    for width in WIDTHS:
+        packed = TensorSpec((256 // width, 64, width), "float32")
+        if chosen("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None:
+            return width
+    return None
+
+
 @functools.cache
 def lanes() -> int:
-    """Columns per panel: one vector register of float32 on the target numba compiles for (8
-    without numba, where the reference kernels run the packed nodes)."""
-    try:
-        from flowctl.kernels.cpu.gemm_jit import wide_registers
-    except ImportError:
-        return 8
-    return 16 if wide_registers() else 8
+    """Columns per panel: one vector register of float32 on the target numba compiles for, as the
+    registry's rule for the compiled product says (8 where no compiled product applies)."""
+    return _compiled_width() or WIDTHS[-1]
 
 
 @functools.cache
 def enabled() -> bool:
     """The rule (module doc), asked of the kernel registry: PanelMatMul's compiled variant applies
-    to a float32 product; or FLOWCTL_PACK_RECURRENT's 0 or 1."""
+    to a float32 product at some width; or FLOWCTL_PACK_RECURRENT's 0 or 1."""
     env = os.environ.get("FLOWCTL_PACK_RECURRENT", "")
     if env == "0":
         return False
-    h = TensorSpec((None, 64), "float32")
-    packed = TensorSpec((256 // 8, 64, 8), "float32")
-    return env == "1" or chosen("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None
+    return env == "1" or _compiled_width() is not None
 
 
 def pack_recurrent(graph: Graph, fetches: Sequence[str], feeds: Sequence[str], targets: Sequence[str]) -> Graph:

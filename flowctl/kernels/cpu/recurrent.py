@@ -109,17 +109,26 @@ def panel_matmul(a: Any, wp: Any, n: int, transpose_out: bool) -> Any:
     return out.T if transpose_out else out
 
 
-def _packed_applies(positions: tuple[int, ...]) -> Callable[[dict[str, Any], Any], bool]:
+def _packed_applies(positions: tuple[int, ...], packed_at: int | None = None) -> Callable[[dict[str, Any], Any], bool]:
     def rule(attrs: dict[str, Any], ins: Any) -> bool:
-        """Rule: numba present, float32 inputs (float64 keeps the reference's 1e-12 path)."""
+        """Rule: numba present, float32 inputs (float64 keeps the reference's 1e-12 path); for the
+        product, panels one vector register wide on this target (16 lanes with AVX-512's registers,
+        8 with AVX2's), the width the CPU plan's pass asks the registry for."""
         if not available():
             return False
         try:
+            if packed_at is not None and ins[packed_at].shape[2] != register_lanes():
+                return False
             return all(ins[i].dtype == "float32" for i in positions)
         except (IndexError, TypeError, AttributeError):
             return False
 
     return rule
+
+
+def register_lanes() -> int:
+    """float32 lanes in one vector register of the target numba compiles for."""
+    return 16 if _wide_registers() else 8
 
 
 @variant("PackPanels", "cpu", "numba", _packed_applies((0,)))
@@ -128,7 +137,7 @@ def pack_panels_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda w: pack(w, lanes, transpose)
 
 
-@variant("PanelMatMul", "cpu", "numba", _packed_applies((0, 1)))
+@variant("PanelMatMul", "cpu", "numba", _packed_applies((0, 1), packed_at=1))
 def panel_matmul_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
     n, transpose_out = attrs["n"], attrs["transpose_out"]
     return lambda a, wp: panel_matmul(a, wp, n, transpose_out)
