@@ -63,6 +63,14 @@ def test_a_small_run_measures_both_and_the_counts_agree():
                    Row("tiny_conv_infer", TINY_CONV, 2, train=False)], steps=1, rounds=2, blas_n=256,
                   memory=False)
     assert r["machine"]["blas_gflops"]["numpy"] > 0
+    from rich.console import Console
+
+    from flowctl.cli.bench import _render_peers
+
+    console = Console(record=True, width=200)
+    _render_peers(console, r)
+    host = r["machine"]["host"]  # the CPU the ratios came from, printed beside the BLAS peak
+    assert f"{host['cpu']}, {host['vector_isa']}" in console.export_text()
     for name, row in r["rows"].items():
         assert row["params"]["spec"] == row["params"]["pytorch"], name
         assert row["flowctl"]["samples"] == row["pytorch"]["samples"] == 2

@@ -238,6 +238,8 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
     result's `model`)."""
     import ray
 
+    from flowctl.bench.host import describe
+
     say = progress or (lambda m: None)
     text = (spec or LSTM_LM).read_text()
     batch = int(yaml.safe_load(text)["training"]["batch_size"])
@@ -287,7 +289,7 @@ def dataparallel_benchmark(steps: int = 4, rounds: int = 2, threads: int = 1, sp
     link = {"bandwidth_Bps": rates["64_MiB"]["GBps"] * 1e9, "latency_s": rates["latency_s"]}
     return {
         "model": str(yaml.safe_load(text).get("name", "lstm_lm")), "batch": batch, "threads": threads,
-        "cores": cores, "steps": steps, "rounds": rounds,
+        "cores": cores, "host": describe(), "steps": steps, "rounds": rounds,
         "one_process": one, "one_process_all_threads": all_cores, "two_processes": ceiling, "two_workers": two_rows,
         "links": {s: dict(link) for s in two_rows}, "link_rates": rates, "ray_idle": idle,
         "ratios": {f"{s}_vs_one_process": two_rows[s]["examples_per_s"] / one["examples_per_s"]

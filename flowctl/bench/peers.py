@@ -539,8 +539,11 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
     if steps < 1 or rounds < 1:
         raise FlowctlError(f"bench peers: steps and rounds must be >= 1, got {steps} and {rounds}")
     say("measuring the BLAS peak")
+    from flowctl.bench.host import describe
+
     machine = {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n), "device": device}
+               "numpy": np.__version__, "blas_gflops": blas_peak(torch, blas_n), "device": device,
+               "host": describe()}
     if device != "cpu:0":
         machine.update(gpu_machine(torch, device))
     results: dict[str, Any] = {"machine": machine, "steps": steps, "rounds": rounds, "rows": {}}

@@ -206,6 +206,12 @@ def _render_launches(console: Console, r: dict[str, Any]) -> None:
         console.print(f"  {name} (batch {row['batch']}, {row.get('precision', 'fp32')}, {row['nodes']:,} nodes): {what}")
 
 
+def host_line(host: dict[str, Any]) -> str:
+    from flowctl.bench.host import line
+
+    return line(host)
+
+
 def _render_peers(console: Console, r: dict[str, Any]) -> None:
     rows = []
     for name, row in r["rows"].items():
@@ -255,7 +261,7 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
     blas = m["blas_gflops"]
     console.print(f"  BLAS peak (2048^2 float32 product): numpy {blas['numpy']:.0f} GFLOP/s, "
                   f"PyTorch {blas['pytorch']:.0f} GFLOP/s; {m['threads']} threads on "
-                  f"{m['cpus']} CPUs")
+                  f"{m['cpus']} CPUs" + (f" ({host_line(m['host'])})" if "host" in m else ""))
     for name, row in r["rows"].items():
         if "profile" in row:
             _render_profile(console, name, row["profile"])
@@ -333,7 +339,8 @@ def _render_dataparallel(console: Console, r: dict[str, Any]) -> None:
              f"{f['examples_per_s']:,.1f} [{min(f['rounds_examples_per_s']):,.1f}-"
              f"{max(f['rounds_examples_per_s']):,.1f}]", f"{f['examples_per_s'] / one:.2f}x"]
             for name, f, threads in rows]
-    console.print(fit(f"{r['model']}: data parallel on this machine ({r['cores']} cores), median of "
+    where = f"{r['cores']} cores" + (f": {host_line(r['host'])}" if "host" in r else "")
+    console.print(fit(f"{r['model']}: data parallel on this machine ({where}), median of "
                       f"{r['rounds']} rounds x {r['steps']} steps [rounds' range]",
                       [Col("row"), Col("threads"), Col("batch", "right"), Col("step ms", "right"),
                        Col("examples/s", "right"), Col(f"vs 1 process, {r['threads']} thread(s)", "right")],
