@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from llvmlite import ir
-from numba import types
+from numba import literally, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -79,6 +79,20 @@ def window_panel(typingctx: Any, x: Any, w: Any, o: Any, x0: Any, w0: Any, o0: A
 
 
 @njit
+def _blocks(xf: Any, wf: Any, of: Any, x0: int, o0: int, row_step: int, segments: int, seg_len: int, seg_x: int,
+            seg_w: int, panel_step: int, co: int, wo: int, wp: int, q: int, rows: int, panels: int) -> int:
+    """Positions q, q+rows, ... of one output row in blocks of `rows` (a literal, as `panels`) while
+    a whole block fits; the first position left."""
+    literally(rows)
+    literally(panels)
+    while q + rows <= wo:
+        window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co, row_step, segments, seg_len, seg_x, seg_w,
+                     panel_step, co, rows, panels)
+        q += rows
+    return q
+
+
+@njit
 def _row(xf: Any, wf: Any, of: Any, x0: int, o0: int, row_step: int, segments: int, seg_len: int, seg_x: int,
          seg_w: int, panel_step: int, co: int, wo: int, w0: int) -> None:
     """One output row: wo positions x every panel of co, positions in blocks of ROWS, 4 and 1,
@@ -86,34 +100,17 @@ def _row(xf: Any, wf: Any, of: Any, x0: int, o0: int, row_step: int, segments: i
     panels = co // LANES
     p = 0
     while p < panels:
-        two = p + 2 <= panels
-        wp = w0 + p * panel_step
-        q = 0
-        while q + ROWS <= wo:
-            if two:
-                window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co + p * LANES, row_step, segments, seg_len,
-                             seg_x, seg_w, panel_step, co, ROWS, 2)
-            else:
-                window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co + p * LANES, row_step, segments, seg_len,
-                             seg_x, seg_w, panel_step, co, ROWS, 1)
-            q += ROWS
-        while q + 4 <= wo:
-            if two:
-                window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co + p * LANES, row_step, segments, seg_len,
-                             seg_x, seg_w, panel_step, co, 4, 2)
-            else:
-                window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co + p * LANES, row_step, segments, seg_len,
-                             seg_x, seg_w, panel_step, co, 4, 1)
-            q += 4
-        while q < wo:
-            if two:
-                window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co + p * LANES, row_step, segments, seg_len,
-                             seg_x, seg_w, panel_step, co, 1, 2)
-            else:
-                window_panel(xf, wf, of, x0 + q * row_step, wp, o0 + q * co + p * LANES, row_step, segments, seg_len,
-                             seg_x, seg_w, panel_step, co, 1, 1)
-            q += 1
-        p += 2 if two else 1
+        wp, op = w0 + p * panel_step, o0 + p * LANES
+        if p + 2 <= panels:
+            q = _blocks(xf, wf, of, x0, op, row_step, segments, seg_len, seg_x, seg_w, panel_step, co, wo, wp, 0, ROWS, 2)
+            q = _blocks(xf, wf, of, x0, op, row_step, segments, seg_len, seg_x, seg_w, panel_step, co, wo, wp, q, 4, 2)
+            _blocks(xf, wf, of, x0, op, row_step, segments, seg_len, seg_x, seg_w, panel_step, co, wo, wp, q, 1, 2)
+            p += 2
+        else:
+            q = _blocks(xf, wf, of, x0, op, row_step, segments, seg_len, seg_x, seg_w, panel_step, co, wo, wp, 0, ROWS, 1)
+            q = _blocks(xf, wf, of, x0, op, row_step, segments, seg_len, seg_x, seg_w, panel_step, co, wo, wp, q, 4, 1)
+            _blocks(xf, wf, of, x0, op, row_step, segments, seg_len, seg_x, seg_w, panel_step, co, wo, wp, q, 1, 1)
+            p += 1
 
 
 @njit
