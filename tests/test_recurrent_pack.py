@@ -103,6 +103,20 @@ def test_the_pass_runs_wherever_the_compiled_product_does() -> None:
     assert chosen("PanelMatMul", "cpu", attrs, [h, TensorSpec((256 // other, 64, other), "float32")]) is None
 
 
+def test_the_passs_width_does_not_depend_on_the_reference_switch() -> None:
+    # first asked while a plan is bound to the reference kernels, the rule still sees the variants
+    from flowctl.kernels.cpu.gemm_jit import wide_registers
+
+    recurrent_pack.lanes.cache_clear()
+    recurrent_pack.enabled.cache_clear()
+    try:
+        with reference_kernels():
+            assert recurrent_pack.lanes() == (16 if wide_registers() else 8) and recurrent_pack.enabled()
+    finally:
+        recurrent_pack.lanes.cache_clear()
+        recurrent_pack.enabled.cache_clear()
+
+
 def test_past_max_rows_the_packed_product_is_the_references() -> None:
     rng = np.random.default_rng(5)
     a = rng.standard_normal((recurrent.MAX_ROWS + 1, 30)).astype("float32")

@@ -38,7 +38,7 @@ from typing import Sequence
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
 from flowctl.engine.multi_apply import plan_scope
 from flowctl.engine.shapes import TensorSpec
-from flowctl.kernels.registry import chosen
+from flowctl.kernels.registry import applicable
 
 MIN_PRODUCTS = 4  # a pack costs about as much as two products
 
@@ -51,7 +51,7 @@ def _compiled_width() -> int | None:
     h = TensorSpec((None, 64), "float32")
     for width in WIDTHS:
         packed = TensorSpec((256 // width, 64, width), "float32")
-        if chosen("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None:
+        if applicable("PanelMatMul", "cpu", {"n": 256, "transpose_out": False}, [h, packed]) is not None:
             return width
     return None
 

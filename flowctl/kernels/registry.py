@@ -37,7 +37,7 @@ from flowctl.kernels.cuda.blas import fp32_products, set_fp32_products
 from flowctl.kernels.cuda.graphs import capture_backend
 
 __all__ = ["DEAD", "DEVICE_TYPES", "INTO", "KERNELS", "KernelFactory", "Ready", "StepGuard", "array_module",
-           "Variant", "bind", "bind_into", "chosen", "capture_backend", "check_finite", "cupy_or_none", "device_types_for", "fp32_products", "gpu_count",
+           "Variant", "applicable", "bind", "bind_into", "chosen", "capture_backend", "check_finite", "cupy_or_none", "device_types_for", "fp32_products", "gpu_count",
            "gpu_properties", "has_kernel", "into", "kernel", "on_gpu", "override_array_module", "reference_kernels", "set_fp32_products",
            "to_host", "use_gpu", "variant", "VARIANTS"]
 
@@ -100,6 +100,13 @@ def chosen(op: str, device_type: str, attrs: dict[str, Any], ins: Sequence[Any] 
     """The variant `bind` takes for a node, or None for the reference kernel."""
     if ins is None or _reference_only["on"]:
         return None
+    return applicable(op, device_type, attrs, ins)
+
+
+def applicable(op: str, device_type: str, attrs: dict[str, Any], ins: Sequence[Any]) -> Variant | None:
+    """The first variant whose rule holds for these inputs, whatever `reference_kernels` says: what
+    a plan's pass asks when it decides a rewrite (a pass's choice must not depend on whether the
+    plan it first served was bound to the reference kernels)."""
     for v in VARIANTS.get((op, device_type), ()):
         if v.applies(attrs, ins):
             return v
