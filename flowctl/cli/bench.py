@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from flowctl.bench.host import line as host_line
 from flowctl.cli import consoles
 from flowctl.cli.tables import Col, fit
 from flowctl.engine.errors import FlowctlError
@@ -204,12 +205,6 @@ def _render_launches(console: Console, r: dict[str, Any]) -> None:
         what = (f"captured: {row['graph_nodes']:,} kernels in the graph" if row["captured"]
                 else f"not captured: {row['reason']}")
         console.print(f"  {name} (batch {row['batch']}, {row.get('precision', 'fp32')}, {row['nodes']:,} nodes): {what}")
-
-
-def host_line(host: dict[str, Any]) -> str:
-    from flowctl.bench.host import line
-
-    return line(host)
 
 
 def _render_peers(console: Console, r: dict[str, Any]) -> None:

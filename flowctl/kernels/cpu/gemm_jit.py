@@ -5,8 +5,9 @@ OpenBLAS packs w into its own layout on every call, reading and writing the whol
 before it multiplies; with 20 rows that copy costs as much as the product. Here w is read where it
 is: the output is cut into panels of 16 columns (one 512-bit register of float32), and for each
 panel and each block of up to ROWS rows (as many as the target's vector registers hold), one loop
-over k keeps the block's accumulators in vector registers, adding h[r, k] * w[k, panel] with one fused multiply-add per row (`panel`, written as
-LLVM IR through a numba intrinsic: numba's own loops leave such accumulators in memory). The
+over k keeps the block's accumulators in vector registers, adding h[r, k] * w[k, panel] with one
+fused multiply-add per row (`panel`, through `fma_block`, LLVM IR in a numba intrinsic: numba's own
+loops leave such accumulators in memory; window_jit.py's direct convolution uses it too). The
 panel's column of w (K x 64 bytes) stays in L1/L2 while the row blocks take turns over it.
 
 Each output is one sum over k in order 0..K-1, each term added with one rounding (fused), in
@@ -52,70 +53,73 @@ ROWS = 10 if wide_registers() else 6
 
 
 @intrinsic
-def panel(typingctx: Any, h_t: Any, w: Any, out: Any, j0: Any, r0: Any, k_len: Any, rows: Any,
-          lanes: Any, panels: Any, panel_step: Any) -> Any:
-    """out[r0:r0+rows, j0 + p*lanes : j0 + (p+1)*lanes] = sum over k < k_len of h_t[k, r0:r0+rows] (x)
-    w's panel p for p < panels, where panel p's row k starts panel_step elements after panel 0's
-    (w's own columns: lanes; packed panels: K * lanes); rows, lanes and panels literals, float32
-    C-order arrays (w and out: any row stride). Each h value is loaded once for all the panels."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (rows, lanes, panels)):
+def fma_block(typingctx: Any, x: Any, w: Any, o: Any, x0: Any, w0: Any, o0: Any, row_step: Any, x_k: Any,
+              segments: Any, seg_len: Any, seg_x: Any, seg_w: Any, panel_step: Any, w_k: Any, o_row: Any,
+              rows: Any, panels: Any, lanes: Any) -> Any:
+    """A register block of a small GEMM: for r < rows, p < panels, l < lanes,
+    o[o0 + r*o_row + p*lanes + l] = sum over s < segments, k < seg_len of
+    x[x0 + s*seg_x + r*row_step + k*x_k] * w[w0 + s*seg_w + p*panel_step + k*w_k + l],
+    the rows x panels accumulators held in vector registers through every k and segment, one fused
+    multiply-add per term, each output summed in order (s, then k). Offsets count float32 elements
+    from each array's first (x, w, o: float32 arrays of any shape and strides; rows, panels and
+    lanes literals). Each x value is loaded once and broadcast to all the panels. The recurrent
+    products (`panel` below: one segment, A given transposed) and the direct window pass
+    (window_jit.py: one segment per tap row, A's rows overlapping) are both this."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (rows, panels, lanes)):
         return None
-    nr, nv, npn = rows.literal_value, lanes.literal_value, panels.literal_value
-    sig = types.void(h_t, w, out, j0, r0, k_len, rows, lanes, panels, panel_step)
+    nr, npn, nv = rows.literal_value, panels.literal_value, lanes.literal_value
+    sig = types.void(x, w, o, x0, w0, o0, row_step, x_k, segments, seg_len, seg_x, seg_w, panel_step, w_k, o_row,
+                     rows, panels, lanes)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        h_a, w_a, o_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
-        j0v, r0v, kv, stepv = args[3], args[4], args[5], args[9]
+        xa, wa, oa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
+        x0v, w0v, o0v, rstep, xk, segn, segl, segx, segw, pstep, wk, orow = args[3:15]
         i64, f32 = ir.IntType(64), ir.FloatType()
         vec = ir.VectorType(f32, nv)
-        four = ir.Constant(i64, 4)
-
-        def row_stride(a: Any) -> Any:  # elements between rows
-            return builder.sdiv(cgutils.unpack_tuple(builder, a.strides)[0], four)
-
-        hs, ws, os = row_stride(h_a), row_stride(w_a), row_stride(o_a)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
                                              f"llvm.fma.v{nv}f32")
         splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), nv), [0] * nv)
-        before = builder.block
-        loop = builder.append_basic_block("panel_k")
-        done = builder.append_basic_block("panel_done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        k = builder.phi(i64)
-        k.add_incoming(ir.Constant(i64, 0), before)
-        accs = []  # row r, panel p at r * npn + p
-        for _ in range(nr * npn):
-            acc = builder.phi(vec)
-            acc.add_incoming(ir.Constant(vec, [0.0] * nv), before)
-            accs.append(acc)
-        w_row = builder.add(builder.mul(k, ws), j0v)
-        wvs = []
-        for p in range(npn):
-            w_at = builder.gep(w_a.data, [builder.add(w_row, builder.mul(stepv, ir.Constant(i64, p)))])
-            wvs.append(builder.load(builder.bitcast(w_at, vec.as_pointer()), align=4))
-        h_row = builder.add(builder.mul(k, hs), r0v)
-        sums = []
+        # accumulators in stack slots, which LLVM's passes promote to registers (r * panels + p)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * nv)) for _ in range(nr * npn)]
+        with cgutils.for_range(builder, segn) as seg:
+            x_seg = builder.add(x0v, builder.mul(seg.index, segx))
+            w_seg = builder.add(w0v, builder.mul(seg.index, segw))
+            with cgutils.for_range(builder, segl) as kk:
+                w_row = builder.add(w_seg, builder.mul(kk.index, wk))
+                wvs = []
+                for p in range(npn):
+                    at = builder.gep(wa.data, [builder.add(w_row, builder.mul(pstep, ir.Constant(i64, p)))])
+                    wvs.append(builder.load(builder.bitcast(at, vec.as_pointer()), align=4))
+                x_k_at = builder.add(x_seg, builder.mul(kk.index, xk))
+                for r in range(nr):
+                    xv = builder.load(builder.gep(xa.data, [builder.add(x_k_at, builder.mul(rstep, ir.Constant(i64, r)))]))
+                    one = builder.insert_element(ir.Constant(vec, ir.Undefined), xv, ir.Constant(ir.IntType(32), 0))
+                    splat = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat_mask)
+                    for p in range(npn):
+                        acc = accs[r * npn + p]
+                        builder.store(builder.call(fma, [splat, wvs[p], builder.load(acc)]), acc)
         for r in range(nr):
-            hv = builder.load(builder.gep(h_a.data, [builder.add(h_row, ir.Constant(i64, r))]))
-            one = builder.insert_element(ir.Constant(vec, ir.Undefined), hv, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat_mask)
+            o_r = builder.add(o0v, builder.mul(orow, ir.Constant(i64, r)))
             for p in range(npn):
-                sums.append(builder.call(fma, [splat, wvs[p], accs[r * npn + p]]))
-        k_next = builder.add(k, ir.Constant(i64, 1))
-        k.add_incoming(k_next, builder.block)
-        for acc, total in zip(accs, sums):
-            acc.add_incoming(total, builder.block)
-        builder.cbranch(builder.icmp_signed("<", k_next, kv), loop, done)
-        builder.position_at_end(done)
-        for r in range(nr):
-            o_row = builder.add(builder.mul(builder.add(r0v, ir.Constant(i64, r)), os), j0v)
-            for p in range(npn):
-                o_at = builder.gep(o_a.data, [builder.add(o_row, ir.Constant(i64, p * nv))])
-                builder.store(sums[r * npn + p], builder.bitcast(o_at, vec.as_pointer()), align=4)
+                at = builder.gep(oa.data, [builder.add(o_r, ir.Constant(i64, p * nv))])
+                builder.store(builder.load(accs[r * npn + p]), builder.bitcast(at, vec.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit
+def panel(h_t: Any, w: Any, out: Any, j0: int, r0: int, k_len: int, rows: int, lanes: int, panels: int,
+          panel_step: int) -> None:
+    """out[r0:r0+rows, j0 + p*lanes : j0 + (p+1)*lanes] = sum over k < k_len of h_t[k, r0:r0+rows] (x)
+    w's panel p for p < panels, where panel p's row k starts panel_step elements after panel 0's
+    (w's own columns: lanes; packed panels: K * lanes); rows, lanes and panels literals, float32
+    2-D arrays with unit column stride (any row stride)."""
+    literally(rows)
+    literally(lanes)
+    literally(panels)
+    hs, ws, os = h_t.strides[0] // 4, w.strides[0] // 4, out.strides[0] // 4
+    fma_block(h_t, w, out, r0, j0, r0 * os + j0, 1, hs, 1, k_len, 0, 0, panel_step, ws, os, rows, panels, lanes)
 
 
 @njit
