@@ -93,7 +93,7 @@ class _Params:
     """A Builder whose variables are the gradient checker's placeholders."""
 
     def __init__(self, graph: fc.Graph, tensors: dict[str, Tensor]) -> None:
-        self.graph, self.training, self.dtype, self.steps = graph, True, "float64", {}
+        self.graph, self.training, self.dtype, self.steps, self.split_layers = graph, True, "float64", {}, False
         self.tensors = tensors
 
     def variable(self, w: Weight) -> Tensor:

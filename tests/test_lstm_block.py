@@ -147,3 +147,30 @@ def test_lstm_block_cell_rejects_half_a_state():
     g = fc.Graph()
     with g.as_default(), pytest.raises(fc.GraphError, match="both hw and c_prev"):
         fc.lstm_block_cell(fc.constant(np.zeros((2, 8), np.float32)), hw=fc.constant(np.zeros((2, 8), np.float32)))
+
+
+
+@pytest.mark.parametrize("devices, strategy, products", [
+    ("[cpu:0]", "single", 1),  # one device: nothing to overlap with, one product over all steps
+    ("[cpu:0, cpu:1]", "single", 2),  # a placer may split the layers: 9 steps in chunks of 7
+    ("[cpu:0, cpu:1]", "sync_data_parallel", 1),  # each replica holds the whole model
+])
+def test_the_default_chunks_only_where_layers_may_split(devices, strategy, products):
+    spec = load_text(f"""
+version: 1
+model:
+  layers:
+    - {{name: x, type: input, shape: [9, {D}], dtype: float32}}
+    - {{name: lstm_1, type: lstm, units: {U}}}
+    - {{name: lstm_2, type: lstm, units: {U}}}
+devices: {devices}
+parallelism: {{strategy: {strategy}}}
+""", "lstm.yaml")
+
+    def input_products(**kw: int) -> int:
+        g = build_model(spec, training=False, **kw).graph
+        return sum(n.op == "MatMul" and n.name.startswith("lstm_2/") for n in g.nodes.values())
+
+    assert input_products() == products
+    if devices == "[cpu:0]":  # placed on a what-if cluster of two (flowctl place --devices): chunked
+        assert input_products(devices=2) == 2

@@ -79,8 +79,8 @@ def _variant(spec_file: str, variant: str, gpus: int, free: bool = False, optimi
 
 def _row(loaded: LoadedSpec, devices: str, batch: int, placers: tuple[str, ...], budget: float,
          seed: int, say: Callable[[str], None], learned_steps: int | None = None) -> dict[str, Any]:
-    sg = build_step(build_model(loaded), step_config(loaded))
     cluster = cluster_for(step_config(loaded), devices)
+    sg = build_step(build_model(loaded, devices=len(cluster.devices)), step_config(loaded))
     cost = StaticCostModel(cluster, batch=batch)
     targets = sg.targets
     pb = prepare(sg.graph, cluster, cost, targets)
@@ -125,8 +125,8 @@ def verdict(results: dict[str, dict[str, Any]]) -> str:
 def single_device_need(loaded: LoadedSpec, devices: str, batch: int) -> int:
     """The simulated peak memory of the whole step on one device (uncapped; give a spec without
     device constraints: what the model itself holds)."""
-    sg = build_step(build_model(loaded), step_config(loaded))
     cluster = cluster_for(step_config(loaded), devices)
+    sg = build_step(build_model(loaded, devices=len(cluster.devices)), step_config(loaded))
     pl = place(sg.graph, cluster, StaticCostModel(cluster, batch=batch), "single", targets=sg.targets)
     return max(d.peak_memory for d in pl.devices)
 

@@ -179,7 +179,7 @@ def bench_spec(loaded: LoadedSpec, algorithms: tuple[str, ...] = ("single", "exp
     if any(d.type != "cpu" for d in cluster.devices) and gpu_count() == 0:
         raise PlacementError("bench measures on real devices, and this machine has no GPU; use "
                              "`flowctl place --devices ...` for predictions on hardware that is not here")
-    step = build_step(build_model(loaded, training=True), config)
+    step = build_step(build_model(loaded, training=True, devices=len(cluster.devices)), config)
     if step.train is None:
         raise PlacementError(f"bench measures synchronous steps; {step.strategy} runs one client thread per "
                              f"replica (measure it with `flowctl train`)")

@@ -72,8 +72,10 @@ class _Builder:
     or bfloat16 (the Cast's gradient casts back, so the Variable gets a float32 gradient); batch
     norm runs in float32 on float32 statistics, its output lowered."""
 
-    def __init__(self, graph: Graph, training: bool, dtype: str, precision: str = "fp32") -> None:
+    def __init__(self, graph: Graph, training: bool, dtype: str, precision: str = "fp32",
+                 split_layers: bool = False) -> None:
         self.graph = graph
+        self.split_layers = split_layers
         self.training = training
         self.precision = precision
         self.var_dtype = dtype
@@ -149,17 +151,27 @@ def _initial_value(w: Weight, dtype: str) -> Tensor:
     raise GraphError(f"unknown initializer {w.init!r} for weight {w.name}")
 
 
+def layers_may_split(loaded: LoadedSpec, devices: int | None = None) -> bool:
+    """Whether a placement may put the spec's layers on different devices: more than one device
+    (the spec's, or `devices` of a what-if cluster) and no data-parallel strategy (whose replicas
+    each hold the whole model on one device)."""
+    n = len(loaded.spec.devices) if devices is None else devices
+    return n > 1 and loaded.spec.parallelism.strategy not in ("sync_data_parallel", "async_data_parallel")
+
+
 def build_model(loaded: LoadedSpec, training: bool = True, graph: Graph | None = None,
-                precision: str | None = None) -> BuiltModel:
+                precision: str | None = None, devices: int | None = None) -> BuiltModel:
     """Emit the spec's layers into `graph` (a fresh one seeded with `training.seed` by default).
     The built shapes and variables are checked against the layer library's static answers.
     `precision` (default: the spec's `training.precision`): fp16 computes the layers in float16
     on float32 variables, and the loss in float32; bf16 the same in bfloat16 (without loss scaling:
-    bfloat16 has float32's range)."""
+    bfloat16 has float32's range). `devices`: how many devices the step will be placed on, where
+    not the spec's (a what-if cluster): layers that may land on different devices are built to
+    overlap (`layers_may_split`)."""
     g = graph if graph is not None else Graph(seed=loaded.spec.training.seed)
     model = BuiltModel(g, loaded, training)
     precision = loaded.spec.training.precision if precision is None else precision
-    b = _Builder(g, training, loaded.spec.model.dtype, precision)
+    b = _Builder(g, training, loaded.spec.model.dtype, precision, layers_may_split(loaded, devices))
     mixed = precision != "fp32"
     compute = b.compute
     with g.as_default():

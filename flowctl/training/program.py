@@ -551,8 +551,8 @@ def plan(loaded: LoadedSpec, algorithm: str | None = None, devices: str | None =
     """Where a spec's training step would run, and how fast (`flowctl place`): built, placed on the
     spec's devices (or `devices`, a what-if cluster) and compared with other placers."""
     config = step_config(loaded)
-    step = build_step(build_model(loaded, training=True), config)
     cluster = cluster_for(config, devices)
+    step = build_step(build_model(loaded, training=True, devices=len(cluster.devices)), config)
     cost = cost or StaticCostModel(cluster, batch=batch or config.per_replica_batch)
     if learned is not None and learned.reward == "measured" and learned.measure is None:
         from flowctl.training.measure import StepMeter

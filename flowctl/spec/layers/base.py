@@ -77,6 +77,9 @@ class Builder(Protocol):
     # it from them: the next recurrent layer reads step t directly instead of unstacking the whole
     # sequence, so layer l+1 can run step t while layer l runs t+1 (Figure 8's model parallelism).
     steps: dict[str, list[Tensor]]
+    # Whether the layers may be placed on different devices (several devices, not one replica
+    # each): only then does a layer gain from starting on part of the one below's steps.
+    split_layers: bool
 
     def variable(self, w: Weight) -> Tensor: ...
 
