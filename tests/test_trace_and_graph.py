@@ -100,6 +100,20 @@ def test_a_tiny_models_trace_is_well_formed_too(tmp_path):
         assert 0 < ops[f"{device} compute"] <= executor[device]["busy_ms"] <= executor[device]["wall_ms"]
 
 
+
+def test_a_one_device_trace_names_the_ops_its_plan_ran(tmp_path):
+    """One device: the trace reads the graph after the CPU's plan passes, so the packed recurrent
+    weights and the products that read them appear as they ran (the spec's graph labelled them
+    RecurrentMatMul and left PackPanels out)."""
+    spec = tmp_path / "lstm1.yaml"
+    spec.write_text(LM_TWO_DEVICES.split("devices:")[0] + "training: {optimizer: {type: sgd}, batch_size: 8, steps: 2}\n")
+    r = CliRunner().invoke(cli, ["train", str(spec), "--run-dir", str(tmp_path / "run"), "--trace", "2"])
+    assert r.exit_code == 0, r.output
+    trace = json.loads((tmp_path / "run" / "trace-2.json").read_text())
+    cats = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1}
+    packed = recurrent_pack.enabled()
+    assert ("PackPanels" in cats, "PanelMatMul" in cats, "RecurrentMatMul" in cats) == (packed, packed, not packed)
+
 # test_place_cli's two towers, the constraints deciding (no placer named).
 TOWERS = TWO_TOWERS.replace("  algorithm: greedy\n", "")
 

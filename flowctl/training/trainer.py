@@ -645,8 +645,8 @@ class Trainer:
             graphs = self.session.step_plan(fetches, feeds).partitions
         elif isinstance(self.session, RaySession):  # its plans live on its workers; their graphs here
             graphs = self.session.partitions(fetches, feeds)
-        else:
-            graphs = {self.session.device: self.session.graph}
+        else:  # the graph its plan ran: the CPU's passes make nodes (PackPanels) and change ops
+            graphs = {self.session.device: self.session.plan_for(fetches, feeds).graph}
         trace = step_trace(stats, graphs, self.program.step.layers, self.program.placed.chosen.simulation,
                            title=f"{self.spec.name or self.spec.model.name} step {self.step + 1}")
         return write_trace(self.run.path / f"trace-{self.step + 1}.json", trace)
