@@ -17,6 +17,7 @@ import numpy as np
 
 from flowctl.kernels import intra
 from flowctl.kernels.cpu.jit import LANES, available, compiled
+from flowctl.kernels.cpu.team import team
 from flowctl.kernels.recurrent import unpack
 from flowctl.kernels.registry import variant
 
@@ -105,7 +106,11 @@ def panel_matmul(a: Any, wp: Any, n: int, transpose_out: bool) -> Any:
         a_t = np.ascontiguousarray(a.T)
         out = np.empty((m, n), np.float32)
         tail = np.empty((m, wp.shape[2]), np.float32)  # the last panel's, made by the one piece holding it
-        intra.for_chunks(wp.shape[0], lambda run: kernel(a_t, wp, out, tail, run.start, run.stop))
+        threads = intra.threads()
+        if threads == 1:
+            kernel(a_t, wp, out, tail, 0, wp.shape[0])
+        elif not team().product(a_t, wp, out, tail, threads):  # another thread's product holds the team
+            intra.for_chunks(wp.shape[0], lambda run: kernel(a_t, wp, out, tail, run.start, run.stop))
     return out.T if transpose_out else out
 
 
