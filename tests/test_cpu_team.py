@@ -58,17 +58,17 @@ def test_a_second_caller_while_the_team_is_busy_runs_its_product_without_it() ->
     def caller(i: int) -> None:
         a, wp, want = cases[i]
         try:
-            with intra.fixed(2):
-                for _ in range(60):
-                    np.testing.assert_array_equal(recurrent.panel_matmul(a, wp, 1200, False), want)
+            for _ in range(60):
+                np.testing.assert_array_equal(recurrent.panel_matmul(a, wp, 1200, False), want)
         except BaseException as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
+    with intra.fixed(2):  # process-wide: set once, around all three
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
     assert not errors and not any(th.is_alive() for th in threads)
 
 
