@@ -32,7 +32,7 @@ import numpy as np
 from flowctl.kernels import intra
 from flowctl.kernels.conv import GEMM_ROWS, Epilogue, Moves, conv2d_backprop_input, conv2d_forward, window
 from flowctl.kernels.cpu import winograd
-from flowctl.kernels.cpu.jit import available, compiled, floats_nhwc, njit
+from flowctl.kernels.cpu.jit import available, compiled, floats_nhwc, njit, wide_registers
 from flowctl.kernels.registry import variant
 
 Fn = Callable[..., Any]
@@ -139,8 +139,6 @@ def _direct_rule(attrs: dict[str, Any], ins: Any) -> bool:
         c, co = int(f.shape[2]), int(f.shape[3])
     except (IndexError, TypeError, AttributeError):
         return False
-    from flowctl.kernels.cpu.gemm_jit import wide_registers
-
     return c <= DIRECT_CHANNELS and co % 16 == 0 and wide_registers()
 
 

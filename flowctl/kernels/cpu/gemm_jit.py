@@ -26,20 +26,7 @@ from numba import literally, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flowctl.kernels.cpu.jit import LANES, njit
-
-
-def wide_registers() -> bool:
-    """The target numba compiles for has AVX-512's 32 vector registers of 512 bits (its features:
-    NUMBA_CPU_FEATURES where set, else the host's)."""
-    from numba.core import config
-
-    features = config.CPU_FEATURES
-    if features is None:
-        from llvmlite import binding
-
-        features = binding.get_host_cpu_features().flatten()
-    return "+avx512f" in features.split(",")
+from flowctl.kernels.cpu.jit import LANES, njit, wide_registers
 
 
 # Rows per register block, so that its accumulators, w's vector and h's broadcast fit the vector

@@ -30,6 +30,21 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+@functools.cache
+def wide_registers() -> bool:
+    """The target numba compiles for has AVX-512's 32 vector registers of 512 bits (its features:
+    NUMBA_CPU_FEATURES where set, else the host's): the register blocks' shapes and the rules of
+    the kernels built on them (gemm_jit.py, recurrent.py, conv.py's direct pass) ask this."""
+    from numba.core import config
+
+    features = config.CPU_FEATURES
+    if features is None:
+        from llvmlite import binding
+
+        features = binding.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
+
+
 _said = {"cache": False}
 
 

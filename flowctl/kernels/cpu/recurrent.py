@@ -10,13 +10,12 @@ each panel reads h's whole transpose again, and the BLAS keeps those products (n
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import numpy as np
 
 from flowctl.kernels import intra
-from flowctl.kernels.cpu.jit import LANES, available, compiled
+from flowctl.kernels.cpu.jit import LANES, available, compiled, wide_registers
 from flowctl.kernels.cpu.team import team
 from flowctl.kernels.recurrent import unpack
 from flowctl.kernels.registry import variant
@@ -45,13 +44,6 @@ def matmul(h: Any, w: Any) -> Any:
     return out
 
 
-@functools.cache
-def _wide_registers() -> bool:
-    from flowctl.kernels.cpu.gemm_jit import wide_registers
-
-    return wide_registers()
-
-
 def _applies(attrs: dict[str, Any], ins: Any) -> bool:
     """Rule: numba present, a target with AVX-512's registers, float32 h and w, both matrices, K at
     least 1. With AVX2's sixteen (a 2-core AMD EPYC) the kernel lost to OpenBLAS: 1.2-1.5x its time
@@ -61,7 +53,7 @@ def _applies(attrs: dict[str, Any], ins: Any) -> bool:
     plan now packs W_h once a step on every target (engine/recurrent_pack.py, PanelMatMul below:
     two packed panels at a time beat this kernel on AVX-512 too); this variant runs the products
     the pass leaves (a loop's, or fewer than its minimum)."""
-    if not available() or not _wide_registers():
+    if not available() or not wide_registers():
         return False
     try:
         h, w = ins[0], ins[1]
@@ -133,7 +125,7 @@ def _packed_applies(positions: tuple[int, ...], packed_at: int | None = None) ->
 
 def register_lanes() -> int:
     """float32 lanes in one vector register of the target numba compiles for."""
-    return 16 if _wide_registers() else 8
+    return 16 if wide_registers() else 8
 
 
 @variant("PackPanels", "cpu", "numba", _packed_applies((0,)))
