@@ -29,7 +29,6 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-import numpy as np
 from llvmlite import ir
 from numba import carray, types
 from numba.core import cgutils
