@@ -165,6 +165,46 @@ def xent_grad_into(xp: Any, attrs: dict[str, Any]) -> Fn:
     return lambda k, dy, m: xp.multiply(dy[:, None], m, out=m)
 
 
+# BiasSparseXent and XentGradBias (ops/nn.py; made by engine/xent_bias.py): the reference runs the
+# kernels of the pair it replaces one after the other, so it is the pair to the bit. The logits
+# it biases are its own buffer (a fresh sum, or x itself in place), which the loss then overwrites
+# with its gradient as SparseSoftmaxCrossEntropyWithLogits's in-place kernel does.
+def _bias_xent(xent: Fn) -> Callable[[Any, dict[str, Any]], Fn]:
+    def factory(xp: Any, attrs: dict[str, Any]) -> Fn:
+        run = xent(xp, attrs)
+        return lambda x, b, labels: run(xp.add(x, b), labels, into=True)
+    return factory
+
+
+def _bias_xent_into(xent: Fn) -> Callable[[Any, dict[str, Any]], Fn]:
+    def factory(xp: Any, attrs: dict[str, Any]) -> Fn:
+        run = xent(xp, attrs)
+        return lambda k, x, b, labels: run(xp.add(x, b, out=x), labels, into=True)
+    return factory
+
+
+kernel("BiasSparseXent")(_bias_xent(sparse_softmax_xent))
+kernel("BiasSparseXent", device_types=("cpu",))(_bias_xent(sparse_softmax_xent_cpu))
+into("BiasSparseXent", device_types=("gpu",))(_bias_xent_into(sparse_softmax_xent))
+into("BiasSparseXent", device_types=("cpu",))(_bias_xent_into(sparse_softmax_xent_cpu))
+
+
+@kernel("XentGradBias")
+def xent_grad_bias(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(dy: Any, m: Any) -> tuple[Any, Any]:
+        g = dy[:, None] * m
+        return g, g.sum(axis=0)
+    return run
+
+
+@into("XentGradBias")
+def xent_grad_bias_into(xp: Any, attrs: dict[str, Any]) -> Fn:
+    def run(k: int, dy: Any, m: Any) -> tuple[Any, Any]:
+        g = xp.multiply(dy[:, None], m, out=m)
+        return g, g.sum(axis=0)
+    return run
+
+
 @kernel("BiasAdd")
 def bias_add(xp: Any, attrs: dict[str, Any]) -> Fn:
     return xp.add  # bias broadcasts over the last axis by numpy's rules

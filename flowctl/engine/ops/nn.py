@@ -84,6 +84,16 @@ def _xent_grad_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[Tenso
     return [TensorSpec((merge_dim(n, dy.shape[0]), c), m.dtype)]
 
 
+def _bias_xent_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    x, b, labels = ins
+    return _sparse_xent_infer([_bias_add_infer([x, b], attrs)[0], labels], attrs)
+
+
+def _xent_grad_bias_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    g = _xent_grad_infer(ins, attrs)[0]
+    return [g, TensorSpec((g.shape[1],), g.dtype)]
+
+
 def _channels(x: TensorSpec, vec: TensorSpec, what: str, wide: bool = False) -> int | None:
     """The channel count shared by x's last axis and a per-channel vector. `wide`: a bfloat16 x
     may come with float32 vectors (batch norm's parameters and statistics stay float32)."""
@@ -287,6 +297,15 @@ register_op("XentGrad", _xent_grad_infer, num_inputs=2, group=NN,
 
 register_op("BiasAdd", _bias_add_infer, num_inputs=2, group=NN, grad=_g_bias_add, cost=_one_per_output,
             forward=(0,))
+# BiasSparseXent(x, bias, labels) = SparseSoftmaxCrossEntropyWithLogits(BiasAdd(x, bias), labels),
+# and XentGradBias(dy, m) = (XentGrad(dy, m), BiasAddGrad(XentGrad(dy, m))): made by the CPU plan's
+# pass (engine/xent_bias.py) of a classifier's last bias and its loss, never by a model; the biased
+# logits are never written, and the bias gradient is summed as the loss gradient is made. The same
+# bits as the pairs they replace; no gradients (the pass runs on a graph already differentiated).
+register_op("BiasSparseXent", _bias_xent_infer, num_inputs=3, group=NN, cost=_XENT_COST, forward=(0,),
+            forward_to=1, differentiable=False)
+register_op("XentGradBias", _xent_grad_bias_infer, num_inputs=2, group=NN, cost=_per_element(2),
+            forward=(1,), differentiable=False)
 # ChannelAffine(x, scale, shift) = activation(x * scale + shift), per channel (the last axis), in one
 # pass: batch norm in inference, whose scale and shift come from the moving statistics. The same
 # bits as the Mul, Add (and Relu) it replaces.

@@ -38,10 +38,11 @@ ROWS = 32
 
 @compiled
 def _kernels() -> Any:
-    """(exp_nonpositive, rows), compiled (kernels/cpu/softmax_jit.py), imported on first use."""
+    """(exp_nonpositive, rows, rows_bias, grad_bias), compiled (kernels/cpu/softmax_jit.py), imported
+    on first use."""
     from flowctl.kernels.cpu import softmax_jit as jit
 
-    return jit.exp_nonpositive, jit.rows
+    return jit.exp_nonpositive, jit.rows, jit.rows_bias, jit.grad_bias
 
 
 def exp_nonpositive(x: Any) -> Any:
@@ -65,6 +66,43 @@ def sparse_xent(logits: Any, labels: Any, into: bool = False) -> tuple[Any, Any]
     return loss, e
 
 
+def sparse_xent_bias(x: Any, bias: Any, labels: Any, into: bool = False) -> tuple[Any, Any]:
+    """sparse_xent(x + bias, labels) without writing x + bias: each row biased in a scratch row
+    (engine/xent_bias.py). `into`: the gradient written over x."""
+    n, c = x.shape
+    _check_labels(np, labels, c)
+    x = np.ascontiguousarray(x)
+    bias = np.ascontiguousarray(bias, dtype=np.float32)
+    e = x if into else np.empty_like(x)
+    loss = np.empty(n, x.dtype)
+    if n and c:
+        kernel = _kernels()[2]
+        ids = np.ascontiguousarray(labels, dtype=np.int64)
+        intra.for_chunks(-(-n // ROWS), lambda run: kernel(x, bias, ids, e, loss, run.start * ROWS,
+                                                           min(n, run.stop * ROWS)), least=2)
+    return loss, e
+
+
+# Columns per piece of XentGradBias on the intra-op threads (lstm_lm: 10000 columns, 10 pieces):
+# each piece walks every row, so its sums are made in one fixed order whoever runs it.
+COLUMNS = 1024
+
+
+def xent_grad_bias(dy: Any, m: Any, into: bool = False) -> tuple[Any, Any]:
+    """(dy[:, None] * m, its column sums) in one pass over m (engine/xent_bias.py). `into`: the
+    product written over m."""
+    n, c = m.shape
+    m = np.ascontiguousarray(m)
+    dy = np.ascontiguousarray(dy, dtype=np.float32)
+    g = m if into else np.empty_like(m)
+    db = np.zeros(c, m.dtype)
+    if n and c:
+        kernel = _kernels()[3]
+        intra.for_chunks(-(-c // COLUMNS), lambda run: kernel(dy, m, g, db, run.start * COLUMNS,
+                                                              min(c, run.stop * COLUMNS)), least=2)
+    return g, db
+
+
 def _applies(attrs: dict[str, Any], ins: Any) -> bool:
     """Rule: numba present, float32 logits (a matrix), integer labels (a vector)."""
     if not available():
@@ -84,3 +122,34 @@ def _into(xp: Any, attrs: dict[str, Any]) -> Fn:
 @variant("SparseSoftmaxCrossEntropyWithLogits", "cpu", "numba", _applies, into=_into)
 def sparse_xent_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
     return sparse_xent
+
+
+def _applies_bias(attrs: dict[str, Any], ins: Any) -> bool:
+    """Rule: numba present, float32 logits (a matrix) and bias, integer labels (a vector)."""
+    try:
+        return _applies(attrs, [ins[0], ins[2]]) and ins[1].dtype == "float32"
+    except (IndexError, TypeError, AttributeError):
+        return False
+
+
+@variant("BiasSparseXent", "cpu", "numba", _applies_bias,
+         into=lambda xp, attrs: lambda k, x, b, labels: sparse_xent_bias(x, b, labels, into=True))
+def sparse_xent_bias_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return sparse_xent_bias
+
+
+def _applies_grad(attrs: dict[str, Any], ins: Any) -> bool:
+    """Rule: numba present, float32 dy (a vector) and m (a matrix)."""
+    if not available():
+        return False
+    try:
+        dy, m = ins[0], ins[1]
+        return dy.dtype == "float32" and m.dtype == "float32" and len(m.shape) == 2 and len(dy.shape) == 1
+    except (IndexError, TypeError, AttributeError):
+        return False
+
+
+@variant("XentGradBias", "cpu", "numba", _applies_grad,
+         into=lambda xp, attrs: lambda k, dy, m: xent_grad_bias(dy, m, into=True))
+def xent_grad_bias_numba(xp: Any, attrs: dict[str, Any]) -> Fn:
+    return xent_grad_bias
