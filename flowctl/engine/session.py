@@ -19,7 +19,8 @@ from flowctl.engine.dtypes import np_dtype
 from flowctl.engine.errors import ExecutionError, GraphError, PlacementError
 from flowctl.engine.executor import Plan, RunStats
 from flowctl.engine.graph import Graph, Node, Tensor, make_ref, parse_ref
-from flowctl.engine import conv_affine, conv_siblings, multi_apply, multi_l2, recurrent_pack, xent_bias
+from flowctl.engine import (concat_products, conv_affine, conv_siblings, multi_apply, multi_l2, recurrent_pack,
+                            xent_bias)
 from flowctl.engine.ops.queues import queue_resource
 from flowctl.engine.passes import optimize
 from flowctl.kernels.registry import StepGuard, array_module, capture_backend, to_host
@@ -360,7 +361,7 @@ def cpu_passes(graph: Graph, refs: Sequence[str], feed_refs: Sequence[str], targ
     step alike (runtime.compile_partition), so a CPU device runs the same kernels whether the step
     is split or not: a convolution and the inference batch norm reading it as one node, sibling 1x1
     convolutions as one, a recurrent weight packed once a step, a classifier's last bias and its loss
-    as one node each way. Each copies the graph it changes."""
+    as one node each way, products written into the rows of the Concat that reads them. Each copies the graph it changes."""
     refs, feed_refs, targets = list(refs), list(feed_refs), list(targets)
     if conv_affine.ENABLED:
         graph = conv_affine.fuse_conv_affine(graph, refs, feed_refs, targets)
@@ -370,4 +371,6 @@ def cpu_passes(graph: Graph, refs: Sequence[str], feed_refs: Sequence[str], targ
         graph = recurrent_pack.pack_recurrent(graph, refs, feed_refs, targets)
     if xent_bias.ENABLED:
         graph = xent_bias.fuse_xent_bias(graph, refs, feed_refs, targets)
+    if concat_products.ENABLED:
+        graph = concat_products.fuse_concat_products(graph, refs, feed_refs, targets)
     return graph

@@ -34,6 +34,27 @@ def matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
     return mm
 
 
+# ConcatMatMul (ops/matrix.py, made by engine/concat_products.py): each product written into its
+# rows of the output by the array module's matmul, the same BLAS call MatMul's kernel makes (only
+# the output's row stride differs, which no BLAS result depends on): the Concat's bits, a copy of
+# the whole output fewer.
+@kernel("ConcatMatMul")
+def concat_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
+    flags = list(zip(attrs["transpose_a"], attrs["transpose_b"]))
+
+    def run(*ins: Any) -> Any:
+        ops = [(a.T if ta else a, b.T if tb else b) for (a, b), (ta, tb) in zip(zip(ins[::2], ins[1::2]), flags)]
+        out = xp.empty((sum(a.shape[0] for a, _ in ops), ops[0][1].shape[1]),
+                       dtype=xp.result_type(ops[0][0].dtype, ops[0][1].dtype))
+        row = 0
+        for a, b in ops:
+            xp.matmul(a, b, out=out[row:row + a.shape[0]])
+            row += a.shape[0]
+        return out
+
+    return run
+
+
 @kernel("BatchMatMul")
 def batch_matmul(xp: Any, attrs: dict[str, Any]) -> Fn:
     adj_x, adj_y = attrs["adj_x"], attrs["adj_y"]

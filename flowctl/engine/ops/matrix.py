@@ -48,6 +48,32 @@ def _matmul_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSp
                        dt)]
 
 
+def _concat_matmul_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
+    ta, tb = attrs["transpose_a"], attrs["transpose_b"]
+    if len(ins) % 2 or len(ta) != len(ins) // 2 or len(tb) != len(ins) // 2:
+        raise InferError(f"ConcatMatMul takes pairs (a, b) and a transpose flag of each: {len(ins)} inputs, "
+                         f"{len(ta)} and {len(tb)} flags")
+    outs = [_matmul_infer(ins[2 * i:2 * i + 2], {"transpose_a": bool(ta[i]), "transpose_b": bool(tb[i])})[0]
+            for i in range(len(ins) // 2)]
+    rows, n = 0, outs[0].shape[1]
+    for i, o in enumerate(outs):
+        if o.dtype != outs[0].dtype or not dims_equal(o.shape[1], n):
+            raise InferError(f"product {i} is {o.dtype} {o.shape}: the products' columns and dtypes must agree "
+                             f"({outs[0].dtype} {outs[0].shape})")
+        rows = None if rows is None or o.shape[0] is None else rows + o.shape[0]
+    return [TensorSpec((rows, n), outs[0].dtype)]
+
+
+def _concat_matmul_cost(ins: list[tuple[int, ...]], outs: list[tuple[int, ...]], dtypes: list[str],
+                        attrs: dict[str, Any]) -> tuple[float, float]:
+    n = outs[0][1]
+    flops = 0.0
+    for i, ta in enumerate(attrs["transpose_a"]):
+        m, k = (ins[2 * i][1], ins[2 * i][0]) if ta else ins[2 * i]
+        flops += 2.0 * m * k * n
+    return flops, memory_bytes(ins, outs, dtypes)
+
+
 def _batch_matmul_infer(ins: list[TensorSpec], attrs: dict[str, Any]) -> list[TensorSpec]:
     a, b = ins
     if len(a.shape) < 2 or len(b.shape) < 2:
@@ -155,6 +181,13 @@ def _g_determinant(op: Any, dy: list[Tensor]) -> list[Tensor]:
 register_op("MatMul", _matmul_infer, num_inputs=2,
             attrs={"transpose_a": ("bool", False), "transpose_b": ("bool", False)},
             grad=_g_matmul, cost=_product_cost, group=MATRIX)
+# ConcatMatMul(a_1, b_1, ..., a_k, b_k) = Concat([MatMul(a_i, b_i)], axis=0): made by the CPU plan's
+# pass (engine/concat_products.py) of products that only a row Concat reads (a weight's gradient
+# whose rows two products make: an LSTM kernel's input and recurrent rows), never by a model. Each
+# product is written straight into its rows of the output; per-product transposes as 0/1 lists.
+register_op("ConcatMatMul", _concat_matmul_infer, min_inputs=2,
+            attrs={"transpose_a": ("ints", ()), "transpose_b": ("ints", ())},
+            cost=_concat_matmul_cost, group=MATRIX, differentiable=False)
 register_op("BatchMatMul", _batch_matmul_infer, num_inputs=2,
             attrs={"adj_x": ("bool", False), "adj_y": ("bool", False)},
             grad=_g_batch_matmul, cost=_product_cost, group=MATRIX)
