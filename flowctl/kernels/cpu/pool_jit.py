@@ -38,6 +38,40 @@ def max_pool(x: Any, n0: int, n1: int, kh: int, kw: int, sh: int, sw: int, ph: i
 
 
 @njit
+def max_pool_inside(x: Any, n0: int, n1: int, kh: int, kw: int, sh: int, sw: int, y: Any) -> None:
+    """max_pool for windows that all lie inside x (no padding, none clipped), separably: for each
+    output row, each window row's max along its window columns (the taps in order, an output
+    position's channels contiguous), then those rows' max in order -- the order of the numpy
+    passes it replaced, one read of each input row from memory where they made kw + kh."""
+    ho, wo, c = y.shape[1], y.shape[2], y.shape[3]
+    row = np.empty((wo, c), x.dtype)
+    for n in range(n0, n1):
+        for r in range(ho):
+            yr = y[n, r]
+            for a in range(kh):
+                xi = x[n, r * sh + a]
+                for q in range(wo):
+                    rq = row[q]
+                    x0 = xi[q * sw]
+                    for ch in range(c):
+                        rq[ch] = x0[ch]
+                    for j in range(1, kw):
+                        xj = xi[q * sw + j]
+                        for ch in range(c):
+                            u, v = rq[ch], xj[ch]
+                            rq[ch] = u if (u >= v) | (u != u) else v  # numpy's maximum: a NaN wins
+                for q in range(wo):
+                    yq, rq = yr[q], row[q]
+                    if a == 0:
+                        for ch in range(c):
+                            yq[ch] = rq[ch]
+                    else:
+                        for ch in range(c):
+                            u, v = yq[ch], rq[ch]
+                            yq[ch] = u if (u >= v) | (u != u) else v
+
+
+@njit
 def max_pool_grad(x: Any, y: Any, dy: Any, n0: int, n1: int, kh: int, kw: int, sh: int, sw: int, ph: int,
                   pw: int, dx: Any) -> None:
     h, w, c = x.shape[1], x.shape[2], x.shape[3]
