@@ -4,6 +4,7 @@ thousands deep, a NUL byte, sizes no machine holds, a block repeated ten million
 spec, an empty .npz, and a Ctrl-C while the command line is still importing."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -169,8 +170,12 @@ INTERRUPTED_IMPORT = textwrap.dedent("""
 def test_ctrl_c_while_the_cli_imports_exits_130_quietly(tmp_path):
     spec = tmp_path / "demo.yaml"
     spec.write_text(DEMO)
+    # SIGINT at its default in the child, whatever this process inherited: Python installs its
+    # KeyboardInterrupt handler only over the default, and a test run started in the background of
+    # a non-interactive shell inherits SIGINT ignored (the child then ran to the end and exited 0)
     r = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, str(spec)], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                       timeout=120, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert r.returncode == 130, (r.returncode, r.stderr)
     assert r.stderr == "" and r.stdout == ""
 

@@ -68,6 +68,12 @@ LEFT_OUT = {
                   "the weight (tests/test_recurrent_pack.py)",
     "PanelMatMul": "made by a CPU plan's pass from RecurrentMatMul and its gradient's MatMul, reading "
                    "PackPanels's form (tests/test_recurrent_pack.py)",
+    "BiasSparseXent": "made by a CPU plan's pass from BiasAdd and the sparse softmax cross-entropy reading it, "
+                      "covered here, whose kernels it runs (tests/test_xent_bias.py)",
+    "XentGradBias": "made by a CPU plan's pass from XentGrad and the BiasAddGrad reading it, covered here "
+                    "(tests/test_xent_bias.py)",
+    "ConcatMatMul": "made by a CPU plan's pass from MatMuls that only a row Concat reads, covered here "
+                    "(tests/test_concat_products.py)",
     "NoOp": "no outputs",
     "FusedElementwise": "made by the fusion pass from element-wise ops covered here, whose kernels it runs "
                         "(tests/test_fusion.py)",
