@@ -12,6 +12,7 @@ from flowctl.engine.shapes import TensorSpec
 from flowctl.kernels.registry import bind
 from flowctl.spec import load_text
 from flowctl.spec.model import build_model
+from plan_runs import run_plan
 
 
 def _specs(*arrays: np.ndarray) -> list[TensorSpec]:
@@ -55,21 +56,14 @@ model:
     return model, [loss] + grads, {model.inputs["x"]: rng.standard_normal((3, 5, 4)).astype(dtype)}
 
 
-def _run(model, fetches, feeds, store=None):
-    s = fc.Session(model.graph, store=store or fc.ContainerStore())
-    if store is None:
-        s.run(model.initializer())
-    return s, s.run(fetches, feeds), [n.op for n in s.plan_for(fetches, feeds).nodes]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_an_lstms_kernel_gradient_is_one_node_with_the_same_bits(monkeypatch, dtype) -> None:
     model, fetches, feeds = _lstm(dtype)
     monkeypatch.setattr(concat_products, "ENABLED", False)
-    s, want, ops = _run(model, fetches, feeds)
+    s, want, ops = run_plan(model, fetches, feeds)
     assert "ConcatMatMul" not in ops
     monkeypatch.setattr(concat_products, "ENABLED", True)
-    _, got, fused = _run(model, fetches, feeds, s.store)
+    _, got, fused = run_plan(model, fetches, feeds, s.store)
     assert fused.count("ConcatMatMul") == 1
     assert fused.count("MatMul") == ops.count("MatMul") - 2 and fused.count("Concat") == ops.count("Concat") - 1
     for i, (a, b) in enumerate(zip(got, want)):

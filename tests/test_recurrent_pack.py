@@ -19,6 +19,7 @@ from flowctl.kernels.cpu import recurrent  # noqa: E402
 from flowctl.kernels.registry import bind, chosen, reference_kernels  # noqa: E402
 from flowctl.spec import load_text  # noqa: E402
 from flowctl.spec.model import build_model  # noqa: E402
+from plan_runs import run_plan  # noqa: E402
 
 
 def _spec(a: np.ndarray) -> TensorSpec:
@@ -150,23 +151,16 @@ model:
     return model, [y] + grads, feeds
 
 
-def _run(model, fetches, feeds, store=None):
-    s = fc.Session(model.graph, store=store or fc.ContainerStore())
-    if store is None:
-        s.run(model.initializer())
-    return s, s.run(fetches, feeds), [n.op for n in s.plan_for(fetches, feeds).nodes]
-
-
 @pytest.mark.parametrize("reference", [False, True])
 def test_the_pass_packs_an_lstms_weights_and_keeps_its_gradients(monkeypatch, reference) -> None:
     steps, units = 6, 21  # 4 * 21 = 84 columns: a tail panel at 8 and 16 lanes, and in W_h^T's 21
     model, fetches, feeds = _lstm(steps, units, "float32")
     monkeypatch.setattr(recurrent_pack, "enabled", lambda: False)
-    s, want, ops = _run(model, fetches, feeds)
+    s, want, ops = run_plan(model, fetches, feeds)
     assert "PanelMatMul" not in ops
     monkeypatch.setattr(recurrent_pack, "enabled", lambda: True)
     with reference_kernels(reference):
-        s2, got, ops = _run(model, fetches, feeds, s.store)
+        s2, got, ops = run_plan(model, fetches, feeds, s.store)
     # without the passes (what the placement profiler times): the graph's own products
     bare = [n.op for n in s2.plan_for(fetches, feeds, passes=False).nodes]
     assert "PanelMatMul" not in bare and bare.count("RecurrentMatMul") == 2 * (steps - 1)
@@ -183,5 +177,5 @@ def test_the_pass_leaves_few_products_and_float64_alone(monkeypatch, steps, dtyp
     # steps - 1 recurrent products a layer: 3 do not pay for a pack; float64 keeps the BLAS's product
     monkeypatch.setattr(recurrent_pack, "enabled", lambda: True)
     model, fetches, feeds = _lstm(steps, 8, dtype)
-    _, _, ops = _run(model, fetches, feeds)
+    _, _, ops = run_plan(model, fetches, feeds)
     assert "PackPanels" not in ops and "PanelMatMul" not in ops and "RecurrentMatMul" in ops

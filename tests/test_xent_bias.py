@@ -17,6 +17,7 @@ from flowctl.kernels import intra  # noqa: E402
 from flowctl.kernels.registry import bind, chosen, reference_kernels  # noqa: E402
 from flowctl.spec import load_text  # noqa: E402
 from flowctl.spec.model import build_model  # noqa: E402
+from plan_runs import run_plan  # noqa: E402
 
 SHAPES = [(37, 1030), (5, 3), (64, 2051), (1, 17), (130, 4096)]
 
@@ -122,22 +123,15 @@ model:
     return model, [loss] + grads, feeds
 
 
-def _run(model, fetches, feeds, store=None):
-    s = fc.Session(model.graph, store=store or fc.ContainerStore())
-    if store is None:
-        s.run(model.initializer())
-    return s, s.run(fetches, feeds), [n.op for n in s.plan_for(fetches, feeds).nodes]
-
-
 @pytest.mark.parametrize("dtype,reference", [("float32", False), ("float32", True), ("float64", False)])
 def test_the_pass_fuses_a_language_models_loss_with_the_same_bits(monkeypatch, dtype, reference) -> None:
     model, fetches, feeds = _language_model(dtype)
     monkeypatch.setattr(xent_bias, "ENABLED", False)
-    s, want, ops = _run(model, fetches, feeds)
+    s, want, ops = run_plan(model, fetches, feeds)
     assert "BiasSparseXent" not in ops and ops.count("BiasAddGrad") == 1
     monkeypatch.setattr(xent_bias, "ENABLED", True)
     with reference_kernels(reference):
-        _, got, ops = _run(model, fetches, feeds, s.store)
+        _, got, ops = run_plan(model, fetches, feeds, s.store)
     assert "BiasSparseXent" in ops and "XentGradBias" in ops
     assert "BiasAdd" not in ops and "BiasAddGrad" not in ops and "XentGrad" not in ops
     assert ops.count("Reshape") >= 2  # the fold and unfold stay (the MatMul gradients read them)
@@ -155,10 +149,10 @@ def test_the_pass_leaves_a_fetched_bias_or_bias_gradient_alone(monkeypatch) -> N
     g = model.graph
     bias_add = next(n for n in g.nodes.values() if n.op == "BiasAdd")
     bias_grad = next(n for n in g.nodes.values() if n.op == "BiasAddGrad")
-    _, _, ops = _run(model, fetches, feeds)
+    _, _, ops = run_plan(model, fetches, feeds)
     assert "BiasAdd" not in ops and "BiasAddGrad" not in ops
     # the logits fetched: the forward pair stays; the gradient's pair still fuses
-    _, _, ops = _run(model, fetches + [g.tensor(f"{bias_add.name}:0")], feeds)
+    _, _, ops = run_plan(model, fetches + [g.tensor(f"{bias_add.name}:0")], feeds)
     assert "BiasAdd" in ops and "BiasSparseXent" not in ops and "XentGradBias" in ops
     # the bias gradient fetched by name (not the variable's gradient list): it stays
     s = fc.Session(g)

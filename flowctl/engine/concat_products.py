@@ -23,7 +23,7 @@ import os
 from typing import Sequence
 
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.multi_apply import plan_scope
+from flowctl.engine.multi_apply import plan_scope, readers_and_controls, same_place
 
 ENABLED = os.environ.get("FLOWCTL_CONCAT_PRODUCTS", "1") != "0"
 _FLOATS = ("float32", "float64")
@@ -37,13 +37,7 @@ def fuse_concat_products(graph: Graph, fetches: Sequence[str], feeds: Sequence[s
     if scope is None:
         return graph
     need, keep = scope
-    readers: dict[str, int] = {}
-    controls: set[str] = set()
-    for node in graph.nodes.values():
-        controls.update(node.control_inputs)
-        for r in node.inputs:
-            src = parse_ref(r)[0]
-            readers[src] = readers.get(src, 0) + 1
+    readers, controls = readers_and_controls(graph)
     found: list[tuple[Node, list[Node]]] = []
     for name in sorted(need):
         concat = graph.nodes[name]
@@ -54,7 +48,7 @@ def fuse_concat_products(graph: Graph, fetches: Sequence[str], feeds: Sequence[s
             src, port = parse_ref(r)
             node = graph.nodes[src]
             if (node.op != "MatMul" or port != 0 or src not in need or src in keep or src in controls
-                    or readers.get(src) != 1 or _place(node) != _place(concat)
+                    or readers.get(src) != 1 or not same_place(node, concat)
                     or node.outputs[0].dtype not in _FLOATS or node.outputs[0].dtype != concat.outputs[0].dtype):
                 break
             products.append(node)
@@ -83,6 +77,3 @@ def fuse_concat_products(graph: Graph, fetches: Sequence[str], feeds: Sequence[s
                                   if c != node.name]
     return g
 
-
-def _place(n: Node) -> tuple:
-    return n.device, n.assigned_device, sorted(n.colocate_with)

@@ -26,7 +26,7 @@ import os
 from typing import Sequence
 
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.multi_apply import plan_scope
+from flowctl.engine.multi_apply import plan_scope, readers_and_controls, same_place
 
 ENABLED = os.environ.get("FLOWCTL_CONV_AFFINE", "1") != "0"
 _FLOATS = ("float32", "float64")
@@ -40,13 +40,7 @@ def fuse_conv_affine(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
     if scope is None:
         return graph
     need, keep = scope
-    readers: dict[str, int] = {}
-    controls: set[str] = set()
-    for node in graph.nodes.values():
-        controls.update(node.control_inputs)
-        for r in node.inputs:
-            src = parse_ref(r)[0]
-            readers[src] = readers.get(src, 0) + 1
+    readers, controls = readers_and_controls(graph)
     pairs = []
     for name in need:
         affine = graph.nodes[name]
@@ -55,7 +49,7 @@ def fuse_conv_affine(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
         src, port = parse_ref(affine.inputs[0])
         conv = graph.nodes[src]
         if (conv.op == "Conv2D" and port == 0 and src in need and src not in keep and src not in controls
-                and readers.get(src) == 1 and _same_place(conv, affine)
+                and readers.get(src) == 1 and same_place(conv, affine)
                 and conv.outputs[0].dtype in _FLOATS and affine.outputs[0].dtype == conv.outputs[0].dtype):
             pairs.append((conv, affine))
     if not pairs:
@@ -78,7 +72,3 @@ def fuse_conv_affine(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
                                   if c != node.name]
     return g
 
-
-def _same_place(a: Node, b: Node) -> bool:
-    return (a.device, a.assigned_device, sorted(a.colocate_with)) == (b.device, b.assigned_device,
-                                                                       sorted(b.colocate_with))

@@ -59,6 +59,25 @@ def plan_scope(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
     return need, {parse_ref(r)[0] for r in list(fetches) + list(feeds)} | set(targets)
 
 
+def readers_and_controls(graph: Graph) -> tuple[dict[str, int], set[str]]:
+    """How many inputs read each node's outputs, and the nodes some node waits on (its control
+    inputs): what a plan pass asks before it folds a node into its reader."""
+    readers: dict[str, int] = {}
+    controls: set[str] = set()
+    for node in graph.nodes.values():
+        controls.update(node.control_inputs)
+        for r in node.inputs:
+            src = parse_ref(r)[0]
+            readers[src] = readers.get(src, 0) + 1
+    return readers, controls
+
+
+def same_place(a: Node, b: Node) -> bool:
+    """Whether two nodes are bound to one place (device, assignment and colocation alike)."""
+    return (a.device, a.assigned_device, sorted(a.colocate_with)) == (b.device, b.assigned_device,
+                                                                       sorted(b.colocate_with))
+
+
 def group_updates(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
                   targets: Sequence[str]) -> Graph:
     """`graph` itself where nothing groups, else a copy in which each group of two or more

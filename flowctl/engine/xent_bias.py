@@ -34,7 +34,7 @@ import os
 from typing import Sequence
 
 from flowctl.engine.graph import Graph, Node, make_ref, parse_ref
-from flowctl.engine.multi_apply import plan_scope
+from flowctl.engine.multi_apply import plan_scope, readers_and_controls, same_place
 
 ENABLED = os.environ.get("FLOWCTL_XENT_BIAS", "1") != "0"
 _FLOATS = ("float32", "float64")
@@ -47,13 +47,7 @@ def fuse_xent_bias(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
     if scope is None:
         return graph
     need, keep = scope
-    readers: dict[str, int] = {}
-    controls: set[str] = set()
-    for node in graph.nodes.values():
-        controls.update(node.control_inputs)
-        for r in node.inputs:
-            src = parse_ref(r)[0]
-            readers[src] = readers.get(src, 0) + 1
+    readers, controls = readers_and_controls(graph)
 
     def free(name: str) -> bool:  # the plan runs it; nothing fetches, feeds or waits on it
         return name in need and name not in keep and name not in controls
@@ -87,15 +81,15 @@ def fuse_xent_bias(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
             src, port, fold = through_reshapes(node.inputs[0], sole=True)
             bias = graph.nodes[src]
             if (bias.op == "BiasAdd" and port == 0 and free(src) and readers.get(src) == 1
-                    and _same_place(bias, node) and bias.outputs[0].dtype in _FLOATS
-                    and (fold is None or _same_place(fold, node))
+                    and same_place(bias, node) and bias.outputs[0].dtype in _FLOATS
+                    and (fold is None or same_place(fold, node))
                     and (fold is not None or len(bias.outputs[0].shape) == 2)):
                 forward.append((bias, node, fold))
         elif node.op == "BiasAddGrad" and free(name):
             src, port, _ = through_reshapes(node.inputs[0], sole=False)  # (they stay: MatMuls read them)
             grad = graph.nodes[src]
             if (grad.op == "XentGrad" and port == 0 and src in need and src not in grads_taken
-                    and _same_place(grad, node) and grad.outputs[0].dtype in _FLOATS):
+                    and same_place(grad, node) and grad.outputs[0].dtype in _FLOATS):
                 backward.append((grad, node))
                 grads_taken.add(src)
     if not forward and not backward:
@@ -131,7 +125,3 @@ def _replace(g: Graph, old: Node, op: str, inputs: list[str], control: list[str]
     node.outputs = g._infer(node)
     g.nodes[old.name] = node
 
-
-def _same_place(a: Node, b: Node) -> bool:
-    return (a.device, a.assigned_device, sorted(a.colocate_with)) == (b.device, b.assigned_device,
-                                                                       sorted(b.colocate_with))
