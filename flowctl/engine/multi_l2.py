@@ -28,7 +28,7 @@ import os
 from typing import Sequence
 
 from flowctl.engine.graph import Graph, Node, parse_ref
-from flowctl.engine.multi_apply import plan_scope
+from flowctl.engine.multi_apply import plan_scope, readers_and_controls
 
 ENABLED = os.environ.get("FLOWCTL_MULTI_L2", "1") != "0"
 
@@ -41,11 +41,7 @@ def fuse_l2_sums(graph: Graph, fetches: Sequence[str], feeds: Sequence[str],
     if scope is None:
         return graph
     need, keep = scope
-    readers: dict[str, int] = {}
-    for node in graph.nodes.values():
-        for r in node.inputs:
-            src = parse_ref(r)[0]
-            readers[src] = readers.get(src, 0) + 1
+    readers, _ = readers_and_controls(graph)
     taken: set[str] = set()
     sums: list[tuple[Node, list[Node], list[Node]]] = []  # (root, its L2Loss terms in order, inner Adds)
     for name in reversed(graph.topo_order(need)):  # consumers first: a chain from its outermost Add

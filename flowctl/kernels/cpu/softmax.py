@@ -95,7 +95,7 @@ def xent_grad_bias(dy: Any, m: Any, into: bool = False) -> tuple[Any, Any]:
     m = np.ascontiguousarray(m)
     dy = np.ascontiguousarray(dy, dtype=np.float32)
     g = m if into else np.empty_like(m)
-    db = np.zeros(c, m.dtype)
+    db = np.empty(c, m.dtype) if n else np.zeros(c, m.dtype)  # (the kernel writes row 0's products first)
     if n and c:
         kernel = _kernels()[3]
         intra.for_chunks(-(-c // COLUMNS), lambda run: kernel(dy, m, g, db, run.start * COLUMNS,
