@@ -260,3 +260,40 @@ def test_round_by_round_ratios_are_each_rounds_medians():
     assert r["round_ratios"] == pytest.approx(ratio) and r["ratio_paired"] == pytest.approx(1.0)
     with pytest.raises(ValueError):
         paired_ratios(f[:-1], t[:-1], 5)  # blocks of unequal length
+
+
+def test_on_a_cpu_each_framework_runs_in_a_process_of_its_own_unless_asked():
+    """The default sitting spawns one process per framework (flowctl's heap is not PyTorch's: the
+    module doc says what sharing it did); `in_process` is the one-process sitting; both measure."""
+    pytest.importorskip("torch")
+    row = Row("tiny_lm", TINY, 4)
+    apart = run_peers([row], steps=1, rounds=2, blas_n=128, memory=False, peer_malloc="stock")["rows"]["tiny_lm"]
+    one = run_peers([row], steps=1, rounds=2, blas_n=128, memory=False, in_process=True)["rows"]["tiny_lm"]
+    assert (apart["processes"], apart["peer_malloc"]) == ("one per framework", "stock")
+    assert one["processes"] == "one" and "peer_malloc" not in one
+    for r in (apart, one):
+        assert r["params"]["spec"] == r["params"]["pytorch"] and r["flowctl"]["samples"] == 2 and r["ratio"] > 0
+    from flowctl.engine.errors import FlowctlError
+
+    with pytest.raises(FlowctlError, match="peer_malloc is one of flowctl, stock"):
+        run_peers([row], peer_malloc="jemalloc")
+
+
+def test_a_runner_that_fails_in_its_process_is_one_error():
+    """A spec error comes from the parent, as in one process (file:line:col); a failure inside a
+    framework's process comes back as one FlowctlError naming the row and the runner, and the
+    process is gone."""
+    pytest.importorskip("torch")
+    import multiprocessing
+
+    from flowctl.bench.peers import _Apart
+    from flowctl.engine.errors import FlowctlError
+
+    bad = Row("bad", TINY.replace("units: 50}", "units: 50, inputs: [nowhere]}"), 4)
+    with pytest.raises(FlowctlError, match=r"<bad>:10:\d+: .*unknown layer 'nowhere'"):
+        run_peers([bad], steps=1, rounds=1, blas_n=128, memory=False)
+    with pytest.raises(FlowctlError, match=r"bench peers: tiny_lm: nope: no runner named 'nope'"):
+        _Apart(multiprocessing.get_context("spawn"), Row("tiny_lm", TINY, 4), "nope", 1, "fp32", (), "flowctl")
+    for child in multiprocessing.active_children():
+        child.join(10)
+    assert not multiprocessing.active_children()

@@ -1,5 +1,5 @@
 """`flowctl bench peers`: seconds per training (or inference) step, flowctl beside PyTorch, in one
-process sitting.
+sitting.
 
 Each row builds a spec's model twice, as flowctl runs it (the `single` strategy's step: forward,
 gradients, the spec's clipping and optimizer update, batch-norm moving averages) and as a PyTorch
@@ -7,6 +7,18 @@ twin read off the same spec (flowctl.bench.torch_twin: same shapes, same paramet
 both the same synthetic batch, and times them in rounds that take turns (the order flips each
 round, so the machine's drift and the other's cache footprint fall on both alike). The learning
 rate is 0 on both sides: every update runs, and the weights stay put.
+
+On the CPU each framework runs in a process of its own (spawned, driven over a pipe, one at a time:
+`_Apart`). In one process the two share malloc's heap, and what one leaves there decides where the
+other's large buffers come from: measured on Inception-v3 at batch 32 (2 threads, AMD EPYC), after
+PyTorch's steps flowctl's 124-177 MB buffers no longer fitted in the heap's free space and came
+from fresh mappings, ~2,000-3,000 huge-page faults and 0.6-1.2 s of system time a step that
+flowctl alone does not have (16 faults), while PyTorch took flowctl's malloc settings
+(engine/allocator.py) that it does not ship with. PyTorch's process gets those settings too by
+default (`peer_malloc="flowctl"`: the same allocator policy on both sides, so what differs is the
+frameworks); `peer_malloc="stock"` runs it as shipped, glibc's defaults (at batch 32 ~1 million
+page faults a step). `in_process=True` is the old one-process sitting; a GPU row is always one
+process (its captures and device memory are read there).
 
 Figures per row: each framework's median step with a 95% bootstrap interval, and the ratio
 flowctl / PyTorch of the medians with its own bootstrap interval (< 1: flowctl is faster).
@@ -412,13 +424,149 @@ def peak_memory(row: Row, threads: int, device: str = "cpu:0") -> dict[str, dict
     return out
 
 
+PEER_MALLOC = ("flowctl", "stock")
+
+
+def _build_runner(row: Row, framework: str, device: str, precision: str, overrides: Sequence[str]) -> tuple[Any, int]:
+    """`framework`'s step for `row` ("flowctl", "flowctl_reference" or "pytorch") and its parameter
+    count, built as `run_row` builds them."""
+    sets = tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
+    loaded = _load(row, sets)
+    arrays = _batch(loaded, row.batch)
+    if framework == "pytorch":
+        return torch_step(loaded, arrays, row.train, device, precision)
+    if framework not in ("flowctl", "flowctl_reference"):
+        raise FlowctlError(f"no runner named '{framework}'")
+    return flowctl_step(loaded, arrays, row.train, device, reference=framework == "flowctl_reference"), \
+        sum(loaded.params())
+
+
+def _serve(conn: Any, row: Row, framework: str, threads: int, precision: str, overrides: Sequence[str],
+           malloc: str) -> None:
+    """A spawned process's life under `_Apart`: build one framework's step, warm it up, then run
+    what the pipe asks -- ("steps", n): one untimed step and n timed ones, their seconds;
+    ("profile",): where a step goes by op; ("stop",). Errors go back as ("error", message)."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        if framework == "pytorch":
+            torch = import_torch()
+            torch.set_num_threads(threads)
+            if malloc == "flowctl":  # the settings a flowctl Session makes (engine/allocator.py)
+                from flowctl.engine import allocator
+
+                allocator.tune()
+        threadpool_limits(threads)  # for the process's life
+        run, params = _build_runner(row, framework, "cpu:0", precision, overrides)
+        run()
+        run()  # warm-up: plans, allocators, thread pools
+        conn.send(("ready", params))
+    except Exception as e:  # noqa: BLE001 -- reported by the parent as one error
+        conn.send(("error", f"{row.name}: {framework}: {e}"))
+        return
+    while True:
+        ask = conn.recv()
+        try:
+            if ask[0] == "steps":
+                run()  # after the other framework ran, caches and threads are its
+                conn.send(("ok", [_timed(run) for _ in range(ask[1])]))
+            elif ask[0] == "profile":
+                conn.send(("ok", torch_profile(torch, run) if framework == "pytorch" else run.profile()))
+            else:
+                return
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"{row.name}: {framework}: {e}"))
+
+
+class _Apart:
+    """One framework's step in a spawned process of its own, driven over a pipe (module doc)."""
+
+    def __init__(self, ctx: Any, row: Row, framework: str, threads: int, precision: str,
+                 overrides: Sequence[str], malloc: str) -> None:
+        self.framework = framework
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(theirs, row, framework, threads, precision, tuple(overrides),
+                                                     malloc), daemon=True)
+        self.proc.start()
+        theirs.close()
+        self.params = self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise FlowctlError(f"bench peers: {self.framework}'s process ended (exit code "
+                               f"{self.proc.exitcode})") from None
+        if kind == "error":
+            raise FlowctlError(f"bench peers: {value}")
+        return value
+
+    def steps(self, n: int) -> list[float]:
+        self.conn.send(("steps", n))
+        return self._answer()
+
+    def profile(self) -> dict[str, Any]:
+        self.conn.send(("profile",))
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join()
+
+
+def _run_row_apart(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool, precision: str,
+                   overrides: Sequence[str], reference: bool, threads: int, malloc: str) -> dict[str, Any]:
+    """`run_row` on the CPU with each framework in its own process (module doc)."""
+    import multiprocessing
+
+    spec = _load(row, overrides).spec  # a spec's errors come from here, as in one process
+    ctx = multiprocessing.get_context("spawn")
+    names = ["flowctl", "pytorch"] + (["flowctl_reference"] if reference else [])
+    runners: dict[str, _Apart] = {}
+    try:
+        for name in names:
+            say(f"{row.name}: building {name}'s step in a process of its own")
+            runners[name] = _Apart(ctx, row, name, threads, precision, overrides, malloc)
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                say(f"{row.name}: round {r + 1}/{rounds}, {name}")
+                times[name] += runners[name].steps(steps)
+        out = summarize(times["flowctl"], times["pytorch"]) | paired_ratios(times["flowctl"], times["pytorch"], rounds)
+        if reference:
+            out["flowctl_reference"] = summarize(times["flowctl_reference"], times["pytorch"])["flowctl"]
+            out["kernels_ratio"] = float(np.median(times["flowctl"]) / np.median(times["flowctl_reference"]))
+        if profile:
+            say(f"{row.name}: profiling a step of each")
+            out["profile"] = {"flowctl": runners["flowctl"].profile(), "pytorch": runners["pytorch"].profile()}
+        params = {"spec": runners["flowctl"].params, "pytorch": runners["pytorch"].params}
+    finally:
+        for runner in runners.values():
+            runner.close()
+    out.update({"spec": spec.name or spec.model.name, "batch": row.batch, "mode": "train" if row.train else "inference",
+                "params": params, "processes": "one per framework", "peer_malloc": malloc})
+    return out
+
+
 def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profile: bool = False,
             device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = (),
-            reference: bool = False) -> dict[str, Any]:
-    """One row. On a GPU, four runners take turns: flowctl's step captured as a CUDA graph (the
-    `flowctl` figure) and eager, PyTorch's eager (the `pytorch` figure: the ratio is against it) and
-    its captured step; GPU memory is each allocator's, read in this process."""
+            reference: bool = False, in_process: bool = False, threads: int = 1,
+            peer_malloc: str = "flowctl") -> dict[str, Any]:
+    """One row. On the CPU each framework in a process of its own (`_run_row_apart`) unless
+    `in_process`. On a GPU, four runners take turns in this process: flowctl's step captured as a
+    CUDA graph (the `flowctl` figure) and eager, PyTorch's eager (the `pytorch` figure: the ratio is
+    against it) and its captured step; GPU memory is each allocator's, read in this process."""
     gpu = device != "cpu:0"
+    if not gpu and not in_process:
+        return _run_row_apart(row, steps, rounds, say, profile, precision, overrides, reference, threads, peer_malloc)
     sets = tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
     if gpu:  # the step is built for the device it runs on (fp16's skip without a cond, on one GPU)
         sets += (f"devices=[{device}]",)
@@ -478,7 +626,7 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
                           "pytorch": torch_profile(import_torch(), runners["pytorch"], gpu=device != "cpu:0")}
     out.update({"spec": loaded.spec.name or loaded.spec.model.name, "batch": row.batch,
                 "mode": "train" if row.train else "inference",
-                "params": {"spec": sum(loaded.params()), "pytorch": twin_params}})
+                "params": {"spec": sum(loaded.params()), "pytorch": twin_params}, "processes": "one"})
     return out
 
 
@@ -494,7 +642,7 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
               progress: Callable[[str], None] | None = None, blas_n: int = 2048,
               threads: int | None = None, memory: bool = True, profile: bool = False,
               device: str = "cpu:0", precision: str = "fp32", overrides: Sequence[str] = (),
-              reference: bool = False) -> dict[str, Any]:
+              reference: bool = False, in_process: bool = False, peer_malloc: str = "flowctl") -> dict[str, Any]:
     """Measure each row (names from ROWS, or Row objects); raise PeersUnavailable without torch.
     `blas_n`: the size of the square product that measures the BLAS peak. `threads`: the thread
     count both frameworks compute with (default: every CPU). `memory`: also each framework's
@@ -503,9 +651,14 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     where both run, cpu:0 or gpu:N (TF32 allowed on both sides there, as issue 19's table).
     `precision`: fp32, or fp16/bf16 (flowctl's `training.precision`, PyTorch's autocast).
     `overrides`: KEY=VALUE spec overrides for flowctl's side (`--set`). `reference`: on a CPU, also
-    time flowctl's step with its reference kernels only (`flowctl_reference`, `kernels_ratio`)."""
+    time flowctl's step with its reference kernels only (`flowctl_reference`, `kernels_ratio`).
+    `in_process`: on a CPU, both frameworks in this process (the sitting before each had its own);
+    `peer_malloc`: PyTorch's process with flowctl's malloc settings ("flowctl") or glibc's
+    ("stock") -- the module doc says why."""
     if precision not in PRECISIONS:
         raise FlowctlError(f"bench peers: precision is one of {', '.join(PRECISIONS)}, not '{precision}'")
+    if peer_malloc not in PEER_MALLOC:
+        raise FlowctlError(f"bench peers: peer_malloc is one of {', '.join(PEER_MALLOC)}, not '{peer_malloc}'")
     if torch_device(device).startswith("cuda"):
         # Read when cupy first makes its cuBLAS handle: set before any kernel runs.
         os.environ.setdefault("CUPY_TF32", "1")
@@ -520,14 +673,15 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     try:
         with threadpool_limits(n):
             return _run(torch, rows, steps, rounds, progress or (lambda _m: None), blas_n, memory, profile, device,
-                        precision, overrides, reference)
+                        precision, overrides, reference, in_process, peer_malloc)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, say: Callable[[str], None],
          blas_n: int, memory: bool, profile: bool = False, device: str = "cpu:0", precision: str = "fp32",
-         overrides: Sequence[str] = (), reference: bool = False) -> dict[str, Any]:
+         overrides: Sequence[str] = (), reference: bool = False, in_process: bool = False,
+         peer_malloc: str = "flowctl") -> dict[str, Any]:
     picked: list[Row] = []
     for r in rows if rows is not None else DEFAULT_ROWS:
         if isinstance(r, Row):
@@ -548,7 +702,8 @@ def _run(torch: Any, rows: Sequence[str | Row] | None, steps: int, rounds: int, 
         machine.update(gpu_machine(torch, device))
     results: dict[str, Any] = {"machine": machine, "steps": steps, "rounds": rounds, "rows": {}}
     for row in picked:
-        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device, precision, overrides, reference)
+        results["rows"][row.name] = run_row(row, steps, rounds, say, profile, device, precision, overrides, reference,
+                                            in_process, torch.get_num_threads(), peer_malloc)
         if memory and device == "cpu:0":  # a GPU row measured its devices' memory in this process
             say(f"{row.name}: resident memory, each framework in a fresh process")
             results["rows"][row.name]["memory"] = peak_memory(row, torch.get_num_threads(), device)

@@ -55,13 +55,20 @@ SUITES = ("engine", "strategies", "prefetch", "placement", "peers", "fusion", "l
 @click.option("--reference-kernels", is_flag=True,
               help="peers: also time flowctl with its reference kernels only (no compiled variants), in the "
                    "same rounds: what the compiled kernels are worth.")
+@click.option("--in-process", is_flag=True,
+              help="peers: on a CPU, both frameworks in this one process (by default each runs in a process of "
+                   "its own, taking turns: in one they share malloc's heap).")
+@click.option("--peer-malloc", type=click.Choice(["flowctl", "stock"]), default="flowctl", show_default=True,
+              help="peers: PyTorch's process with flowctl's malloc settings (the same allocator policy on both "
+                   "sides) or glibc's defaults, as PyTorch ships.")
 @click.option("--trace", "trace_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A spec target: trace one more step of each placement into this directory "
                    "(trace-<placer>.json: chrome://tracing or ui.perfetto.dev).")
 def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms: str, steps: int,
           rounds: int, overrides: tuple[str, ...], full: bool, learned_budget: float, learned_steps: int | None,
           rows: str | None, devices: str | None, profile: bool, threads: int | None, trace_dir: Path | None,
-          precision: str = "fp32", reference_kernels: bool = False, calibration: Path | None = None) -> None:
+          precision: str = "fp32", reference_kernels: bool = False, calibration: Path | None = None,
+          in_process: bool = False, peer_malloc: str = "flowctl") -> None:
     """Benchmark TARGET: a built-in suite (`engine`: dispatch, Conv2D, LSTM cell; `strategies`: data
     parallel and pipeline ratios on 2 virtual CPU devices; `prefetch`: a slow input with and without
     prefetching; `fusion`: training steps with and without element-wise fusion; `scaling`: data
@@ -127,7 +134,7 @@ def bench(target: str, as_json: bool, out: Path | None, quick: bool, algorithms:
         render = _render_dataparallel
     elif target == "peers":
         results, render = _peers(err, rows, 1 if quick else steps, 1 if quick else rounds, threads, profile,
-                                 devices or "cpu:0", precision, overrides, reference_kernels)
+                                 devices or "cpu:0", precision, overrides, reference_kernels, in_process, peer_malloc)
     elif Path(target).exists():
         from flowctl.spec.loader import load_spec
         from flowctl.bench.spec import bench_spec
@@ -177,7 +184,8 @@ def _render_placement(console: Console, r: dict[str, Any]) -> None:
 
 def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int | None,
            profile: bool = False, device: str = "cpu:0", precision: str = "fp32",
-           overrides: tuple[str, ...] = (), reference: bool = False) -> tuple[dict[str, Any], Any]:
+           overrides: tuple[str, ...] = (), reference: bool = False, in_process: bool = False,
+           peer_malloc: str = "flowctl") -> tuple[dict[str, Any], Any]:
     """`flowctl bench peers`: flowctl beside PyTorch (flowctl/bench/peers.py)."""
     from flowctl.bench.peers import run_peers
     from flowctl.engine.devices import canonical
@@ -189,7 +197,7 @@ def _peers(err: Console, rows: str | None, steps: int, rounds: int, threads: int
     with err.status("benchmarking against PyTorch") as status:
         results = run_peers(picked, steps=steps, rounds=rounds, progress=lambda m: status.update(m), threads=threads,
                             profile=profile, device=short, precision=precision, overrides=overrides,
-                            reference=reference)
+                            reference=reference, in_process=in_process, peer_malloc=peer_malloc)
     return results, _render_peers
 
 
@@ -247,6 +255,12 @@ def _render_peers(console: Console, r: dict[str, Any]) -> None:
                           f"{row['ratio_captured_ci95'][1]:.2f}]" + (
                               f"; flowctl eager {eager['median_s'] * 1e3:.2f} ms (capture x{row['capture_speedup']:.1f})"
                               if eager else ""))
+    for name, row in r["rows"].items():
+        if row.get("processes") == "one per framework":
+            console.print(f"  {name}: each framework in a process of its own, taking turns; PyTorch's with "
+                          + ("flowctl's malloc settings" if row["peer_malloc"] == "flowctl" else "glibc's malloc defaults"))
+        elif row.get("processes") == "one":
+            console.print(f"  {name}: both frameworks in this one process")
     m = r["machine"]
     if "gpu" in m:
         console.print(f"  on {m['device']}, {m['gpu']}: tensor-core peak (8192^2 product through PyTorch) "
