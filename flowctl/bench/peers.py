@@ -652,7 +652,7 @@ def run_peers(rows: Sequence[str | Row] | None = None, steps: int = 3, rounds: i
     `precision`: fp32, or fp16/bf16 (flowctl's `training.precision`, PyTorch's autocast).
     `overrides`: KEY=VALUE spec overrides for flowctl's side (`--set`). `reference`: on a CPU, also
     time flowctl's step with its reference kernels only (`flowctl_reference`, `kernels_ratio`).
-    `in_process`: on a CPU, both frameworks in this process (the sitting before each had its own);
+    `in_process`: on a CPU, both frameworks in this process (by default each has one of its own);
     `peer_malloc`: PyTorch's process with flowctl's malloc settings ("flowctl") or glibc's
     ("stock") -- the module doc says why."""
     if precision not in PRECISIONS:
