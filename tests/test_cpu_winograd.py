@@ -27,7 +27,7 @@ def _close(fast: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(fast, ref, rtol=TOL, atol=TOL * scale)
 
 
-@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (2, 5), (2, 7), (1, 1)])
+@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (2, 5), (2, 7), (3, 7), (1, 1)])
 def test_the_transforms_compute_the_correlation_exactly(m: int, r: int) -> None:
     at, g, bt = winograd.transforms(m, r)
     a = m + r - 1
@@ -46,7 +46,7 @@ CASES = [((2, 19, 17, 48), (3, 3, 48, 64), "SAME"), ((1, 22, 18, 32), (3, 3, 32,
          ((2, 20, 23, 48), (5, 5, 48, 64), "SAME"), ((1, 22, 21, 64), (5, 5, 64, 48), "VALID"),
          ((3, 35, 35, 64), (3, 3, 64, 96), "SAME"), ((2, 21, 19, 32), (3, 3, 32, 32), "VALID"),
          ((1, 20, 18, 40), (3, 3, 40, 40), "SAME"),
-         # F(2, 7) along one axis: Inception-v3's 17x17 shapes (an odd side: the last tile half out)
+         # F(3, 7) along one axis: Inception-v3's 17x17 shapes (17 outputs: the last tile a third out)
          ((2, 17, 17, 48), (1, 7, 48, 64), "SAME"), ((2, 17, 17, 64), (7, 1, 64, 48), "SAME"),
          ((1, 22, 25, 32), (1, 7, 32, 40), "VALID"), ((1, 25, 22, 40), (7, 1, 40, 32), "VALID")]
 
@@ -132,7 +132,7 @@ def test_a_one_axis_window_gives_the_general_loops_bits(kh: int, kw: int, shape:
     included, for all three transforms."""
     n, h, w, c = shape
     plan = winograd._plan(n, h, w, kh, kw, kh // 2, kw // 2, c, c, 4)
-    assert plan.one_axis and plan.points == 8
+    assert plan.one_axis and plan.points == 9  # F(3, 7)
     one_axis, general = winograd._kernels(plan), winograd._compiled()[0]
     assert one_axis is not general
     rng = np.random.default_rng(kh * 10 + kw + c)

@@ -3,11 +3,11 @@ multiplications (Lavin and Gray, "Fast Algorithms for Convolutional Neural Netwo
 
 Along an axis with a window of r taps, F(m, r) computes m outputs from a = m + r - 1 inputs with
 a products instead of m*r: y = A^T [(G g) * (B^T d)], B^T, G and A^T from Toom-Cook at the points
-0, +-1, 1/2, -2 and infinity, F(2, 7) also at -1/2 and 2 (`transforms`, built exactly, checked
-against the direct sum by the tests). The 2-D window nests the two axes: a 3x3 convolution runs
+0, +-1, 1/2, -2 and infinity, F(3, 7) at nine points of its own (`NINE_POINTS`; `transforms`,
+built exactly, checked against the direct sum by the tests). The 2-D window nests the two axes: a 3x3 convolution runs
 F(4x4, 3x3), 36 products per 4x4 outputs instead of 144; a 5x5 F(2x2, 5x5), 36 per 2x2 instead of
-100; a 1x7 or 7x1 F(2, 7) along its long axis and F(1, 1) (nothing) along the other, 8 products
-per 2 outputs instead of 14. Per tile of outputs the
+100; a 1x7 or 7x1 F(3, 7) along its long axis and F(1, 1) (nothing) along the other, 9 products
+per 3 outputs instead of 21. Per tile of outputs the
 input patch goes through B^T on both axes (`gather`, compiled), the a*a transformed planes are
 multiplied by the transformed filter as a*a GEMMs (BLAS), and A^T takes them back to outputs
 (`scatter`). The gradients are the same steps transposed: the input gradient is the forward pass
@@ -38,7 +38,8 @@ pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 3
 channels): 149x149x32 -> 32 3x3 23 / 35 / 24 -> 13.5 / 15 / 14.5 ms, 149x149x40 -> 40 (the general
 loops) 34 / 44 / 36 -> 29 / 31 / 31, 149x149x48 -> 48 47 / 63 / 46 -> 24 / 27 / 25, 35x35x32 -> 32
 1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Inception-v3's 17x17 1x7 and 7x1 layers on F(2, 7) (general
-loops, along the long axis alone: eight points have no written-out path), batch 8: 1x7 128 -> 128
+loops, along the long axis alone: eight points have no written-out path; F(3, 7) since, see
+OUT_TILE), batch 8: 1x7 128 -> 128
 4.2-5.0 / 3.4-3.6 / 3.7-5.8 -> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 /
 7.1-7.9 -> 5.7-5.9 / 5.9-6.1 / 6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 /
 29.2 / 33.7 -> 20.0 / 20.5 / 21.9); the long axis alone rather than the general loops' two (one
@@ -69,9 +70,20 @@ Fn = Callable[..., Any]
 # (73x73x80 -> 192, input gradient), F(2, 5)'s from 6e-6 to 2.4e-6. F(2, 7) takes all seven: its
 # error on Inception-v3's 17x17 layers at most 2.6e-6 in every pass.
 POINTS = (0, 1, -1, Fraction(1, 2), -2, Fraction(-1, 2), 2)
-# Outputs per tile along an axis, by window size: F(4, 3) and F(2, 5) at a = 6 points, F(2, 7) at
-# 8; a window of one tap is F(1, 1), no transform (the other axis of a 1x7 or 7x1 window).
-OUT_TILE = {1: 1, 3: 4, 5: 2, 7: 2}
+# F(3, 7)'s nine points (a set of its own: POINTS and one more gave up to 1.1e-5). Chosen by the
+# float32 error of one-axis correlations over 96-192 channels among 0, +-1 and two pairs and one
+# more from +-1/2, 2, 1/4, 4, 3/2, 2/3, 3, 1/3, 3/4, 4/3, 5/4, 4/5, 5/2, 2/5, then through the three
+# passes on Inception-v3's 17x17 layers against the float64 reference: at most 5.9e-6 of the
+# output's scale (input gradient; forward 5.3e-6, filter gradient 2.9e-6), F(2, 7)'s 2.5e-6.
+NINE_POINTS = (0, 1, -1, Fraction(1, 2), Fraction(-1, 2), Fraction(4, 3), Fraction(-4, 3), -3)
+# Outputs per tile along an axis, by window size: F(4, 3) and F(2, 5) at a = 6 points, F(3, 7) at
+# 9; a window of one tap is F(1, 1), no transform (the other axis of a 1x7 or 7x1 window).
+# F(3, 7) makes 3 outputs from 9 products where F(2, 7) made 2 from 8, and on a 17-wide image both
+# tile 18 outputs: measured, 2 threads, 17x17, forward / input gradient / filter gradient, 7x1
+# 192 -> 192 at batch 8 5.2 / 5.5 / 8.4 -> 4.5 / 4.3 / 7.1 ms, 1x7 5.6 / 6.0 / 8.2 -> 4.0 / 4.5 /
+# 7.1, 7x1 128 -> 128 2.9 / 3.1 / 3.7 -> 2.5 / 2.6 / 2.6, at batch 32 7x1 192 -> 192 19.9 / 20.2 /
+# 22-23 -> 16-17 / 17 / 17-19.
+OUT_TILE = {1: 1, 3: 4, 5: 2, 7: 3}
 WINDOWS = {(3, 3), (5, 5), (1, 7), (7, 1)}
 # Tiles per block: about this many bytes of transformed input and product planes, so a block's
 # planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
@@ -94,7 +106,7 @@ def transforms(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     the correlation is the transpose of the polynomial product g(x) h(x) evaluated at the points
     and interpolated back; each row of B^T is scaled to largest entry 1, G's row by the same."""
     a = m + r - 1
-    pts = [Fraction(p) for p in POINTS[:a - 1]]
+    pts = [Fraction(p) for p in (NINE_POINTS if a == 9 else POINTS[:a - 1])]
     if len(pts) != a - 1:
         raise ValueError(f"no Winograd points for F({m}, {r})")
 
