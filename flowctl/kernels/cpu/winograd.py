@@ -3,32 +3,34 @@ multiplications (Lavin and Gray, "Fast Algorithms for Convolutional Neural Netwo
 
 Along an axis with a window of r taps, F(m, r) computes m outputs from a = m + r - 1 inputs with
 a products instead of m*r: y = A^T [(G g) * (B^T d)], B^T, G and A^T from Toom-Cook at the points
-0, +-1, 1/2, -2 and infinity, F(3, 7) at nine points of its own (`NINE_POINTS`; `transforms`,
-built exactly, checked against the direct sum by the tests). The 2-D window nests the two axes: a 3x3 convolution runs
-F(4x4, 3x3), 36 products per 4x4 outputs instead of 144; a 5x5 F(2x2, 5x5), 36 per 2x2 instead of
-100; a 1x7 or 7x1 F(3, 7) along its long axis and F(1, 1) (nothing) along the other, 9 products
-per 3 outputs instead of 21. Per tile of outputs the
-input patch goes through B^T on both axes (`gather`, compiled), the a*a transformed planes are
+0, +-1, 1/2, -2 and infinity, F(3, 5) and F(3, 7) at points of their own (`OWN_POINTS`;
+`transforms`, built exactly, checked against the direct sum by the tests). The 2-D window nests the
+two axes: a 3x3 convolution runs F(4x4, 3x3), 36 products per 4x4 outputs instead of 144; a 5x5
+F(3x3, 5x5), 49 per 3x3 instead of 225; a 1x7 or 7x1 F(3, 7) along its long axis and F(1, 1)
+(nothing) along the other, 9 products per 3 outputs instead of 21. Per tile of outputs the input
+patch goes through B^T on both axes (`gather`, compiled), the a*a transformed planes are
 multiplied by the transformed filter as a*a GEMMs (BLAS), and A^T takes them back to outputs
 (`scatter`). The gradients are the same steps transposed: the input gradient is the forward pass
 over dy, zero-padded, with the filter flipped; the filter gradient multiplies the input's
 transformed tiles by dy's tiles taken through A (`gather_outputs`, scatter's transpose), summed
 over tiles, then G^T on both axes.
 
-The transforms take two paths with the same bits: the six-point matrices written out as
-straight-line float32 arithmetic over LANES channels at a time (zeros skipped, the lanes one
+The transforms take two paths with the same bits: F(4x4, 3x3)'s six-point matrices written out
+as straight-line float32 arithmetic over LANES channels at a time (zeros skipped, the lanes one
 vector register), for interior tiles when the channels are a whole number of LANES; general loops
-over the matrices for edge tiles and other channel counts (tested tile by tile, bit for bit).
-Measured, 2 threads, batch 8, fwd / dx / dW: 147x147x32 -> 64 39 / 37 / 37 -> 25 / 23 / 25 ms,
-35x35x48 -> 64 5x5 7.6 / 7.7 / 8.0 -> 6.4 / 6.8 / 6.7; the wider layers (80 channels and more)
+over the matrices for edge tiles, other channel counts and the other windows (tested tile by
+tile, bit for bit). Measured, 2 threads, batch 8, fwd / dx / dW: 147x147x32 -> 64 39 / 37 / 37 ->
+25 / 23 / 25 ms, 35x35x48 -> 64 5x5 (then F(2x2, 5x5), six points too) 7.6 / 7.7 / 8.0 -> 6.4 /
+6.8 / 6.7; the wider layers (80 channels and more)
 unchanged, where the general loops' long channel runs already vectorise; the Inception-v3 train
 step at batch 8 2-3% faster.
 
 Pieces: tiles in blocks of about BLOCK_BYTES of planes, fixed by the shapes; blocks go to the
 intra-op threads, and the filter gradient sums them in FILTER_GROUPS fixed groups, so the bits never
 depend on the thread count. float32 only: float64 keeps the GEMM kernels and their 1e-12. float32's
-error here is a few times the GEMMs' (measured on Inception-v3's layers: at most 4.3e-6 of the
-output's scale against the float64 reference, the GEMMs 8e-7; the tests hold it to 1e-5).
+error here is a few times the GEMMs' (at most 4.3e-6 of the output's scale against the float64
+reference on Inception-v3's 3x3 layers, up to 8.7e-6 on wider random ones and for F(3x3, 5x5): see
+OWN_POINTS; the GEMMs 8e-7; the tests hold it to 1e-5).
 
 Measured, 2 threads, batch 8, forward / input gradient / filter gradient, against the im2col + GEMM
 pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 35x35x96 -> 96 3x3
@@ -38,17 +40,16 @@ pieces (kernels/conv.py): 73x73x80 -> 192 3x3 56 / 59 / 58 -> 25 / 30 / 28 ms; 3
 channels): 149x149x32 -> 32 3x3 23 / 35 / 24 -> 13.5 / 15 / 14.5 ms, 149x149x40 -> 40 (the general
 loops) 34 / 44 / 36 -> 29 / 31 / 31, 149x149x48 -> 48 47 / 63 / 46 -> 24 / 27 / 25, 35x35x32 -> 32
 1.3 / 1.6 / 1.4 -> 1.0 / 1.1 / 1.1. Inception-v3's 17x17 1x7 and 7x1 layers on F(2, 7) (general
-loops, along the long axis alone: eight points have no written-out path; F(3, 7) since, see
-OUT_TILE), batch 8: 1x7 128 -> 128
-4.2-5.0 / 3.4-3.6 / 3.7-5.8 -> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 /
-7.1-7.9 -> 5.7-5.9 / 5.9-6.1 / 6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 /
-29.2 / 33.7 -> 20.0 / 20.5 / 21.9); the long axis alone rather than the general loops' two (one
-of them the identity) saved 3-8% per pass. (An earlier prototype had measured even with the GEMMs;
-the general loops, and OpenBLAS's idle threads, which spun beside the intra-op threads in some
-measuring scripts, have changed since.) The 8x8 1x3 and 3x1 layers (F(4, 3) on one axis) measured
-1.2-1.9x slower at batch 8, 1.2-1.4x faster at 32: not taken (MIN_SIDE); the rule sees no batch
-size (a graph's batch dimension is unknown until it runs). Not taken (MIN_CHANNELS, MIN_SIDE):
-where it measured slower; F(2x2, 3x3) 1.4x slower than F(4x4, 3x3).
+loops, along the long axis alone; F(3, 7) since, see OUT_TILE), batch 8: 1x7 128 -> 128 4.2-5.0 /
+3.4-3.6 / 3.7-5.8 -> 2.9-3.3 / 3.1-3.5 / 3.5-3.8 ms, 7x1 192 -> 192 6.9-7.6 / 6.5-7.7 / 7.1-7.9 ->
+5.7-5.9 / 5.9-6.1 / 6.2-7.3; batch 32 1.3-1.7x in every pass (7x1 192 -> 192 33.5 / 29.2 / 33.7 ->
+20.0 / 20.5 / 21.9); the long axis alone rather than the general loops' two (one of them the
+identity) saved 3-8% per pass. (An earlier prototype had measured even with the GEMMs; the general
+loops, and OpenBLAS's idle threads, which spun beside the intra-op threads in some measuring
+scripts, have changed since.) The 8x8 1x3 and 3x1 layers (F(4, 3) on one axis) measured 1.2-1.9x
+slower at batch 8, 1.2-1.4x faster at 32: not taken (MIN_SIDE); the rule sees no batch size (a
+graph's batch dimension is unknown until it runs). Not taken (MIN_CHANNELS, MIN_SIDE): where it
+measured slower; F(2x2, 3x3) 1.4x slower than F(4x4, 3x3).
 """
 from __future__ import annotations
 
@@ -70,20 +71,25 @@ Fn = Callable[..., Any]
 # (73x73x80 -> 192, input gradient), F(2, 5)'s from 6e-6 to 2.4e-6. F(2, 7) takes all seven: its
 # error on Inception-v3's 17x17 layers at most 2.6e-6 in every pass.
 POINTS = (0, 1, -1, Fraction(1, 2), -2, Fraction(-1, 2), 2)
-# F(3, 7)'s nine points (a set of its own: POINTS and one more gave up to 1.1e-5). Chosen by the
-# float32 error of one-axis correlations over 96-192 channels among 0, +-1 and two pairs and one
-# more from +-1/2, 2, 1/4, 4, 3/2, 2/3, 3, 1/3, 3/4, 4/3, 5/4, 4/5, 5/2, 2/5, then through the three
-# passes on Inception-v3's 17x17 layers against the float64 reference: at most 5.9e-6 of the
-# output's scale (input gradient; forward 5.3e-6, filter gradient 2.9e-6), F(2, 7)'s 2.5e-6.
-NINE_POINTS = (0, 1, -1, Fraction(1, 2), Fraction(-1, 2), Fraction(4, 3), Fraction(-4, 3), -3)
-# Outputs per tile along an axis, by window size: F(4, 3) and F(2, 5) at a = 6 points, F(3, 7) at
-# 9; a window of one tap is F(1, 1), no transform (the other axis of a 1x7 or 7x1 window).
+# Seven and nine points have sets of their own (`OWN_POINTS`: POINTS and one more gave F(3, 7) up
+# to 1.1e-5). Each chosen by the float32 error of the pass against the float64 reference among 0,
+# +-1 and pairs and one more from +-1/2, 2, 1/4, 4, 3/2, 2/3, 3, 1/3, 3/4, 4/3, 5/4, 4/5, then
+# checked through the three passes: F(3, 7) at most 7.3e-6 of the output's scale (normal inputs,
+# 3 seeds, 64-1024 channels; F(2, 7) 2.5e-6), F(3x3, 5x5) 8.7e-6 (48-192 channels; F(2x2, 5x5)
+# 2.4e-6), the class of F(4x4, 3x3) here (8.7e-6 at 512 channels). F(4x4, 5x5) at eight points:
+# up to 1.2e-5, not taken.
+OWN_POINTS = {7: (0, 1, -1, 2, -2, Fraction(1, 3)),
+              9: (0, 1, -1, Fraction(1, 2), Fraction(-1, 2), Fraction(4, 3), Fraction(-4, 3), -3)}
+# Outputs per tile along an axis, by window size: F(4, 3) at a = 6 points, F(3, 5) at 7, F(3, 7)
+# at 9; a window of one tap is F(1, 1), no transform (the other axis of a 1x7 or 7x1 window).
 # F(3, 7) makes 3 outputs from 9 products where F(2, 7) made 2 from 8, and on a 17-wide image both
 # tile 18 outputs: measured, 2 threads, 17x17, forward / input gradient / filter gradient, 7x1
 # 192 -> 192 at batch 8 5.2 / 5.5 / 8.4 -> 4.5 / 4.3 / 7.1 ms, 1x7 5.6 / 6.0 / 8.2 -> 4.0 / 4.5 /
 # 7.1, 7x1 128 -> 128 2.9 / 3.1 / 3.7 -> 2.5 / 2.6 / 2.6, at batch 32 7x1 192 -> 192 19.9 / 20.2 /
-# 22-23 -> 16-17 / 17 / 17-19.
-OUT_TILE = {1: 1, 3: 4, 5: 2, 7: 3}
+# 22-23 -> 16-17 / 17 / 17-19. F(3x3, 5x5), 49 products per 9 outputs against F(2x2, 5x5)'s 36 per
+# 4, 35x35x48 -> 64 (medians of 24, alternating): batch 8 6.8 / 6.5 / 6.9 -> 4.8 / 4.6 / 5.8 ms,
+# batch 32 23.9 / 25.5 / 25.4 -> 18.3 / 20.1 / 18.7 (F(4x4, 5x5) 4.2 / 4.5 / 5.1, 15.3 / 16.4 / 17.1).
+OUT_TILE = {1: 1, 3: 4, 5: 3, 7: 3}
 WINDOWS = {(3, 3), (5, 5), (1, 7), (7, 1)}
 # Tiles per block: about this many bytes of transformed input and product planes, so a block's
 # planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
@@ -106,7 +112,7 @@ def transforms(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     the correlation is the transpose of the polynomial product g(x) h(x) evaluated at the points
     and interpolated back; each row of B^T is scaled to largest entry 1, G's row by the same."""
     a = m + r - 1
-    pts = [Fraction(p) for p in (NINE_POINTS if a == 9 else POINTS[:a - 1])]
+    pts = [Fraction(p) for p in OWN_POINTS.get(a, POINTS[:a - 1])]
     if len(pts) != a - 1:
         raise ValueError(f"no Winograd points for F({m}, {r})")
 
@@ -144,8 +150,8 @@ def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
 
 def fast_path(a: int, c: int) -> bool:
     """Do the transforms take their straight-line path (interior tiles)? Six points on both axes
-    (F(4, 3) and F(2, 5)) and channels a whole number of LANES; otherwise every tile goes the
-    general way (the same sums in the same order, so the same bits: tested)."""
+    (F(4x4, 3x3)) and channels a whole number of LANES; otherwise every tile goes the general way
+    (the same sums in the same order, so the same bits: tested)."""
     return a == 6 and c % LANES == 0
 
 

@@ -16,8 +16,8 @@ import numpy as np
 from flowctl.kernels.cpu.jit import LANES, njit
 
 # The six-point transforms written out (zeros skipped, +-1 as additions), their constants
-# float32 as the matrices' are: B^T (6 -> 6, one matrix for F(4, 3) and F(2, 5): same points),
-# A^T (6 -> 4 or 6 -> 2) and A (4 or 2 -> 6). Each sums its terms in column order, as the general
+# float32 as the matrices' are: B^T (6 -> 6, any F(m, r) at six points: the same points), and
+# F(4, 3)'s A^T (6 -> 4) and A (4 -> 6). Each sums its terms in column order, as the general
 # loops below do, so both paths give the same bits; tests check each against `transforms`.
 _HALF, _QUARTER, _EIGHTH, _Q3, _P2, _P4 = (np.float32(v) for v in (0.5, 0.25, 0.125, 0.75, 0.2, 0.4))
 _TWO, _FOUR, _EIGHT = np.float32(2), np.float32(4), np.float32(8)
@@ -40,19 +40,9 @@ def at4(m0: Any, m1: Any, m2: Any, m3: Any, m4: Any, m5: Any) -> tuple:
 
 
 @njit(inline=True)
-def at2(m0: Any, m1: Any, m2: Any, m3: Any, m4: Any, m5: Any) -> tuple:
-    return m0 + m1 + m2 + m3 + m4, m1 - m2 + _HALF * m3 - _TWO * m4 + m5
-
-
-@njit(inline=True)
 def a4(d0: Any, d1: Any, d2: Any, d3: Any) -> tuple:
     return (d0, d0 + d1 + d2 + d3, d0 - d1 + d2 - d3, d0 + _HALF * d1 + _QUARTER * d2 + _EIGHTH * d3,
             d0 - _TWO * d1 + _FOUR * d2 - _EIGHT * d3, d3)
-
-
-@njit(inline=True)
-def a2(d0: Any, d1: Any) -> tuple:
-    return d0, d0 + d1, d0 - d1, d0 + _HALF * d1, d0 - _TWO * d1, d1
 
 
 @njit(inline=True)
@@ -86,36 +76,29 @@ def input_block(a: Any, s: Any, b: Any) -> None:
 
 
 @njit(inline=True)
-def output_block(a: Any, s: Any, b: Any, m: int) -> None:
-    """b[p*m + q] = (A^T M A)[p, q] for the 6x6 points M in a, m = 4 or 2 outputs per axis."""
+def output_block(a: Any, s: Any, b: Any) -> None:
+    """b[p*4 + q] = (A^T M A)[p, q] for the 6x6 points M in a."""
     for l in range(6):
         for q in range(LANES):
             x0, x1, x2, x3, x4, x5 = a[l, q], a[6 + l, q], a[12 + l, q], a[18 + l, q], a[24 + l, q], a[30 + l, q]
-            if m == 4:
-                s[l, q], s[6 + l, q], s[12 + l, q], s[18 + l, q] = at4(x0, x1, x2, x3, x4, x5)
-            else:
-                s[l, q], s[6 + l, q] = at2(x0, x1, x2, x3, x4, x5)
-    for p in range(m):
+            s[l, q], s[6 + l, q], s[12 + l, q], s[18 + l, q] = at4(x0, x1, x2, x3, x4, x5)
+    for p in range(4):
         for q in range(LANES):
             x0, x1, x2, x3, x4, x5 = s[6 * p, q], s[6 * p + 1, q], s[6 * p + 2, q], s[6 * p + 3, q], \
                 s[6 * p + 4, q], s[6 * p + 5, q]
-            if m == 4:
-                b[4 * p, q], b[4 * p + 1, q], b[4 * p + 2, q], b[4 * p + 3, q] = at4(x0, x1, x2, x3, x4, x5)
-            else:
-                b[2 * p, q], b[2 * p + 1, q] = at2(x0, x1, x2, x3, x4, x5)
+            b[4 * p, q], b[4 * p + 1, q], b[4 * p + 2, q], b[4 * p + 3, q] = at4(x0, x1, x2, x3, x4, x5)
 
 
 @njit(inline=True)
-def gradient_block(a: Any, s: Any, b: Any, m: int) -> None:
-    """b[k*6 + l] = (A dY A^T)[k, l] for the m x m outputs dY in a (row-major)."""
-    for j in range(m):
+def gradient_block(a: Any, s: Any, b: Any) -> None:
+    """b[k*6 + l] = (A dY A^T)[k, l] for the 4x4 outputs dY in a (row-major)."""
+    for j in range(4):
         for q in range(LANES):
-            o = a4(a[j, q], a[4 + j, q], a[8 + j, q], a[12 + j, q]) if m == 4 else a2(a[j, q], a[2 + j, q])
-            s[j, q], s[m + j, q], s[2 * m + j, q], s[3 * m + j, q], s[4 * m + j, q], s[5 * m + j, q] = o
+            o = a4(a[j, q], a[4 + j, q], a[8 + j, q], a[12 + j, q])
+            s[j, q], s[4 + j, q], s[8 + j, q], s[12 + j, q], s[16 + j, q], s[20 + j, q] = o
     for k in range(6):
         for q in range(LANES):
-            o = a4(s[4 * k, q], s[4 * k + 1, q], s[4 * k + 2, q], s[4 * k + 3, q]) if m == 4 \
-                else a2(s[2 * k, q], s[2 * k + 1, q])
+            o = a4(s[4 * k, q], s[4 * k + 1, q], s[4 * k + 2, q], s[4 * k + 3, q])
             b[6 * k, q], b[6 * k + 1, q], b[6 * k + 2, q], b[6 * k + 3, q], b[6 * k + 4, q], b[6 * k + 5, q] = o
 
 
@@ -171,7 +154,7 @@ def scatter(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw:
     _, ho, wo, co = y.shape
     mh, ah = ath.shape
     mw, aw = atw.shape
-    fast = ah == 6 and aw == 6 and mh == mw and co % LANES == 0
+    fast = ah == 6 and aw == 6 and mh == 4 and mw == 4 and co % LANES == 0
     rows = np.empty((mh, aw, co), y.dtype)
     a, s, b = np.empty((36, LANES), y.dtype), np.empty((36, LANES), y.dtype), np.empty((36, LANES), y.dtype)
     for t in range(t0, t1):
@@ -181,7 +164,7 @@ def scatter(m: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: Any, atw:
                 for p in range(36):
                     for q in range(LANES):
                         a[p, q] = m[p, t - t0, ch0 + q]
-                output_block(a, s, b, mh)
+                output_block(a, s, b)
                 for i in range(mh):
                     for j in range(mw):
                         for q in range(LANES):
@@ -221,7 +204,7 @@ def gather_outputs(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: A
     _, ho, wo, co = dy.shape
     mh, ah = ath.shape
     mw, aw = atw.shape
-    fast = ah == 6 and aw == 6 and mh == mw and co % LANES == 0
+    fast = ah == 6 and aw == 6 and mh == 4 and mw == 4 and co % LANES == 0
     rows = np.empty((ah, mw, co), dy.dtype)
     a, s, b = np.empty((36, LANES), dy.dtype), np.empty((36, LANES), dy.dtype), np.empty((36, LANES), dy.dtype)
     for t in range(t0, t1):
@@ -232,7 +215,7 @@ def gather_outputs(dy: Any, t0: int, t1: int, tiles_h: int, tiles_w: int, ath: A
                     for j in range(mw):
                         for q in range(LANES):
                             a[mw * i + j, q] = dy[n, r0 + i, c0 + j, ch0 + q]
-                gradient_block(a, s, b, mh)
+                gradient_block(a, s, b)
                 for p in range(36):
                     for q in range(LANES):
                         dm[p, t - t0, ch0 + q] = b[p, q]
