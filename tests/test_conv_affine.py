@@ -21,6 +21,8 @@ CASES = [((2, 19, 17, 48), (3, 3, 48, 64), (1, 1), "SAME", "float32", "winograd"
          ((3, 35, 35, 64), (3, 3, 64, 96), (1, 1), "SAME", "float32", "winograd"),  # many blocks of tiles
          ((2, 17, 17, 48), (1, 7, 48, 64), (1, 1), "SAME", "float32", "winograd"),  # F(3, 7), one axis
          ((2, 17, 17, 64), (7, 1, 64, 48), (1, 1), "VALID", "float32", "winograd"),
+         ((2, 8, 8, 48), (1, 3, 48, 32), (1, 1), "SAME", "float32", "winograd"),  # too few tiles: the GEMMs
+         ((16, 8, 8, 32), (3, 1, 32, 48), (1, 1), "SAME", "float32", "winograd"),  # enough: F(4, 3), one axis
          ((2, 23, 21, 16), (3, 3, 16, 24), (2, 2), "VALID", "float32", "numba"),  # GEMM pieces, strided
          ((2, 40, 40, 8), (3, 3, 8, 16), (1, 1), "SAME", "float32", "numba"),  # too few channels for Winograd
          ((2, 13, 11, 12), (3, 3, 12, 20), (1, 1), "SAME", "float64", "numba"),

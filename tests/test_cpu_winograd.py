@@ -48,7 +48,9 @@ CASES = [((2, 19, 17, 48), (3, 3, 48, 64), "SAME"), ((1, 22, 18, 32), (3, 3, 32,
          ((1, 20, 18, 40), (3, 3, 40, 40), "SAME"),
          # F(3, 7) along one axis: Inception-v3's 17x17 shapes (17 outputs: the last tile a third out)
          ((2, 17, 17, 48), (1, 7, 48, 64), "SAME"), ((2, 17, 17, 64), (7, 1, 64, 48), "SAME"),
-         ((1, 22, 25, 32), (1, 7, 32, 40), "VALID"), ((1, 25, 22, 40), (7, 1, 40, 32), "VALID")]
+         ((1, 22, 25, 32), (1, 7, 32, 40), "VALID"), ((1, 25, 22, 40), (7, 1, 40, 32), "VALID"),
+         # F(4, 3) along one axis (1x3, 3x1)
+         ((2, 17, 18, 48), (1, 3, 48, 40), "SAME"), ((1, 19, 16, 40), (3, 1, 40, 48), "VALID")]
 
 
 @pytest.mark.parametrize("x_shape,f_shape,padding", CASES)
@@ -175,14 +177,50 @@ def test_the_rule_takes_winograd_only_where_it_applies() -> None:
     assert picked((8, 149, 149, 32), (3, 3, 32, 32)) == "winograd"
     assert picked((8, 149, 149, 24), (3, 3, 24, 32)) is None  # too few channels
     assert picked((8, 35, 35, 24), (3, 3, 24, 96)) is None
-    assert picked((8, 8, 8, 448), (3, 3, 448, 384)) is None  # too small an image
+    assert picked((8, 8, 8, 448), (3, 3, 448, 384)) == "winograd"  # its kernel counts the tiles
+    assert picked((8, 7, 8, 448), (3, 3, 448, 384)) is None  # too small an image
     assert picked((8, 17, 17, 128), (1, 7, 128, 128)) == "winograd"
     assert picked((8, 17, 17, 160), (7, 1, 160, 192)) == "winograd"
-    assert picked((8, 8, 8, 384), (1, 3, 384, 384)) is None  # a window it does not take
-    assert picked((8, 8, 8, 128), (1, 7, 128, 128)) is None  # too small an image
-    assert picked((8, 17, 17, 128), (7, 7, 128, 128)) is None
+    assert picked((8, 8, 8, 384), (1, 3, 384, 384)) == "winograd"
+    assert picked((8, 17, 17, 128), (7, 7, 128, 128)) is None  # a window it does not take
+    assert picked((8, 17, 17, 128), (1, 5, 128, 128)) is None
+    filter_grad = {"strides": (1, 1), "padding": "SAME"}
+    x, dy, f = np.zeros((8, 8, 8, 384), "float32"), np.zeros((8, 8, 8, 384), "float32"), np.zeros((1, 3, 384, 384), "float32")
+    assert chosen("Conv2DBackpropFilter", "cpu", filter_grad, _specs(x, dy, f)) is None  # from MIN_SIDE only
+    x, dy = np.zeros((8, 16, 16, 384), "float32"), np.zeros((8, 16, 16, 384), "float32")
+    assert chosen("Conv2DBackpropFilter", "cpu", filter_grad, _specs(x, dy, f)).name == "winograd"
     with reference_kernels():
         assert picked((8, 35, 35, 64), (3, 3, 64, 96)) is None
+
+
+@pytest.mark.parametrize("n,f_shape,tiled", [(2, (1, 3, 48, 32), False), (8, (1, 3, 48, 32), True),
+                                             (2, (3, 3, 32, 48), False), (32, (3, 3, 32, 48), True)])
+def test_a_small_image_takes_winograd_from_min_tiles_on(n, f_shape, tiled) -> None:
+    """Below MIN_SIDE the forward pass and the input gradient bound to Winograd's variant count the
+    tiles of the shape they are called with: from MIN_TILES on Winograd's bits, below the GEMM
+    kernel's (the compiled variant the rule would take without Winograd; the reference for Conv2D);
+    both within float32 rounding of the float64 reference."""
+    from flowctl.kernels.cpu import conv  # noqa: F401 -- the GEMM pieces' variants
+
+    x_shape = (n, 8, 8, f_shape[2])
+    assert winograd.enough_tiles(n, 8, 8, f_shape[0], f_shape[1]) == tiled
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(x_shape).astype("float32")
+    f = (rng.standard_normal(f_shape) / np.sqrt(np.prod(f_shape[:3]))).astype("float32")
+    dy = rng.standard_normal(x_shape[:3] + (f_shape[3],)).astype("float32")
+    attrs = {"strides": (1, 1), "padding": "SAME"}
+    y = bind("Conv2D", "cpu", dict(attrs), _specs(x, f))(x, f)
+    dx = bind("Conv2DBackpropInput", "cpu", dict(attrs), _specs(dy, f, x))(dy, f, x)
+    if tiled:
+        want_y, want_dx = winograd.conv2d_forward(x, f, "SAME"), winograd.conv2d_backprop_input(dy, f, x.shape, "SAME")
+    else:
+        want_y = KERNELS[("Conv2D", "cpu")](np, dict(attrs))(x, f)
+        want_dx = winograd.otherwise("Conv2DBackpropInput", np, dict(attrs))(dy, f, x)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(dx, want_dx)
+    ref = {op: KERNELS[(op, "cpu")](np, dict(attrs)) for op in ("Conv2D", "Conv2DBackpropInput")}
+    _close(y, ref["Conv2D"](x.astype("float64"), f.astype("float64")))
+    _close(dx, ref["Conv2DBackpropInput"](dy.astype("float64"), f.astype("float64"), x))
 
 
 # tests/tiny_specs.py's convolution model, widened so its second convolution (48 -> 64, 3x3, 18x18)

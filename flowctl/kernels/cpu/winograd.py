@@ -47,9 +47,12 @@ loops, along the long axis alone; F(3, 7) since, see OUT_TILE), batch 8: 1x7 128
 identity) saved 3-8% per pass. (An earlier prototype had measured even with the GEMMs; the general
 loops, and OpenBLAS's idle threads, which spun beside the intra-op threads in some measuring
 scripts, have changed since.) The 8x8 1x3 and 3x1 layers (F(4, 3) on one axis) measured 1.2-1.9x
-slower at batch 8, 1.2-1.4x faster at 32: not taken (MIN_SIDE); the rule sees no batch size (a
-graph's batch dimension is unknown until it runs). Not taken (MIN_CHANNELS, MIN_SIDE): where it
-measured slower; F(2x2, 3x3) 1.4x slower than F(4x4, 3x3).
+slower at batch 8, 1.2-1.4x faster at 32, the three passes together; a graph's batch dimension is
+unknown until it runs, so the forward pass and the input gradient now count their tiles when called
+(MIN_TILES: Inception-v3's 8x8 1x3, 3x1 from batch 8, its 8x8 3x3 from 32; alternating in one
+process against the GEMMs on them, the train step 0.987 at batch 32, 1.004 at 8, inference at 8
+0.979). Not taken (MIN_CHANNELS, MIN_SIDE): where it measured slower; F(2x2, 3x3) 1.4x slower than
+F(4x4, 3x3).
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ import numpy as np
 from flowctl.kernels import intra
 from flowctl.kernels.conv import FILTER_GROUPS, Epilogue, window
 from flowctl.kernels.cpu.jit import LANES, compiled, floats_nhwc
-from flowctl.kernels.registry import variant
+from flowctl.kernels.registry import KERNELS, VARIANTS, variant
 
 Fn = Callable[..., Any]
 
@@ -90,16 +93,26 @@ OWN_POINTS = {7: (0, 1, -1, 2, -2, Fraction(1, 3)),
 # 4, 35x35x48 -> 64 (medians of 24, alternating): batch 8 6.8 / 6.5 / 6.9 -> 4.8 / 4.6 / 5.8 ms,
 # batch 32 23.9 / 25.5 / 25.4 -> 18.3 / 20.1 / 18.7 (F(4x4, 5x5) 4.2 / 4.5 / 5.1, 15.3 / 16.4 / 17.1).
 OUT_TILE = {1: 1, 3: 4, 5: 3, 7: 3}
-WINDOWS = {(3, 3), (5, 5), (1, 7), (7, 1)}
+WINDOWS = {(3, 3), (5, 5), (1, 3), (3, 1), (1, 7), (7, 1)}
 # Tiles per block: about this many bytes of transformed input and product planes, so a block's
 # planes stay in a core's L2 between the transform, the GEMMs and the transform back. Measured,
 # 2 threads, batch 8, 73x73x80 -> 192 3x3 forward: 36 ms with 1 MiB, 39 with 0.5 or 2, 49 with 12.
 BLOCK_BYTES = 1 << 20
 # Where it is taken (`_applies`): both channel counts at least MIN_CHANNELS and an image at least
 # MIN_SIDE on each side. Below, the transforms and the filter's transform cost more than the
-# products save: measured, 8x8x448 -> 384 9 -> 18 ms.
+# products save on few tiles: measured, 8x8x448 -> 384 3x3 at batch 8, 9 -> 18 ms. The forward pass
+# and the input gradient take images of SMALL_SIDE to MIN_SIDE too when they make MIN_TILES tiles
+# or more (a rule on the shape the kernel is called with, so the same shapes take the same kernel
+# on a resume; the batch is unknown when a plan binds): 2 threads, forward / input gradient,
+# GEMM pieces -> Winograd, ms: 8x8x384 -> 384 1x3 at batch 4 (64 tiles) 1.5 / 1.8 -> 1.6 / 2.2, at
+# 8 (128) 3.0 / 3.4 -> 2.3 / 2.8, 16 5.4 / 6.0 -> 4.3 / 5.1, 32 14.1 / 19.9 -> 12.9 / 7.1; 3x1 alike;
+# 8x8x448 -> 384 3x3 at 16 (64 tiles) 18.1 / 20.2 -> 23.0 / 23.9, at 32 (128) 45.3 / 46.6 -> 34.1 /
+# 35.5. The filter gradient stays at MIN_SIDE: its sums over few tiles measured slower at every
+# batch to 16 (1x3: 2.9 -> 6.3 ms at 8, 5.9 -> 10.8 at 16).
 MIN_CHANNELS = 32
 MIN_SIDE = 16
+SMALL_SIDE = 8
+MIN_TILES = 128
 # The filter's transform (`_Plan.filter`, `filter_back`: compiled, winograd_jit.two_axis) goes to the
 # intra-op threads in pieces of this many of the filter's C*Co columns.
 FILTER_PIECE = 4096
@@ -268,6 +281,12 @@ def _forward(x: Any, u: Any, plan: _Plan, y: Any, epilogue: Epilogue | None = No
     return y
 
 
+def window_sizes(x_shape: tuple, f_shape: tuple, padding: str) -> tuple[int, int, int, int]:
+    """(Ho, Wo, kh, kw) of a stride-1 pass of a kh x kw filter over x."""
+    kh, kw = int(f_shape[0]), int(f_shape[1])
+    return window(int(x_shape[1]), kh, 1, padding)[0], window(int(x_shape[2]), kw, 1, padding)[0], kh, kw
+
+
 def conv2d_forward(x: Any, f: Any, padding: str, epilogue: Epilogue | None = None) -> Any:
     kh, kw, c, co = f.shape
     n, h, w, _ = x.shape
@@ -325,10 +344,11 @@ def conv2d_backprop_filter(x: Any, dy: Any, f_shape: tuple, padding: str) -> Any
     return plan.filter_back(du, (kh, kw, c, co), x.dtype)
 
 
-def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable[[dict[str, Any], Any], bool]:
+def _applies(positions: tuple[int, int], filter_at: int, tiled: int,
+             min_side: int = MIN_SIDE) -> Callable[[dict[str, Any], Any], bool]:
     """Rule: numba present, stride 1, float32 NHWC inputs at `positions`, a window in WINDOWS with at
     least MIN_CHANNELS channels on both sides (the filter input's shape), and the image the tiles
-    cover (input `tiled`'s spatial size) at least MIN_SIDE on each side."""
+    cover (input `tiled`'s spatial size) at least `min_side` on each side."""
     def rule(attrs: dict[str, Any], ins: Any) -> bool:
         if tuple(attrs.get("strides", (0, 0))) != (1, 1) or not floats_nhwc(ins, positions):
             return False
@@ -338,25 +358,50 @@ def _applies(positions: tuple[int, int], filter_at: int, tiled: int) -> Callable
             kh, kw, c, co = ins[filter_at].shape
             h, w = ins[tiled].shape[1:3]
             return ((int(kh), int(kw)) in WINDOWS and min(int(c), int(co)) >= MIN_CHANNELS
-                    and min(int(h), int(w)) >= MIN_SIDE)
+                    and min(int(h), int(w)) >= min_side)
         except (IndexError, TypeError, ValueError):
             return False
     return rule
 
 
-forward_rule = _applies((0, 1), 1, 0)  # also FusedConv2D's (kernels/cpu/conv.py)
+forward_rule = _applies((0, 1), 1, 0, SMALL_SIDE)  # also FusedConv2D's (kernels/cpu/conv.py)
+
+
+def enough_tiles(n: int, h: int, w: int, kh: int, kw: int) -> bool:
+    """Does a forward pass (or input gradient) making an n x h x w image with a kh x kw window take
+    Winograd here? Always from MIN_SIDE on; below, from MIN_TILES tiles."""
+    return min(h, w) >= MIN_SIDE or n * -(-h // OUT_TILE[kh]) * -(-w // OUT_TILE[kw]) >= MIN_TILES
+
+
+def otherwise(op: str, xp: Any, attrs: dict[str, Any]) -> Fn:
+    """The kernel of `op` that runs where Winograd's makes too few tiles: the GEMM pieces, its
+    compiled variant where it has one (named "numba", kernels/cpu/conv.py), else its reference."""
+    found = [v for v in VARIANTS.get((op, "cpu"), ()) if v.name == "numba"]
+    return (found[0].factory if found else KERNELS[(op, "cpu")])(xp, attrs)
 
 
 @variant("Conv2D", "cpu", "winograd", forward_rule)
 def conv2d_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
-    padding = attrs["padding"]
-    return lambda x, f: conv2d_forward(x, f, padding)
+    padding, gemm = attrs["padding"], otherwise("Conv2D", xp, attrs)
+
+    def run(x: Any, f: Any) -> Any:
+        if enough_tiles(x.shape[0], *window_sizes(x.shape, f.shape, padding)):
+            return conv2d_forward(x, f, padding)
+        return gemm(x, f)
+
+    return run
 
 
-@variant("Conv2DBackpropInput", "cpu", "winograd", _applies((0, 1), 1, 2))
+@variant("Conv2DBackpropInput", "cpu", "winograd", _applies((0, 1), 1, 2, SMALL_SIDE))
 def conv2d_backprop_input_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
-    padding = attrs["padding"]
-    return lambda dy, f, like_x: conv2d_backprop_input(dy, f, like_x.shape, padding)
+    padding, gemm = attrs["padding"], otherwise("Conv2DBackpropInput", xp, attrs)
+
+    def run(dy: Any, f: Any, like_x: Any) -> Any:
+        if enough_tiles(dy.shape[0], like_x.shape[1], like_x.shape[2], f.shape[0], f.shape[1]):
+            return conv2d_backprop_input(dy, f, like_x.shape, padding)
+        return gemm(dy, f, like_x)
+
+    return run
 
 
 @variant("Conv2DBackpropFilter", "cpu", "winograd", _applies((0, 1), 2, 1))
