@@ -166,17 +166,32 @@ PAIR = 16  # the lanes at which panels are taken two at a time
 
 @njit
 def pack_panels(w: Any, wp: Any, p0: int, p1: int) -> None:
-    """wp[p0:p1] = w's columns p0*lanes : p1*lanes in the packed form (zeros past N)."""
+    """wp[p0:p1] = w's columns p0*lanes : p1*lanes in the packed form (zeros past N). A whole panel
+    of 16 or 8 lanes copies its rows at a width known when compiled (one vector each): lstm_lm's
+    650 x 2600 W_h 0.61-1.37 -> 0.36-0.62 ms on two threads, W_h^T (a strided view) 0.73-1.09 ->
+    0.38-0.61 (two sittings, medians of ten, alternating)."""
     k_len, n = w.shape
     lanes = wp.shape[2]
     for p in range(p0, p1):
         j0 = p * lanes
         width = min(lanes, n - j0)
-        for k in range(k_len):
-            for l in range(width):
-                wp[p, k, l] = w[k, j0 + l]
-            for l in range(width, lanes):
-                wp[p, k, l] = 0
+        if width == 16 and lanes == 16:
+            for k in range(k_len):
+                row, dst = w[k, j0:j0 + 16], wp[p, k]
+                for l in range(16):
+                    dst[l] = row[l]
+        elif width == 8 and lanes == 8:
+            for k in range(k_len):
+                row, dst = w[k, j0:j0 + 8], wp[p, k]
+                for l in range(8):
+                    dst[l] = row[l]
+        else:
+            for k in range(k_len):
+                for l in range(width):
+                    wp[p, k, l] = w[k, j0 + l]
+                for l in range(width, lanes):
+                    wp[p, k, l] = 0
+
 
 
 @njit
