@@ -193,7 +193,6 @@ def pack_panels(w: Any, wp: Any, p0: int, p1: int) -> None:
                     wp[p, k, l] = 0
 
 
-
 @njit
 def _packed_columns(h_t: Any, wpp: Any, out: Any, lanes: int, panels: int, step: int) -> None:
     """out[:, :panels*lanes] = h_t^T @ the `panels` panels from wpp (K, lanes) on, each `step`
