@@ -33,8 +33,8 @@ def _case(m: int, k: int, n: int, lanes: int = 16, seed: int = 0) -> tuple[np.nd
 @pytest.mark.parametrize("m,k,n,lanes", [(20, 650, 2600, 16), (1, 3, 16, 16), (7, 65, 200, 8), (64, 40, 1000, 16)])
 def test_the_teams_product_is_the_one_thread_kernels_bits(threads, m, k, n, lanes) -> None:
     a, wp, want = _case(m, k, n, lanes)
-    a_t, out, tail = np.ascontiguousarray(a.T), np.full((m, n), np.nan, np.float32), np.empty((m, lanes), np.float32)
-    assert team_module.team().product(a_t, wp, out, tail, threads)
+    out, tail = np.full((m, n), np.nan, np.float32), np.empty((m, lanes), np.float32)
+    assert team_module.team().product(a, wp, out, tail, threads)
     np.testing.assert_array_equal(out, want)
     with intra.fixed(threads):  # and through the kernel, as a plan runs it
         np.testing.assert_array_equal(recurrent.panel_matmul(a, wp, n, False), want)
@@ -102,3 +102,16 @@ def test_a_forked_child_makes_its_own_team() -> None:
     finally:
         p.join(timeout=30)
     assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("p_len", [1, 2, 3, 41, 163, 164])
+@pytest.mark.parametrize("pieces", [1, 2, 4, 8, 16])
+def test_pieces_cover_the_panels_once_in_pairs_of_balanced_size(p_len, pieces) -> None:
+    from flowctl.kernels.cpu.team_jit import piece_panels
+
+    bounds = [piece_panels(p_len, i, pieces) for i in range(pieces)]
+    covered = [p for p0, p1 in bounds for p in range(p0, p1)]
+    assert covered == list(range(p_len))
+    assert all(p0 % 2 == 0 for p0, p1 in bounds if p1 > p0)
+    sizes = [max(0, p1 - p0) for p0, p1 in bounds]
+    assert max(sizes) - min(sizes) <= 2

@@ -101,12 +101,14 @@ def panel(h_t: Any, w: Any, out: Any, j0: int, r0: int, k_len: int, rows: int, l
     """out[r0:r0+rows, j0 + p*lanes : j0 + (p+1)*lanes] = sum over k < k_len of h_t[k, r0:r0+rows] (x)
     w's panel p for p < panels, where panel p's row k starts panel_step elements after panel 0's
     (w's own columns: lanes; packed panels: K * lanes); rows, lanes and panels literals, float32
-    2-D arrays with unit column stride (any row stride)."""
+    2-D arrays, w and out with unit column stride (any row stride), h_t with any strides (h's
+    transpose as a view: its values are broadcast one at a time)."""
     literally(rows)
     literally(lanes)
     literally(panels)
-    hs, ws, os = h_t.strides[0] // 4, w.strides[0] // 4, out.strides[0] // 4
-    fma_block(h_t, w, out, r0, j0, r0 * os + j0, 1, hs, 1, k_len, 0, 0, panel_step, ws, os, rows, panels, lanes)
+    hk, hr, ws, os = h_t.strides[0] // 4, h_t.strides[1] // 4, w.strides[0] // 4, out.strides[0] // 4
+    fma_block(h_t, w, out, r0 * hr, j0, r0 * os + j0, hr, hk, 1, k_len, 0, 0, panel_step, ws, os, rows, panels,
+              lanes)
 
 
 @njit

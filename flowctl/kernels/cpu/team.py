@@ -46,8 +46,8 @@ class Team:
                 self.wake.clear()
                 tj.woken(ctl)
 
-    def product(self, h_t: Any, wp: Any, out: Any, tail: Any, threads: int) -> bool:
-        """out = h_t^T @ wp's panels on `threads` threads (this one and threads - 1 helpers);
+    def product(self, h: Any, wp: Any, out: Any, tail: Any, threads: int) -> bool:
+        """out = h @ wp's panels (h C-ordered) on `threads` threads (this one and threads - 1 helpers);
         False, having done nothing, while another caller's product runs."""
         if not self.busy.acquire(blocking=False):
             return False
@@ -57,7 +57,7 @@ class Team:
             self.ctl[tj.ALLOWED] = threads - 1
             self.job = self.job % (JOBS - 1) + 1
             pieces = PIECES_PER_THREAD * threads
-            if tj.post(self.ctl, self.job, pieces, h_t, wp, out, tail):
+            if tj.post(self.ctl, self.job, pieces, h, wp, out, tail):
                 self.wake.set()
             tj.run(self.ctl, self.job, pieces)
             return True
