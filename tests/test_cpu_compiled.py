@@ -175,8 +175,10 @@ lstm_cell.lstm_cell_grad(*(np.ones((2, 3), "float32") for _ in range(2)), *lstm_
 logits = np.zeros((3, 40), "float32"); labels = np.zeros(3, "int64")
 bind("SparseSoftmaxCrossEntropyWithLogits", "cpu", {}, [TensorSpec((3, 40), "float32"), TensorSpec((3,), "int64")])(
     logits, labels)
+from flowctl.kernels.cpu import dropout
+dropout.dropout(np.ones(4, "float32"), np.random.Generator(np.random.Philox(1)), 0.5)
 # (helpers that call other compiled helpers: the ones a closure-defined kernel used to miss on)
-for k in (batchnorm._kernels()[0], *lstm_cell._kernels(), softmax._kernels()[1]):
+for k in (batchnorm._kernels()[0], *lstm_cell._kernels(), softmax._kernels()[1], dropout._kernel()):
     print(len(k.stats.cache_hits), len(k.stats.cache_misses))
 """
 
@@ -189,8 +191,8 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_jit_cache(tmp_path
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", _RUN_ONCE], env=env, capture_output=True, text=True, check=True)
             .stdout.split() for _ in range(2)]
-    assert runs[0] == ["0", "1"] * 4  # compiled, and written to the cache
-    assert runs[1] == ["1", "0"] * 4  # loaded from it: no compile
+    assert runs[0] == ["0", "1"] * 5  # compiled, and written to the cache
+    assert runs[1] == ["1", "0"] * 5  # loaded from it: no compile
     assert any(p.suffix == ".nbi" for p in tmp_path.rglob("*"))
 
 
@@ -356,3 +358,35 @@ def test_a_jit_cache_that_cannot_be_written_costs_a_line_not_the_step(capsys, mo
     with pytest.raises(ValueError):
         caching.Cache.save_overload(SimpleNamespace(_guard_against_spurious_io_errors=contextlib.nullcontext,
                                                     _save_overload=broken), None, None)
+
+
+# ---------------------------------------------------------------------------- Dropout
+@pytest.mark.parametrize("dtype,rate", [("float32", 0.5), ("float32", 0.1), ("float64", 0.3)])
+def test_dropout_gives_the_references_bits_and_leaves_its_generator_as_the_reference_does(monkeypatch, dtype,
+                                                                                          rate) -> None:
+    """Even sizes take the compiled pass over the generator's raw words, odd ones (and the even draw
+    after one, a half word pending) the reference; the masks, outputs and generator states (as a
+    checkpoint records them) are the reference's bit for bit either way."""
+    from flowctl.engine.container import RngState
+    from flowctl.kernels.cpu import dropout as cpu_dropout
+
+    fast_rng, ref_rng = RngState("d", 11), RngState("d", 11)
+    specs = [TensorSpec((None, 650), dtype)]
+    assert chosen("Dropout", "cpu", {"rate": rate}, specs).name == "numba"
+    fast = bind("Dropout", "cpu", {"rate": rate, "_resource": fast_rng}, specs)
+    ref = KERNELS[("Dropout", "cpu")](np, {"rate": rate, "_resource": ref_rng})
+    compiled = []
+    monkeypatch.setattr(cpu_dropout, "dropout", lambda *a, f=cpu_dropout.dropout: compiled.append(1) or f(*a))
+    rng = np.random.default_rng(3)
+    sizes = [(20, 650), (3, 35, 650), (9, 3), (20, 650), (20, 650), (1,), (2,)]
+    for shape in sizes:
+        x = rng.standard_normal(shape).astype(dtype)
+        x[0] = np.nan  # a NaN times a dropped 0 stays NaN in both
+        for a, b in zip(fast(x), ref(x)):
+            assert a.dtype == b.dtype == np.dtype(dtype) and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+        assert repr(fast_rng.get_state()) == repr(ref_rng.get_state())
+    assert len(compiled) == 3  # the first two and (2,): from (9, 3) a half word is pending until (1,) takes it
+    y, mask = fast(np.ones((400, 500), dtype))
+    kept = np.dtype(dtype).type(1 / (1 - rate))
+    assert abs(float(np.mean(mask == 0)) - rate) < 0.01 and set(np.unique(mask)) == {0, kept}

@@ -15,3 +15,4 @@ from flowctl.kernels.cpu import conv as cpu_conv  # noqa: F401,E402
 from flowctl.kernels.cpu import recurrent as cpu_recurrent  # noqa: F401,E402
 from flowctl.kernels.cpu import lstm_cell as cpu_lstm_cell  # noqa: F401,E402
 from flowctl.kernels.cpu import softmax as cpu_softmax  # noqa: F401,E402
+from flowctl.kernels.cpu import dropout as cpu_dropout  # noqa: F401,E402
