@@ -268,6 +268,27 @@ def test_the_compiled_exp_is_within_an_ulp_of_float64s_and_keeps_its_edges() -> 
     assert edges[0] == 1 and edges[1] == 1 and list(edges[2:5]) == [0, 0, 0] and np.isnan(edges[5])
 
 
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 10_000, 10_007])
+def test_the_softmax_sum_adds_in_float64_in_its_fixed_lanes(n: int) -> None:
+    """kernels/cpu/softmax_jit.py's lane_sum: the same bits as its order written out in Python."""
+    from flowctl.kernels.cpu.softmax_jit import float64_sum
+
+    x = (np.random.default_rng(n).random(n) * 10).astype(np.float32)
+    body, lanes = n - n % 16, [0.0] * 16
+    for j in range(body):
+        lanes[j % 16] += float(x[j])
+    want = 0.0
+    for lane in lanes:
+        want += lane
+    for j in range(body, n):
+        want += float(x[j])
+    assert float64_sum(x) == want
+    assert abs(float64_sum(x) - float(np.sum(x, dtype=np.float64))) <= 1e-12 * max(want, 1.0)
+    if n:
+        x[n // 2] = np.nan
+        assert np.isnan(float64_sum(x))
+
+
 XENT_SHAPES = [(7, 5), (33, 100), (300, 3000), (5, 17), (2, 1)]
 
 
