@@ -32,12 +32,14 @@ class RayLog:
         self._lock = threading.Lock()
         self._handler: logging.Handler | None = None
         self._hidden: list[logging.Handler] = []
+        self._before: list[logging.Handler] = []  # the logger's handlers, in order, when opened
         self._printer: Any = None  # Ray's print_to_stdstream, while replaced
 
     def open(self) -> "RayLog":
         if self._handler is not None:
             return self
         logger = logging.getLogger("ray")
+        self._before = list(logger.handlers)
         self._hidden = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
                         and not isinstance(h, logging.FileHandler)]
         for h in self._hidden:
@@ -59,9 +61,10 @@ class RayLog:
             return
         logger = logging.getLogger("ray")
         logger.removeHandler(self._handler)
-        for h in self._hidden:
-            logger.addHandler(h)
-        self._handler, self._hidden = None, []
+        # Ray's handlers back in their places; any added meanwhile (pytest's, another tool's) after them
+        kept = [h for h in self._before if h in self._hidden or h in logger.handlers]
+        logger.handlers = kept + [h for h in logger.handlers if h not in kept]
+        self._handler, self._hidden, self._before = None, [], []
         if self._printer is not None:
             import ray._private.worker as ray_worker
 

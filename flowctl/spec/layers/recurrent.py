@@ -179,7 +179,6 @@ class LSTM(Recurrent):
             t0 = fc.constant(0, dtype="int32")
             h, c = self._first(step_input(t0), w_in, bias)
             out0 = h if lens is None else h * alive(t0)
-        h0 = h
         if lens is not None:
             h, c = out0, c * alive(t0)
         if T > 1:
