@@ -37,8 +37,13 @@ def _kernel() -> Any:
 
 
 def words_ready(gen: Any, size: int) -> bool:
-    """Whether `size` float32 uniforms of gen are its next size // 2 raw outputs' halves."""
-    return size % 2 == 0 and size > 0 and not gen.bit_generator.state["has_uint32"]
+    """Whether `size` float32 uniforms of gen are its next size // 2 raw outputs' halves: an even
+    count, a generator of 64-bit outputs whose 32-bit draws take halves (numpy's Philox, which
+    RngState holds, and PCG64: a state with `has_uint32`), none of them pending."""
+    if size % 2 or size == 0:
+        return False
+    state = gen.bit_generator.state
+    return state.get("has_uint32", 1) == 0 and "uinteger" in state
 
 
 def draw_words(gen: Any, size: int) -> Any:

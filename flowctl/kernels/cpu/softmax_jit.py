@@ -70,7 +70,8 @@ def lane_sum(typingctx: Any, arr: Any, n: Any) -> Any:
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         i32, i64, f64 = ir.IntType(32), ir.IntType(64), ir.DoubleType()
         v16, v8d = ir.VectorType(ir.FloatType(), 16), ir.VectorType(f64, 8)
-        chunks = builder.sdiv(args[1], ir.Constant(i64, 16))
+        n = context.cast(builder, args[1], signature.args[1], types.int64)
+        chunks = builder.sdiv(n, ir.Constant(i64, 16))
         halves = [(cgutils.alloca_once_value(builder, ir.Constant(v8d, [0.0] * 8)),
                    ir.Constant(ir.VectorType(i32, 8), list(range(h * 8, h * 8 + 8)))) for h in range(2)]
         with cgutils.for_range(builder, chunks) as loop:
@@ -86,7 +87,7 @@ def lane_sum(typingctx: Any, arr: Any, n: Any) -> Any:
                 total = builder.fadd(total, builder.extract_element(lanes, ir.Constant(i32, lane)))
         slot = cgutils.alloca_once_value(builder, total)
         start = builder.mul(chunks, ir.Constant(i64, 16))
-        with cgutils.for_range(builder, builder.sub(args[1], start)) as loop:
+        with cgutils.for_range(builder, builder.sub(n, start)) as loop:
             value = builder.fpext(builder.load(builder.gep(data, [builder.add(start, loop.index)])), f64)
             builder.store(builder.fadd(builder.load(slot), value), slot)
         return builder.load(slot)
