@@ -185,14 +185,10 @@ def fused_conv2d_direct(xp: Any, attrs: dict[str, Any]) -> Fn:
 @variant("FusedConv2D", "cpu", "winograd", _affine_rule(True))
 def fused_conv2d_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
     padding, relu = attrs["padding"], attrs["activation"] == "relu"
-    gemm = winograd.otherwise("FusedConv2D", xp, attrs)  # too few tiles (winograd.enough_tiles)
-
-    def run(x: Any, f: Any, scale: Any, shift: Any) -> Any:
-        if winograd.enough_tiles(x.shape[0], *winograd.window_sizes(x.shape, f.shape, padding)):
-            return winograd.conv2d_forward(x, f, padding, _affine(scale, shift, relu, x.dtype))
-        return gemm(x, f, scale, shift)
-
-    return run
+    return winograd.by_tiles(
+        "FusedConv2D", xp, attrs,
+        lambda x, f, scale, shift: winograd.conv2d_forward(x, f, padding, _affine(scale, shift, relu, x.dtype)),
+        lambda x, f, scale, shift: (x.shape[0], *winograd.window_sizes(x.shape, f.shape, padding)))
 
 
 @variant("FusedConv2D", "cpu", "numba", _affine_rule(False))

@@ -380,28 +380,26 @@ def otherwise(op: str, xp: Any, attrs: dict[str, Any]) -> Fn:
     return (found[0].factory if found else KERNELS[(op, "cpu")])(xp, attrs)
 
 
+def by_tiles(op: str, xp: Any, attrs: dict[str, Any], fast: Fn, sizes: Callable[..., tuple]) -> Fn:
+    """A Winograd variant's kernel for images that may be small: `fast` where the call makes enough
+    tiles (`enough_tiles(*sizes(*inputs))`: n, Ho, Wo, kh, kw), else `otherwise(op)`'s kernel."""
+    gemm = otherwise(op, xp, attrs)
+    return lambda *ins: (fast if enough_tiles(*sizes(*ins)) else gemm)(*ins)
+
+
 @variant("Conv2D", "cpu", "winograd", forward_rule)
 def conv2d_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
-    padding, gemm = attrs["padding"], otherwise("Conv2D", xp, attrs)
-
-    def run(x: Any, f: Any) -> Any:
-        if enough_tiles(x.shape[0], *window_sizes(x.shape, f.shape, padding)):
-            return conv2d_forward(x, f, padding)
-        return gemm(x, f)
-
-    return run
+    padding = attrs["padding"]
+    return by_tiles("Conv2D", xp, attrs, lambda x, f: conv2d_forward(x, f, padding),
+                    lambda x, f: (x.shape[0], *window_sizes(x.shape, f.shape, padding)))
 
 
 @variant("Conv2DBackpropInput", "cpu", "winograd", _applies((0, 1), 1, 2, SMALL_SIDE))
 def conv2d_backprop_input_winograd(xp: Any, attrs: dict[str, Any]) -> Fn:
-    padding, gemm = attrs["padding"], otherwise("Conv2DBackpropInput", xp, attrs)
-
-    def run(dy: Any, f: Any, like_x: Any) -> Any:
-        if enough_tiles(dy.shape[0], like_x.shape[1], like_x.shape[2], f.shape[0], f.shape[1]):
-            return conv2d_backprop_input(dy, f, like_x.shape, padding)
-        return gemm(dy, f, like_x)
-
-    return run
+    padding = attrs["padding"]
+    return by_tiles("Conv2DBackpropInput", xp, attrs,
+                    lambda dy, f, like_x: conv2d_backprop_input(dy, f, like_x.shape, padding),
+                    lambda dy, f, like_x: (dy.shape[0], like_x.shape[1], like_x.shape[2], f.shape[0], f.shape[1]))
 
 
 @variant("Conv2DBackpropFilter", "cpu", "winograd", _applies((0, 1), 2, 1))
