@@ -23,9 +23,11 @@ from test_multi_apply import cnn_graph as multi_apply_net, data, run_steps as mu
 
 SIM = jit.simulated_module()
 
-# Mixed sizes: a scalar, an empty tensor, odd lengths, one over many blocks (the simulator's blocks
-# are 32 threads: 1200 values are 38 blocks), conv kernels.
-SHAPES = [(3, 3, 2, 4), (), (40, 30), (17,), (5,), (0,), (33,), (2, 2, 4, 3)]
+# Mixed sizes: a scalar, an empty tensor, odd lengths, one over several blocks (the simulator's
+# blocks are 32 threads: 130 values are 5, the last partly filled), conv kernels. The simulator runs
+# a Python thread per thread, and a chunk's launch gives every tensor its largest one's grid, so
+# the largest sets the test's time (1200 values, 38 blocks, took 25 s).
+SHAPES = [(3, 3, 2, 4), (), (10, 13), (17,), (5,), (0,), (33,), (2, 2, 4, 3)]
 
 
 @pytest.fixture
@@ -59,7 +61,6 @@ def test_the_kernel_gives_the_per_tensor_kernels_and_addns_bits(simulator, dtype
     assert halves.dtype == dtype and total.dtype == dtype and total.shape == ()
     assert np.array_equal(halves, np.array(single, dtype)), (halves, single)
     assert np.asarray(want).tobytes() == total.tobytes()
-    assert np.asarray(KERNELS[("MultiL2Loss", "gpu")](SIM, {})(*ts)).tobytes() == total.tobytes()
     ref = KERNELS[("MultiL2Loss", "cpu")](np, {})(*ts)
     assert np.asarray(ref).dtype == dtype
     rtol = 1e-6 if dtype == "float32" else 2e-3
@@ -82,8 +83,10 @@ def test_the_reference_is_the_per_tensor_kernels_then_addn(rng):
 
 def test_a_ledger_counts_two_launches_for_a_sum_of_many(simulator, rng):
     """On the launch ledger: 2N + (N - 1) launches unfused (each L2Loss two, the generic AddN's adds;
-    a plan runs a one-launch variant of AddN where it applies), 2 fused."""
-    ts = _tensors(rng, "float32")
+    a plan runs a one-launch variant of AddN where it applies), 2 fused, with the unfused bits
+    (the registered kernel: multi_l2_parts behind its dtype check). Five of SHAPES (a scalar, an
+    empty one, several blocks): the simulator's time."""
+    ts = _tensors(rng, "float32")[1:6]
     led = Ledger()
     dev = [led.asarray(t) for t in ts]
     led.reset_counts()
