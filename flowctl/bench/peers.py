@@ -427,10 +427,15 @@ def peak_memory(row: Row, threads: int, device: str = "cpu:0") -> dict[str, dict
 PEER_MALLOC = ("flowctl", "stock")
 
 
+def _spec_sets(overrides: Sequence[str], precision: str) -> tuple[str, ...]:
+    """The `--set` changes a row's spec is loaded with: the user's, then the precision's."""
+    return tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
+
+
 def _build_runner(row: Row, framework: str, device: str, precision: str, overrides: Sequence[str]) -> tuple[Any, int]:
     """`framework`'s step for `row` ("flowctl", "flowctl_reference" or "pytorch") and its parameter
     count, built as `run_row` builds them."""
-    sets = tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
+    sets = _spec_sets(overrides, precision)
     loaded = _load(row, sets)
     arrays = _batch(loaded, row.batch)
     if framework == "pytorch":
@@ -567,7 +572,7 @@ def run_row(row: Row, steps: int, rounds: int, say: Callable[[str], None], profi
     gpu = device != "cpu:0"
     if not gpu and not in_process:
         return _run_row_apart(row, steps, rounds, say, profile, precision, overrides, reference, threads, peer_malloc)
-    sets = tuple(overrides) + ((f"training.precision={precision}",) if precision != "fp32" else ())
+    sets = _spec_sets(overrides, precision)
     if gpu:  # the step is built for the device it runs on (fp16's skip without a cond, on one GPU)
         sets += (f"devices=[{device}]",)
     loaded = _load(row, sets)
