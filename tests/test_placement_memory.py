@@ -252,13 +252,15 @@ def test_the_expert_moves_ruled_stages_too_where_moving_the_rest_cannot_fit() ->
 
 @pytest.mark.slow  # 31 s on 2 cores
 def test_the_search_under_a_cap_moves_whole_layers_where_the_model_has_them() -> None:
-    # nmt_free with SGD on two K40s capped at 740 MiB (58% of its one-device need; activations,
-    # not Adam's moments, fill the devices): the search over runs of groups cut anywhere finds
-    # nothing better than the moves' fit, 227.7 ms; over the model's layers too (place() gives
-    # the Problem a spec-built model's layers) it reaches 190.4, under greedy's own uncapped 205.8.
+    # nmt_free with SGD on two K40s capped at 720 MiB (57% of its one-device need, 1,252 MiB;
+    # activations, not Adam's moments, fill the devices): the search over runs of groups cut
+    # anywhere gets little past the moves' fit, 222.7 -> 221.9 ms; over the model's layers too
+    # (place() gives the Problem a spec-built model's layers) it reaches 187.9, under greedy's own
+    # uncapped 204.8. (At 740 MiB, since the simulator takes the executor's turns, the moves' fit
+    # is within 1% of the uncapped step and no search runs.)
     loaded = _variant("nmt.yaml", "nmt_free", 2, optimizer="sgd")
     sg = build_step(build_model(loaded), step_config(loaded))
-    c = cluster_for(step_config(loaded), "2xgpu:k40:740MiB")
+    c = cluster_for(step_config(loaded), "2xgpu:k40:720MiB")
     runs, layers = (place(sg.graph, c, StaticCostModel(c, batch=64), "greedy", targets=[sg.targets[0]], layers=lay)
                     for lay in (None, sg.model.layer_of()))
     assert runs.valid and layers.valid
