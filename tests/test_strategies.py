@@ -254,6 +254,17 @@ def test_pipeline_equals_gradient_accumulation_over_its_micro_batches():
         fwd = [[i for i, n in enumerate(order) if n in set(step.copies[k].values()) and g.nodes[n].inputs]
                for k in range(K)]
         assert all(fwd[k] and max(fwd[k - 1]) < min(fwd[k]) for k in range(1, K)), dev
+    # 1F1B: stage s of 2 runs micro-batch k's forward after k - (2 - s)'s backward there, so the
+    # last stage alternates and the first keeps two micro-batches in flight (GPipe's order ran
+    # every forward first)
+    for s_, dev in enumerate(CPU[:2]):
+        order = [n for n, _ in stats.devices[dev].starts]
+        fwd = [[i for i, n in enumerate(order) if n in set(step.copies[k].values()) and g.nodes[n].inputs]
+               for k in range(K)]
+        bwd = [[i for i, n in enumerate(order) if n.startswith(f"micro_{k}/gradients/")] for k in range(K)]
+        ahead = 2 - s_
+        assert all(bwd[k] for k in range(K)), dev
+        assert all(max(bwd[k - ahead]) < min(fwd[k]) for k in range(ahead, K)), (dev, fwd, bwd)
 
     # Gradient accumulation, written out: K runs of the plain model on one device, gradients summed
     # on the host in micro-batch order and scaled by 1/K, then one Adam update fed with them.

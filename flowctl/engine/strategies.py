@@ -17,7 +17,9 @@ about specs: layer names arrive as plain `layer -> [node names]` mappings.
 - `pipeline` (Figure 9): the same copies under `micro_<k>/`, K micro-batches of one global batch,
   each copy placed where the node it copies is (the model-parallel placement), and on each device
   micro-batch k's forward (and gradient) nodes wait for k-1's there, so while one device works on
-  micro-batch k the next works on k-1 (`_order_micro_batches`).
+  micro-batch k the next works on k-1 (`_order_micro_batches`), and in the 1F1B order: stage s of
+  S runs micro-batch k's forward only after k - (S - s)'s backward (`_limit_in_flight`), so a
+  stage holds at most S - s micro-batches' activations instead of all K.
   Update rule: w <- update(w, (1/K) sum_k grad L_k(w)), applied once per step: gradient
   accumulation over K micro-batches, equal to one step on the whole batch for a mean loss.
 - `async_data_parallel` (Figure 7 bottom): the same replicas, but each replica's step is two runs
@@ -480,8 +482,66 @@ def pipeline(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables
         fixed.update({copy: base[orig] for orig, copy in m.items() if _no_ref(graph, copy)})
     placement = complete_placement(graph, fixed, default)
     backward = [[n for n in graph.nodes if n.startswith(f"micro_{k}/gradients/")] for k in range(micro_batches)]
-    _order_micro_batches(graph, [[list(m.values()) for m in maps], backward], placement)
+    forward = [list(m.values()) for m in maps]
+    _order_micro_batches(graph, [forward, backward], placement)
+    _limit_in_flight(graph, forward, backward, placement)
     return TrainStep(graph, mean, train_op, ins, placement, maps)
+
+
+def _exits(graph: Graph, members: Sequence[str]) -> list[str]:
+    """The nodes of `members` that no other member reads, sources (placeholders, constants) left
+    out: waiting on a fed placeholder would run it, and a source's being done says nothing about
+    the stage's work."""
+    used = {parse_ref(r)[0] for n in members for r in graph.nodes[n].inputs} | \
+        {c for n in members for c in graph.nodes[n].control_inputs}
+    return [n for n in members if n not in used and (graph.nodes[n].inputs or graph.nodes[n].control_inputs)]
+
+
+def _wait(graph: Graph, placement: dict[str, str], dev: str, exits: list[str], name: str, nodes: Sequence[str]) -> None:
+    """A NoOp barrier on `dev` after `exits`, made a control input of every non-source node of
+    `nodes` placed on `dev`."""
+    with graph.absolute_scope():
+        barrier = graph.add_node("NoOp", [], {}, control_inputs=exits, name=name)
+    placement[barrier.name] = dev
+    for n in nodes:
+        node = graph.nodes[n]
+        if placement[n] == dev and (node.inputs or node.control_inputs):
+            node.control_inputs.append(barrier.name)
+
+
+def _by_device(placement: Mapping[str, str], names: Sequence[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(placement[n], []).append(n)
+    return out
+
+
+def _limit_in_flight(graph: Graph, forward: list[list[str]], backward: list[list[str]],
+                     placement: dict[str, str]) -> None:
+    """The 1F1B schedule (PipeDream-Flush; Megatron-LM's and DeepSpeed's default): on stage s of S
+    (stages ordered as micro-batch 0's forward first reaches their devices), micro-batch k's forward
+    waits for micro-batch k - (S - s)'s backward there, so a stage holds at most S - s
+    micro-batches' activations, the last stage one, instead of all K. The executors run the
+    forwards first where both are ready (they were built first), so after its S - s warm-up
+    forwards a stage alternates one forward and one backward; the flush at the step's end and so
+    its idle time are GPipe's. No cycle: a forward only waits for an earlier micro-batch's
+    backward, which needs nothing of a later micro-batch. Only the order changes, not the
+    arithmetic."""
+    k_all = len(forward)
+    first: dict[str, int] = {}
+    for i, n in enumerate(forward[0]):
+        node = graph.nodes[n]
+        if node.inputs or node.control_inputs:
+            first.setdefault(placement[n], i)
+    stages = sorted(first, key=first.__getitem__)
+    devices = sorted(set(placement.values()))
+    for s, dev in enumerate(stages):
+        ahead = len(stages) - s
+        for k in range(ahead, k_all):
+            exits = _exits(graph, _by_device(placement, backward[k - ahead]).get(dev, []))
+            if exits:
+                _wait(graph, placement, dev, exits, f"pipeline_order/in_flight/micro_{k}/device_{devices.index(dev)}",
+                      forward[k])
 
 
 def _order_micro_batches(graph: Graph, phases: list[list[list[str]]], placement: dict[str, str]) -> None:
@@ -493,31 +553,19 @@ def _order_micro_batches(graph: Graph, phases: list[list[list[str]]], placement:
     ready at once are interleaved breadth-first and every micro-batch leaves a device at about the
     same time, at the end: no overlap between devices at all. Ordered, the first device hands
     micro-batch 0 on as soon as it is done with it and goes on with micro-batch 1 while the next
-    device works on 0 (Figure 9; the GPipe schedule), and the same backwards for the gradients.
+    device works on 0 (Figure 9), and the same backwards for the gradients. (The executors now
+    take ready nodes in build order, which keeps copies apart too; the chain still says the order
+    outright, and `_limit_in_flight` interleaves the two phases.)
     Only the order changes, not the arithmetic, so the result is the same. The barriers cannot make
     a cycle: they only make copy k wait for copy k-1, and no node of copy k-1 reads copy k."""
     devices = sorted(set(placement.values()))
     for p, per_copy in enumerate(phases):
         for k in range(1, len(per_copy)):
-            stages: dict[str, list[str]] = {}
-            for n in per_copy[k - 1]:
-                stages.setdefault(placement[n], []).append(n)
-            for dev, members in stages.items():
-                # Sources (placeholders, constants) are left out: waiting on a fed placeholder
-                # would run it, and a source's being done says nothing about the stage's work.
-                used = {parse_ref(r)[0] for n in members for r in graph.nodes[n].inputs} | \
-                    {c for n in members for c in graph.nodes[n].control_inputs}
-                exits = [n for n in members if n not in used and (graph.nodes[n].inputs or graph.nodes[n].control_inputs)]
-                if not exits:
-                    continue
-                with graph.absolute_scope():
-                    barrier = graph.add_node("NoOp", [], {}, control_inputs=exits,
-                                             name=f"pipeline_order/phase_{p}/micro_{k}/device_{devices.index(dev)}")
-                placement[barrier.name] = dev
-                for n in per_copy[k]:
-                    node = graph.nodes[n]
-                    if placement[n] == dev and (node.inputs or node.control_inputs):
-                        node.control_inputs.append(barrier.name)
+            for dev, members in _by_device(placement, per_copy[k - 1]).items():
+                exits = _exits(graph, members)
+                if exits:
+                    _wait(graph, placement, dev, exits, f"pipeline_order/phase_{p}/micro_{k}/device_{devices.index(dev)}",
+                          per_copy[k])
 
 
 def async_data_parallel(graph: Graph, loss: Tensor, inputs: Mapping[str, Tensor], variables: Sequence[Tensor],
