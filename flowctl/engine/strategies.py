@@ -535,10 +535,11 @@ def _limit_in_flight(graph: Graph, forward: list[list[str]], backward: list[list
             first.setdefault(placement[n], i)
     stages = sorted(first, key=first.__getitem__)
     devices = sorted(set(placement.values()))
+    backward_on = [_by_device(placement, names) for names in backward]
     for s, dev in enumerate(stages):
         ahead = len(stages) - s
         for k in range(ahead, k_all):
-            exits = _exits(graph, _by_device(placement, backward[k - ahead]).get(dev, []))
+            exits = _exits(graph, backward_on[k - ahead].get(dev, []))
             if exits:
                 _wait(graph, placement, dev, exits, f"pipeline_order/in_flight/micro_{k}/device_{devices.index(dev)}",
                       forward[k])
